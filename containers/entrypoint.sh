@@ -1,0 +1,132 @@
+#!/bin/bash
+# Entrypoint of the slurm-mapa cluster image; the first argument picks the role:
+#   mariadb | slurmdbd | slurmctld | slurmd      (init-db: used once at image build time)
+# Configuration is bind-mounted read-only under /etc/slurm-mapa (see compose.yml):
+#   config/     slurm.conf cgroup.conf slurmdbd.conf job_submit.lua
+#   gres_conf/  <preset>.gres.conf, chosen by $MAPA_PRESET on compute nodes
+#   hooks/      prolog epilog taskprolog
+set -euo pipefail
+
+MAPA=/etc/slurm-mapa
+DB_SOCKET=/run/mysqld/mysqld.sock
+
+log() { printf '[entrypoint %s] %s\n' "${ROLE:-?}" "$*" >&2; }
+
+# /etc/slurm/* point into the bind mounts, so an edited file is read on the next
+# `scontrol reconfigure` or container restart with no image rebuild.
+link_config() {
+    local f
+    for f in slurm.conf cgroup.conf job_submit.lua; do
+        ln -sfn "$MAPA/config/$f" "/etc/slurm/$f"
+    done
+}
+
+start_munge() {
+    mkdir -p /run/munge
+    chown munge:munge /run/munge
+    rm -f /run/munge/*
+    runuser -u munge -- /usr/sbin/munged
+    local i
+    for i in $(seq 100); do
+        [[ -S /run/munge/munge.socket.2 ]] && return
+        sleep 0.1
+    done
+    log "munged did not start"
+    exit 1
+}
+
+shared_dirs() {
+    mkdir -p /shared/jobs
+    chmod 1777 /shared/jobs
+}
+
+# Mock GPUs: one character device per File= entry of the node's gres.conf (Slurm only stat()s
+# them; a regular file is rejected and a GPU without File= is dropped).
+make_gpu_devices() {
+    local gres=$1 spec path base lo hi i
+    while read -r spec; do
+        path=${spec#File=}
+        if [[ $path =~ ^(.*[^0-9])\[([0-9]+)-([0-9]+)\]$ ]]; then
+            base=${BASH_REMATCH[1]} lo=${BASH_REMATCH[2]} hi=${BASH_REMATCH[3]}
+        elif [[ $path =~ ^(.*[^0-9])([0-9]+)$ ]]; then
+            base=${BASH_REMATCH[1]} lo=${BASH_REMATCH[2]} hi=${BASH_REMATCH[2]}
+        else
+            log "cannot make a device for $path"
+            continue
+        fi
+        for ((i = lo; i <= hi; i++)); do
+            [[ -c $base$i ]] || { rm -f "$base$i"; mknod -m 666 "$base$i" c 195 "$i"; }
+        done
+    done < <(grep -v '^[[:space:]]*#' "$gres" | grep -o 'File=[^[:space:]]*' || true)
+    [[ -c /dev/nvidiactl ]] || mknod -m 666 /dev/nvidiactl c 195 255
+}
+
+mariadb_server() {
+    mkdir -p /run/mysqld
+    chown mysql:mysql /run/mysqld
+    exec /usr/sbin/mariadbd --no-defaults --user=mysql --datadir=/var/lib/mysql --socket="$DB_SOCKET" \
+        --bind-address=0.0.0.0 --port=3306 --skip-log-bin --skip-name-resolve \
+        --innodb-buffer-pool-size=128M --innodb-lock-wait-timeout=900 \
+        --innodb-flush-log-at-trx-commit=2 "$@"
+}
+
+init_db() {
+    mkdir -p /run/mysqld
+    chown mysql:mysql /run/mysqld
+    if [[ ! -d /var/lib/mysql/mysql ]]; then
+        mariadb-install-db --user=mysql --datadir=/var/lib/mysql --skip-test-db >/dev/null
+    fi
+    /usr/sbin/mariadbd --no-defaults --user=mysql --datadir=/var/lib/mysql --socket="$DB_SOCKET" \
+        --skip-networking --skip-log-bin &
+    local pid=$! i
+    for i in $(seq 300); do
+        mariadb-admin --socket="$DB_SOCKET" ping >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    mariadb --socket="$DB_SOCKET" <<'SQL'
+CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+CREATE USER IF NOT EXISTS 'slurm'@'%' IDENTIFIED BY 'mapa-slurmdbd';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'%';
+FLUSH PRIVILEGES;
+SQL
+    mariadb-admin --socket="$DB_SOCKET" shutdown
+    wait "$pid" || true
+}
+
+ROLE=${1:-slurmd}
+[[ $# -gt 0 ]] && shift
+case $ROLE in
+    init-db)
+        init_db
+        ;;
+    mariadb)
+        mariadb_server "$@"
+        ;;
+    slurmdbd)
+        link_config
+        start_munge
+        # slurmdbd insists on a private config file owned by SlurmUser.
+        install -o slurm -g slurm -m 600 "$MAPA/config/slurmdbd.conf" /etc/slurm/slurmdbd.conf
+        exec /usr/sbin/slurmdbd -D "$@"
+        ;;
+    slurmctld)
+        link_config
+        start_munge
+        shared_dirs
+        exec /usr/sbin/slurmctld -D -i "$@"
+        ;;
+    slurmd)
+        link_config
+        : "${MAPA_PRESET:?compute nodes need MAPA_PRESET (the gres_conf/<preset>.gres.conf to use)}"
+        gres="$MAPA/gres_conf/$MAPA_PRESET.gres.conf"
+        [[ -f $gres ]] || { log "no $gres"; exit 1; }
+        ln -sfn "$gres" /etc/slurm/gres.conf
+        make_gpu_devices "$gres"
+        start_munge
+        shared_dirs
+        exec /usr/sbin/slurmd -D "$@"
+        ;;
+    *)
+        exec "$ROLE" "$@"
+        ;;
+esac

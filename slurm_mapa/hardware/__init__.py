@@ -1,0 +1,1 @@
+"""Building hardware graphs: presets, topology files, nvidia-smi text, NVML."""
