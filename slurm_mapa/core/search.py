@@ -117,8 +117,15 @@ def _best_preserving(
     k = pattern.size
     tied = _sets_keeping_most_bandwidth(graph, free, k)
     bw = graph.bandwidth_matrix()
+    if len(tied) == comb(len(free), k):
+        # Every set ties (e.g. at most one GPU stays free): one search over all of them.
+        gpus = _branch_and_bound(graph, free, pattern, "aggregated", model)
+        assert gpus is not None
+        return score_placement(graph, free, pattern, gpus, model)
     best: tuple[float, tuple[int, ...]] | None = None
-    for subset in tied:
+    for bound, subset in _by_aggregated_bound(bw, pattern, tied):
+        if best is not None and bound < best[0]:
+            break  # sets come in descending bound: none of the rest can win
         gpus = _branch_and_bound(graph, subset, pattern, "aggregated", model)
         assert gpus is not None
         agg = round(_aggregated(bw, pattern, gpus), _DIGITS)
@@ -126,6 +133,33 @@ def _best_preserving(
             best = (agg, gpus)
     assert best is not None
     return score_placement(graph, free, pattern, best[1], model)
+
+
+def _by_aggregated_bound(
+    bw: list[list[float]], pattern: Pattern, subsets: list[tuple[int, ...]]
+) -> list[tuple[float, tuple[int, ...]]]:
+    """The sets with an upper bound on the aggregated bandwidth of any placement on them, best first.
+
+    A pattern vertex of degree d touches d edges, so with unit weights and no parallel edges the
+    aggregated bandwidth is at most half the sum, over the set's GPUs, of each GPU's d widest
+    links inside the set (d = the pattern's largest degree).
+    """
+    pairs = [(min(a, b), max(a, b)) for a, b in pattern.edges]
+    if len(subsets) == 1 or len(set(pairs)) != len(pairs) or any(w != 1.0 for w in pattern.weights):
+        return [(float("inf"), subset) for subset in subsets]
+    degree = [0] * pattern.size
+    for a, b in pairs:
+        degree[a] += 1
+        degree[b] += 1
+    widest_degree = max(degree)
+    bounded = []
+    for subset in subsets:
+        total = 0.0
+        for a in subset:
+            total += sum(sorted((bw[a][b] for b in subset if b != a), reverse=True)[:widest_degree])
+        bounded.append((round(total / 2, _DIGITS), subset))
+    bounded.sort(key=lambda item: (-item[0], item[1]))
+    return bounded
 
 
 _VECTORISE_ABOVE = 2000  # k-subsets; below this plain Python is faster than importing numpy

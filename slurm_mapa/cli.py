@@ -1,0 +1,234 @@
+"""The `mapa` command: topologies, allocation decisions, and (through plugins) Slurm tooling.
+
+Every error reaches the user through one handler: `mapa: error: ...` on stderr, exit status 2
+for bad input. A request that does not fit is a normal answer, exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from . import __version__
+from .core.effbw import EffectiveBandwidthModel, load_model_text, paper_model
+from .core.explain import alternatives
+from .core.hardware import HardwareGraph
+from .core.policies import POLICIES, Allocation, NoFit, Request, select
+from .errors import InputError, MapaError
+from .hardware.load import load_topology
+from .slurm.directive import parse_directive, to_request
+
+EXIT_NO_FIT = 1
+EXIT_BAD_INPUT = 2
+
+
+def _parse_gpu_list(text: str) -> tuple[int, ...]:
+    """`0,2,3` or ranges `0-3,6` into GPU indices."""
+    gpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise InputError(f"--free: {part!r} is not a GPU index or range (accepted: e.g. 0,2,3 or 0-3,6)")
+        start, end = int(low), int(high) if high else int(low)
+        if end < start:
+            raise InputError(f"--free: range {part!r} runs backwards")
+        gpus.extend(range(start, end + 1))
+    if len(set(gpus)) != len(gpus):
+        raise InputError(f"--free: {text!r} names a GPU twice")
+    return tuple(gpus)
+
+
+def _load_model(path: str | None) -> EffectiveBandwidthModel:
+    if path is None:
+        return paper_model()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return load_model_text(handle.read(), source=path)
+    except OSError as error:
+        raise InputError(f"cannot read model file {path!r}: {error.strerror}") from None
+
+
+# --- topo show ------------------------------------------------------------------------------
+
+
+def topology_as_dict(graph: HardwareGraph) -> dict[str, Any]:
+    return {
+        "name": graph.name,
+        "gpus": graph.size,
+        "description": graph.description,
+        "nvlink_generation": graph.bandwidths.nvlink_generation,
+        "links": graph.link_tokens(),
+        "bandwidth_gbps": graph.bandwidth_matrix(),
+        "domains": list(graph.domains),
+        "cpu_affinity": list(graph.cpu_affinity),
+    }
+
+
+def format_matrix(graph: HardwareGraph) -> str:
+    """The link matrix in the style of `nvidia-smi topo -m`, plus each GPU's domain."""
+    header = [""] + [f"GPU{g}" for g in graph.gpus] + ["Domain"] + (["CPU Affinity"] if graph.cpu_affinity else [])
+    rows = ["\t".join(header)]
+    for a in graph.gpus:
+        cells = [f"GPU{a}"] + [" X " if a == b else graph.link(a, b).token for b in graph.gpus] + [str(graph.domains[a])]
+        if graph.cpu_affinity:
+            cells.append(graph.cpu_affinity[a])
+        rows.append("\t".join(cells))
+    bw = graph.bandwidths
+    rows += [
+        "",
+        f"{graph.name}: {graph.description}" if graph.description else graph.name,
+        f"Bandwidth (GB/s): NV# = # x {bw.nvlink_per_link[bw.nvlink_generation]:g} (NVLink {bw.nvlink_generation}), "
+        f"NVS# = # x the same over NVSwitch, PCIe: "
+        + ", ".join(f"{level} {value:g}" for level, value in bw.pcie.items()),
+    ]
+    return "\n".join(rows)
+
+
+def cmd_topo_show(args: argparse.Namespace) -> int:
+    graph = load_topology(args.topology)
+    if args.json:
+        print(json.dumps(topology_as_dict(graph), indent=2))
+    else:
+        print(format_matrix(graph))
+    return 0
+
+
+# --- select ---------------------------------------------------------------------------------
+
+
+def allocation_as_dict(result: Allocation | NoFit, graph: HardwareGraph, free: Sequence[int], request: Request, model: EffectiveBandwidthModel) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "topology": graph.name,
+        "free": list(free),
+        "request": {"gpus": request.gpus, "topology": request.pattern.name, "sensitive": request.sensitive},
+    }
+    if isinstance(result, NoFit):
+        return base | {"fits": False, "policy": result.policy, "gpus": [], "reason": result.reason}
+    placement = result.placement
+    return base | {
+        "fits": True,
+        "policy": result.policy,
+        "objective": result.objective,
+        "gpus": list(placement.gpus),
+        "aggregated_bandwidth": placement.aggregated_bandwidth,
+        "effective_bandwidth": placement.effective_bandwidth,
+        "preserved_bandwidth": placement.preserved_bandwidth,
+        "link_counts": dict(zip(model.class_names, placement.link_counts)),
+        "model": model.name,
+    }
+
+
+def cmd_select(args: argparse.Namespace) -> int:
+    graph = load_topology(args.topology)
+    model = _load_model(args.model)
+    free = _parse_gpu_list(args.free) if args.free is not None else tuple(graph.gpus)
+    directive = parse_directive(args.directive)
+    gpus = args.gpus if args.gpus is not None else directive.gpus
+    if gpus is None:
+        raise InputError("how many GPUs? give --gpus K or gpus=K in the directive")
+    request = to_request(directive, gpus)
+    result = select(args.policy, graph, free, request, model)
+    out = allocation_as_dict(result, graph, free, request, model)
+    if args.explain and isinstance(result, Allocation):
+        out["alternatives"] = [
+            {
+                "gpus": list(alt.placement.gpus),
+                "aggregated_bandwidth": alt.placement.aggregated_bandwidth,
+                "effective_bandwidth": alt.placement.effective_bandwidth,
+                "preserved_bandwidth": alt.placement.preserved_bandwidth,
+                "why_not": alt.reason,
+            }
+            for alt in alternatives(graph, tuple(sorted(free)), request, result, model)
+        ]
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(_format_selection(out))
+    return 0 if out["fits"] else EXIT_NO_FIT
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a (1 GPU)" if value is None else f"{value:.3f} GB/s"
+
+
+def _format_selection(out: dict[str, Any]) -> str:
+    req = out["request"]
+    lines = [
+        f"{out['topology']}: {req['gpus']} GPU(s), topology={req['topology']} sensitive={'yes' if req['sensitive'] else 'no'}, "
+        f"free {','.join(map(str, out['free'])) or 'none'}"
+    ]
+    if not out["fits"]:
+        lines.append(f"{out['policy']}: does not fit: {out['reason']}")
+        return "\n".join(lines)
+    lines += [
+        f"{out['policy']} ({out['objective']}): GPUs {','.join(map(str, out['gpus']))} (pattern order)",
+        f"  effective bandwidth  {_fmt(out['effective_bandwidth'])}",
+        f"  aggregated bandwidth {_fmt(out['aggregated_bandwidth'])}",
+        f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])}",
+        f"  link counts          {', '.join(f'{k}={v}' for k, v in out['link_counts'].items())} ({out['model']})",
+    ]
+    for alt in out.get("alternatives", []):
+        lines.append(f"  instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}")
+    return "\n".join(lines)
+
+
+# --- entry point ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mapa", description="Topology-aware GPU allocation for Slurm (MAPA).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    topo = commands.add_parser("topo", help="show or discover GPU server topologies")
+    topo_commands = topo.add_subparsers(dest="topo_command", required=True, metavar="SUBCOMMAND")
+    show = topo_commands.add_parser("show", help="print a topology's link matrix")
+    show.add_argument("topology", help="a preset name or a topology file")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.set_defaults(handler=cmd_topo_show)
+
+    sel = commands.add_parser("select", help="choose GPUs for one job on one node")
+    sel.add_argument("--topology", required=True, help="a preset name or a topology file")
+    sel.add_argument("--free", help="free GPUs, e.g. 0,2,3 or 0-3,6 (default: all)")
+    sel.add_argument("--gpus", type=int, help="GPUs the job needs on this node (or gpus= in the directive)")
+    sel.add_argument("--directive", default="", help='the job\'s MAPA directive, e.g. "topology=ring sensitive=yes"')
+    sel.add_argument("--policy", default="preserve", choices=sorted(POLICIES), help="allocation policy (default: preserve)")
+    sel.add_argument("--model", help="an effective-bandwidth model file (default: the MAPA paper's DGX-1 V100 model)")
+    sel.add_argument("--explain", action="store_true", help="also show the best alternatives and why they lost")
+    sel.add_argument("--json", action="store_true", help="machine-readable output")
+    sel.set_defaults(handler=cmd_select)
+
+    _add_plugin_commands(commands, topo_commands)
+    return parser
+
+
+def _add_plugin_commands(commands: Any, topo_commands: Any) -> None:
+    """Commands that live next to the code they drive (hardware discovery, Slurm tooling)."""
+    try:
+        from .hardware.commands import add_commands
+    except ImportError:
+        return
+    add_commands(commands, topo_commands)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.handler(args))
+    except MapaError as error:
+        print(f"mapa: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

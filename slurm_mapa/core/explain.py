@@ -1,0 +1,68 @@
+"""Why a policy chose what it chose: the best alternative GPU sets and why each one lost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+from math import comb
+
+from .effbw import EffectiveBandwidthModel
+from .hardware import HardwareGraph
+from .policies import Allocation, Request
+from .search import Placement, best_placement, objective_key, score_placement
+
+MAX_SETS_EXPLAINED = 20000
+
+
+@dataclass(frozen=True)
+class Alternative:
+    placement: Placement
+    key: tuple[float, ...]
+    reason: str
+
+
+_TERMS = {
+    "effective": ("predicted effective bandwidth", "aggregated bandwidth"),
+    "aggregated": ("aggregated bandwidth",),
+    "preserved": ("preserved bandwidth", "aggregated bandwidth"),
+}
+
+
+def alternatives(
+    graph: HardwareGraph,
+    free: tuple[int, ...],
+    request: Request,
+    chosen: Allocation,
+    model: EffectiveBandwidthModel,
+    limit: int = 5,
+) -> list[Alternative]:
+    """The ``limit`` best other GPU sets under the chosen allocation's objective, each with the reason it lost.
+
+    Sets are scored by their best placement; for a policy whose objective is not a score
+    (baseline, topo-aware) the alternatives are ranked by the score it ordered GPUs with.
+    """
+    objective = chosen.objective if chosen.objective in _TERMS else ("effective" if request.sensitive and request.gpus > 1 else "preserved")
+    if comb(len(free), request.gpus) > MAX_SETS_EXPLAINED:
+        return []
+    chosen_key = objective_key(objective, chosen.placement)
+    chosen_set = sorted(chosen.gpus)
+    scored: list[tuple[tuple[float, ...], tuple[int, ...], Placement]] = []
+    for subset in combinations(free, request.gpus):
+        if list(subset) == chosen_set:
+            continue
+        inner_objective = "aggregated" if objective == "preserved" else objective
+        inside = best_placement(graph, subset, request.pattern, inner_objective, model)
+        assert inside is not None
+        placement = score_placement(graph, free, request.pattern, inside.gpus, model)
+        scored.append((objective_key(objective, placement), placement.gpus, placement))
+    scored.sort(key=lambda item: (tuple(-v for v in item[0]), item[1]))
+    return [Alternative(placement=p, key=key, reason=_why_lost(objective, key, chosen_key)) for key, _, p in scored[:limit]]
+
+
+def _why_lost(objective: str, key: tuple[float, ...], chosen_key: tuple[float, ...]) -> str:
+    for name, theirs, ours in zip(_TERMS[objective], key, chosen_key):
+        if theirs < ours:
+            return f"lower {name}: {theirs:.3f} < {ours:.3f}"
+        if theirs > ours:
+            return f"higher {name} ({theirs:.3f} > {ours:.3f}) but the policy does not rank by it"
+    return "equal scores; loses the tie-break (the lexicographically smallest GPU sequence wins)"

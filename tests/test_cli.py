@@ -1,0 +1,63 @@
+"""The `mapa` command, run in-process."""
+
+from __future__ import annotations
+
+import json
+
+from slurm_mapa.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_select_json_has_the_documented_fields(capsys):
+    code, out, _ = run(capsys, "select", "--topology", "dgx1-v100", "--free", "0-3,5,6", "--gpus", "4",
+                       "--directive", "topology=ring sensitive=yes", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["gpus"] == [0, 1, 2, 3]
+    assert data["policy"] == "preserve"
+    for field in ("aggregated_bandwidth", "effective_bandwidth", "preserved_bandwidth"):
+        assert isinstance(data[field], float)
+    assert abs(data["effective_bandwidth"] - 68.70692) < 1e-4
+
+
+def test_ring_order_is_returned_as_neighbours(capsys):
+    code, out, _ = run(capsys, "select", "--topology", "dgx1-v100", "--gpus", "4", "--directive", "sensitive=yes", "--json")
+    gpus = json.loads(out)["gpus"]
+    from slurm_mapa.hardware.presets import preset
+
+    dgx = preset("dgx1-v100")
+    ring_links = [dgx.link(gpus[i], gpus[(i + 1) % 4]).token for i in range(4)]
+    assert ring_links.count("NV2") == 3 and ring_links.count("NV1") == 1
+
+
+def test_explain_lists_alternatives_with_reasons(capsys):
+    code, out, _ = run(capsys, "select", "--topology", "summit", "--gpus", "2", "--directive", "sensitive=yes", "--explain", "--json")
+    alternatives = json.loads(out)["alternatives"]
+    assert alternatives and all(alt["why_not"] for alt in alternatives)
+
+
+def test_no_fit_exits_1(capsys):
+    code, out, _ = run(capsys, "select", "--topology", "summit", "--free", "0", "--gpus", "2")
+    assert code == 1 and "does not fit" in out
+
+
+def test_bad_input_goes_through_one_handler(capsys):
+    code, _, err = run(capsys, "select", "--topology", "dgx9", "--gpus", "2")
+    assert code == 2 and err.startswith("mapa: error: topology 'dgx9' is neither a preset")
+    code, _, err = run(capsys, "select", "--topology", "summit", "--free", "0,x", "--gpus", "1")
+    assert code == 2 and "'x' is not a GPU index" in err
+    code, _, err = run(capsys, "select", "--topology", "summit", "--gpus", "2", "--directive", "topology=rnig")
+    assert code == 2 and "unknown topology 'rnig'" in err
+
+
+def test_topo_show(capsys):
+    code, out, _ = run(capsys, "topo", "show", "dgx1-v100")
+    assert code == 0 and out.splitlines()[1].split("\t")[:5] == ["GPU0", " X ", "NV1", "NV1", "NV2"]
+    code, out, _ = run(capsys, "topo", "show", "hgx-h100", "--json")
+    data = json.loads(out)
+    assert data["links"]["0-7"] == "NVS18" and data["bandwidth_gbps"][0][7] == 450
