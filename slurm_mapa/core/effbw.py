@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import tomllib
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
@@ -57,6 +57,14 @@ class EffectiveBandwidthModel:
 
     def predict(self, counts: tuple[float, ...]) -> float:
         return sum(term.value(counts) for term in self.terms)
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.name, self.class_names, self.selectors, self.terms))
+
+    def __hash__(self) -> int:
+        # Models key the search's caches: hash the terms once, not on every lookup.
+        return self._hash
 
 
 def _matches(selector: str, link: Link) -> bool:

@@ -8,6 +8,7 @@ NUMA node / PCIe root, which the topology-aware baseline policy needs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable, Mapping
 
 from ..errors import InputError
@@ -49,15 +50,25 @@ class HardwareGraph:
             for b in range(a + 1, self.size):
                 yield a, b
 
-    def bandwidth_matrix(self) -> list[list[float]]:
-        return [[0.0 if a == b else self.bandwidth(a, b) for b in self.gpus] for a in self.gpus]
+    @cached_property
+    def _bandwidth_rows(self) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(0.0 if a == b else self.bandwidth(a, b) for b in self.gpus) for a in self.gpus)
+
+    def bandwidth_matrix(self) -> tuple[tuple[float, ...], ...]:
+        """Bandwidth of every pair, 0 on the diagonal (computed once per graph)."""
+        return self._bandwidth_rows
 
     def link_tokens(self) -> dict[str, str]:
         """Every pair as ``{"a-b": token}``, the form topology files use."""
         return {f"{a}-{b}": self.link(a, b).token for a, b in self.pairs()}
 
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.name, self.links, self.bandwidths, self.domains, self.cpu_affinity))
+
     def __hash__(self) -> int:
-        return hash((self.name, self.links, self.bandwidths, self.domains))
+        # Graphs key the search's caches: hash the link matrix once, not on every lookup.
+        return self._hash
 
 
 def build_graph(

@@ -116,53 +116,17 @@ def _best_preserving(
 ) -> Placement | None:
     k = pattern.size
     tied = _sets_keeping_most_bandwidth(graph, free, k)
-    bw = graph.bandwidth_matrix()
     if len(tied) == comb(len(free), k):
         # Every set ties (e.g. at most one GPU stays free): one search over all of them.
         gpus = _branch_and_bound(graph, free, pattern, "aggregated", model)
         assert gpus is not None
         return score_placement(graph, free, pattern, gpus, model)
-    best: tuple[float, tuple[int, ...]] | None = None
-    for bound, subset in _by_aggregated_bound(bw, pattern, tied):
-        if best is not None and bound < best[0]:
-            break  # sets come in descending bound: none of the rest can win
-        gpus = _branch_and_bound(graph, subset, pattern, "aggregated", model)
-        assert gpus is not None
-        agg = round(_aggregated(bw, pattern, gpus), _DIGITS)
-        if best is None or agg > best[0] or (agg == best[0] and gpus < best[1]):
-            best = (agg, gpus)
-    assert best is not None
-    return score_placement(graph, free, pattern, best[1], model)
+    gpus = _best_on_any_set(graph, tied, pattern, "aggregated", model)
+    assert gpus is not None
+    return score_placement(graph, free, pattern, gpus, model)
 
 
-def _by_aggregated_bound(
-    bw: list[list[float]], pattern: Pattern, subsets: list[tuple[int, ...]]
-) -> list[tuple[float, tuple[int, ...]]]:
-    """The sets with an upper bound on the aggregated bandwidth of any placement on them, best first.
-
-    A pattern vertex of degree d touches d edges, so with unit weights and no parallel edges the
-    aggregated bandwidth is at most half the sum, over the set's GPUs, of each GPU's d widest
-    links inside the set (d = the pattern's largest degree).
-    """
-    pairs = [(min(a, b), max(a, b)) for a, b in pattern.edges]
-    if len(subsets) == 1 or len(set(pairs)) != len(pairs) or any(w != 1.0 for w in pattern.weights):
-        return [(float("inf"), subset) for subset in subsets]
-    degree = [0] * pattern.size
-    for a, b in pairs:
-        degree[a] += 1
-        degree[b] += 1
-    widest_degree = max(degree)
-    bounded = []
-    for subset in subsets:
-        total = 0.0
-        for a in subset:
-            total += sum(sorted((bw[a][b] for b in subset if b != a), reverse=True)[:widest_degree])
-        bounded.append((round(total / 2, _DIGITS), subset))
-    bounded.sort(key=lambda item: (-item[0], item[1]))
-    return bounded
-
-
-_VECTORISE_ABOVE = 2000  # k-subsets; below this plain Python is faster than importing numpy
+_VECTORISE_ABOVE = 300  # k-subsets; below this plain Python beats numpy's per-call overhead
 
 
 def _sets_keeping_most_bandwidth(graph: HardwareGraph, free: tuple[int, ...], k: int) -> list[tuple[int, ...]]:
@@ -221,10 +185,6 @@ def _sets_keeping_most_bandwidth_vectorised(graph: HardwareGraph, free: tuple[in
     return sorted(tied)
 
 
-def _aggregated(bw: list[list[float]], pattern: Pattern, gpus: Sequence[int]) -> float:
-    return sum(w * bw[gpus[a]][gpus[b]] for (a, b), w in zip(pattern.edges, pattern.weights))
-
-
 def _branch_and_bound(
     graph: HardwareGraph,
     free: tuple[int, ...],
@@ -233,18 +193,36 @@ def _branch_and_bound(
     model: EffectiveBandwidthModel,
 ) -> tuple[int, ...] | None:
     """Lex-first optimum of ``objective`` ("effective" or "aggregated") over placements on ``free``."""
-    if pattern.size > len(free):
+    return _best_on_any_set(graph, [free], pattern, objective, model)
+
+
+def _best_on_any_set(
+    graph: HardwareGraph,
+    gpu_sets: list[tuple[int, ...]],
+    pattern: Pattern,
+    objective: str,
+    model: EffectiveBandwidthModel,
+) -> tuple[int, ...] | None:
+    """The lex-first optimum over placements that lie inside any one of ``gpu_sets``."""
+    gpu_sets = [s for s in gpu_sets if len(s) >= pattern.size]
+    if not gpu_sets:
         return None
-    unit_weights = all(w == 1.0 for w in pattern.weights)
     if not pattern.edges:
-        return free[: pattern.size]
-    if unit_weights:
-        return _by_class_budgets(graph, free, pattern, objective, model)
-    return _Dfs(graph, free, pattern, model, use_model=objective == "effective").run(budget=None)
+        return min(s[: pattern.size] for s in gpu_sets)
+    use_model = objective == "effective"
+    if any(w != 1.0 for w in pattern.weights):
+        found = []
+        for gpus in gpu_sets:
+            dfs = _Dfs(graph, gpus, pattern, model, use_model=use_model)
+            hit = dfs.run(budget=None)
+            if hit is not None:
+                found.append((dfs.leaf_key_of(hit), tuple(-g for g in hit), hit))
+        return max(found)[2] if found else None
+    return _by_class_budgets(graph, gpu_sets, pattern, objective, model)
 
 
 def _by_class_budgets(
-    graph: HardwareGraph, free: tuple[int, ...], pattern: Pattern, objective: str, model: EffectiveBandwidthModel
+    graph: HardwareGraph, gpu_sets: list[tuple[int, ...]], pattern: Pattern, objective: str, model: EffectiveBandwidthModel
 ) -> tuple[int, ...] | None:
     """With unit weights both objectives are functions of how many pattern edges use each link class.
 
@@ -252,20 +230,59 @@ def _by_class_budgets(
     value ask the search for the lex-first placement with exactly those counts. The first group
     that has one holds the optimum. This prunes far harder than a bound on a non-monotone model.
     """
-    dfs = _Dfs(graph, free, pattern, model, use_model=objective == "effective", joint_classes=True)
-    n_edges = len(pattern.edges)
-    present = sorted(dfs.present_classes)
-    keyed: dict[tuple[float, ...], list[tuple[int, ...]]] = {}
-    for vector in _compositions(n_edges, len(present)):
-        budget = [0] * len(dfs.class_info)
-        for position, count in zip(present, vector):
-            budget[position] = count
-        keyed.setdefault(dfs.vector_key(budget, objective), []).append(tuple(budget))
-    for key in sorted(keyed, reverse=True):
-        found = [hit for budget in keyed[key] if dfs.may_fit(budget) and (hit := dfs.run(budget=budget)) is not None]
+    use_model = objective == "effective"
+    cls, class_info = _class_matrix(graph, model, use_model)
+    searches = [_Dfs(graph, gpus, pattern, model, use_model=use_model, joint_classes=True) for gpus in gpu_sets]
+    present = tuple(sorted(set().union(*(dfs.present_classes for dfs in searches))))
+    for _key, budgets in _ranked_budgets(class_info, present, len(pattern.edges), objective, model):
+        found = [
+            hit
+            for dfs in searches
+            for budget in budgets
+            if dfs.may_fit(budget) and (hit := dfs.run(budget=budget)) is not None
+        ]
         if found:
             return min(found)
     return None
+
+
+@lru_cache(maxsize=64)
+def _class_matrix(graph: HardwareGraph, model: EffectiveBandwidthModel, use_model: bool):
+    """Per GPU pair the class the objective can tell apart: (model class, bandwidth) for the
+    effective objective, the bandwidth alone for the aggregated one."""
+    bw = graph.bandwidth_matrix()
+    index_of: dict[tuple[int, float], int] = {}
+    cls = [[-1] * graph.size for _ in graph.gpus]
+    for a, b in graph.pairs():
+        signature = (model.classify(graph.links[a][b]) if use_model else 0, bw[a][b])
+        cls[a][b] = cls[b][a] = index_of.setdefault(signature, len(index_of))
+    return tuple(tuple(row) for row in cls), tuple(sorted(index_of, key=index_of.__getitem__))
+
+
+@lru_cache(maxsize=256)
+def _ranked_budgets(
+    class_info: tuple[tuple[int, float], ...],
+    present: tuple[int, ...],
+    n_edges: int,
+    objective: str,
+    model: EffectiveBandwidthModel,
+) -> tuple[tuple[tuple[float, ...], tuple[tuple[int, ...], ...]], ...]:
+    """Every split of ``n_edges`` over the present classes, grouped by objective value, best first."""
+    keyed: dict[tuple[float, ...], list[tuple[int, ...]]] = {}
+    for vector in _compositions(n_edges, len(present)):
+        budget = [0] * len(class_info)
+        for position, count in zip(present, vector):
+            budget[position] = count
+        agg = round(sum(count * class_info[c][1] for c, count in enumerate(budget)), _DIGITS)
+        if objective == "effective":
+            model_counts = [0] * len(model.class_names)
+            for c, count in enumerate(budget):
+                model_counts[class_info[c][0]] += count
+            key: tuple[float, ...] = (round(model.predict(tuple(model_counts)), _DIGITS), agg)
+        else:
+            key = (agg,)
+        keyed.setdefault(key, []).append(tuple(budget))
+    return tuple((key, tuple(keyed[key])) for key in sorted(keyed, reverse=True))
 
 
 def _compositions(total: int, parts: int):
@@ -308,19 +325,14 @@ class _Dfs:
         self.k = k
         bw = graph.bandwidth_matrix()
         self.bw = bw
-        # A class is what the objective can tell apart: (model class, bandwidth) for the
-        # effective objective, the bandwidth alone for the aggregated one.
-        index_of: dict[tuple[int, float], int] = {}
-        self.cls = [[-1] * graph.size for _ in graph.gpus]
-        for a in free:
-            for b in free:
-                if a == b:
-                    continue
-                model_class = model.classify(graph.links[a][b]) if use_model else 0
-                signature = (model_class, bw[a][b]) if joint_classes else (model_class if use_model else 0, 0.0)
-                self.cls[a][b] = index_of.setdefault(signature, len(index_of))
-        self.class_info = sorted(index_of, key=index_of.__getitem__)
-        self.present_classes = set(index_of.values())
+        if joint_classes:
+            self.cls, class_info = _class_matrix(graph, model, use_model)
+            self.class_info = list(class_info)
+        else:
+            # Branch and bound needs only the model classes.
+            self.class_info = [(c, 0.0) for c in range(len(model.class_names))] if use_model else [(0, 0.0)]
+            self.cls = [[(model.classify(graph.links[a][b]) if use_model else 0) if a != b else -1 for b in graph.gpus] for a in graph.gpus]
+        self.present_classes = {self.cls[a][b] for a in free for b in free if a != b}
         self.model_class_of = [signature[0] for signature in self.class_info]
         self.back: list[list[tuple[int, float]]] = [[] for _ in range(k)]
         for (a, b), weight in zip(pattern.edges, pattern.weights):
@@ -341,12 +353,19 @@ class _Dfs:
             degree[a] += 1
             degree[b] += 1
         self.pattern_degrees = sorted(degree, reverse=True)
-        present = sorted(self.present_classes)
-        self.group_capacities = []
-        for bits in range(1, 1 << len(present)):
-            group = [c for i, c in enumerate(present) if bits >> i & 1]
-            capacities = sorted((sum(1 for b in free if b != a and self.cls[a][b] in group) for a in free), reverse=True)
-            self.group_capacities.append((group, capacities))
+        self._group_capacities: list[tuple[list[int], list[int]]] | None = None
+
+    @property
+    def group_capacities(self) -> list[tuple[list[int], list[int]]]:
+        if self._group_capacities is None:
+            present = sorted(self.present_classes)
+            capacities_of = []
+            for bits in range(1, 1 << len(present)):
+                group = [c for i, c in enumerate(present) if bits >> i & 1]
+                capacities = sorted((sum(1 for b in self.free if b != a and self.cls[a][b] in group) for a in self.free), reverse=True)
+                capacities_of.append((group, capacities))
+            self._group_capacities = capacities_of
+        return self._group_capacities
 
     def may_fit(self, budget) -> bool:
         """A necessary condition: no group of classes is asked for more edges than degrees allow.
@@ -355,6 +374,8 @@ class _Dfs:
         touches at most min(d, c) edges of the group; pairing the largest degrees with the largest
         capacities bounds the edges of that group from above.
         """
+        if any(budget[c] for c in range(len(budget)) if c not in self.present_classes):
+            return False
         if self.parallel_edges:
             return True
         for group, capacities in self.group_capacities:
@@ -369,11 +390,15 @@ class _Dfs:
             result[self.model_class_of[class_index]] += count
         return tuple(result)
 
-    def vector_key(self, counts, objective: str) -> tuple[float, ...]:
-        agg = round(sum(count * self.class_info[c][1] for c, count in enumerate(counts)), _DIGITS)
-        if objective == "effective":
-            return (round(self.model.predict(self.model_counts(counts)), _DIGITS), agg)
-        return (agg,)
+    def leaf_key_of(self, gpus: tuple[int, ...]) -> tuple[float, ...]:
+        counts = [0] * len(self.class_info)
+        agg = 0.0
+        for (a, b), weight in zip(self.pattern.edges, self.pattern.weights):
+            counts[self.cls[gpus[a]][gpus[b]]] += 1
+            agg += weight * self.bw[gpus[a]][gpus[b]]
+        if self.use_model:
+            return (round(self.model.predict(self.model_counts(counts)), _DIGITS), round(agg, _DIGITS))
+        return (round(agg, _DIGITS),)
 
     def run(self, budget) -> tuple[int, ...] | None:
         k = self.k
