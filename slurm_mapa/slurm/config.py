@@ -1,0 +1,89 @@
+"""The site configuration of the hooks: /etc/slurm/mapa.toml.
+
+    policy = "preserve"                        # the policy the Prolog uses
+    default_directive = "topology=ring sensitive=no"   # for jobs that say nothing
+    ledger = "/var/lib/slurm-mapa/ledger.json"
+    jobs_dir = "/run/slurm-mapa/jobs"          # per-job files the TaskProlog reads
+    log = "/var/log/slurm-mapa.log"
+    command_timeout = 5.0                      # seconds, for every scontrol/squeue call
+    scontrol = "/usr/bin/scontrol"
+    squeue = "/usr/bin/squeue"
+    model = ""                                 # an effective-bandwidth model file, or the paper's
+
+    [nodes]                                    # node-name glob -> preset or topology file
+    "dgx*" = "dgx1-v100"
+    "gpu[0-9]*" = "/etc/slurm/mapa/gpu-node.toml"
+
+The first matching [nodes] entry wins. Other sections (used by mapa-replay) are ignored here.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from ..core.policies import POLICIES
+from ..errors import InputError
+from .directive import parse_directive
+
+DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
+_KEYS = {"policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes"}
+_OTHER_TOOLS_SECTIONS = {"cluster", "defaults", "rules", "replay"}
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    policy: str = "preserve"
+    default_directive: str = "topology=ring sensitive=no"
+    ledger: Path = Path("/var/lib/slurm-mapa/ledger.json")
+    jobs_dir: Path = Path("/run/slurm-mapa/jobs")
+    log: Path = Path("/var/log/slurm-mapa.log")
+    command_timeout: float = 5.0
+    scontrol: str = "/usr/bin/scontrol"
+    squeue: str = "/usr/bin/squeue"
+    model: str = ""
+    nodes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def topology_for(self, node: str) -> str | None:
+        for pattern, topology in self.nodes:
+            if fnmatchcase(node, pattern):
+                return topology
+        return None
+
+
+def config_from_text(text: str, source: str = "mapa.toml") -> HookConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise InputError(f"{source}: not valid TOML: {error}") from None
+    unknown = set(data) - _KEYS - _OTHER_TOOLS_SECTIONS
+    if unknown:
+        raise InputError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} (accepted: {', '.join(sorted(_KEYS))})")
+    values: dict[str, Any] = {}
+    for key in ("policy", "default_directive", "scontrol", "squeue", "model"):
+        if key in data:
+            if not isinstance(data[key], str):
+                raise InputError(f"{source}: {key} must be a string, got {data[key]!r}")
+            values[key] = data[key]
+    if values.get("policy", "preserve") not in POLICIES:
+        raise InputError(f"{source}: unknown policy {values['policy']!r} (accepted: {', '.join(POLICIES)})")
+    if "default_directive" in values:
+        parse_directive(values["default_directive"])  # a bad default is the admin's error, found at load
+    for key in ("ledger", "jobs_dir", "log"):
+        if key in data:
+            if not isinstance(data[key], str) or not data[key].startswith("/"):
+                raise InputError(f"{source}: {key} must be an absolute path, got {data[key]!r}")
+            values[key] = Path(data[key])
+    if "command_timeout" in data:
+        timeout = data["command_timeout"]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
+            raise InputError(f"{source}: command_timeout must be seconds in (0, 60], got {timeout!r}")
+        values["command_timeout"] = float(timeout)
+    nodes = data.get("nodes", {})
+    if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
+        raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')
+    values["nodes"] = tuple(nodes.items())
+    return HookConfig(**values)

@@ -1,0 +1,328 @@
+"""The Prolog and Epilog: choose a job's GPUs on this node, record them, release them.
+
+Run by slurmd as root with no PATH (see docs/admin.md):
+
+    Prolog=/usr/local/sbin/mapa-prolog     PrologFlags=Alloc
+    Epilog=/usr/local/sbin/mapa-epilog
+    TaskProlog=/usr/local/sbin/mapa-taskprolog
+
+They fail open: whatever goes wrong (no topology, a bad config, an unreadable ledger, a slow
+scontrol), the job still gets GPUs (Slurm's own indices if the ledger has them free, else the
+lowest free ones), the reason goes to the log and the job's AdminComment, and the hook exits 0.
+A Prolog that exits non-zero would drain the node and hold the job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from ..core.effbw import load_model_text, paper_model
+from ..core.hardware import HardwareGraph
+from ..core.policies import Allocation, Request, select
+from ..errors import MapaError
+from .commands import (
+    CommandFailed,
+    Runner,
+    admin_comment_argv,
+    batch_script_argv,
+    is_job_id,
+    parse_gpu_indices,
+    parse_job_ids,
+    parse_job_json,
+    running_jobs_argv,
+    show_job_argv,
+)
+from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
+from .directive import Directive, parse_comment, parse_directive, parse_directive_lines, to_request
+from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile
+
+JOB_FILE_MAX_BYTES = 4096
+RunCommand = Callable[[Sequence[str]], str]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one node chose for one job, as recorded in the AdminComment and the ledger."""
+
+    node: str
+    gpus: tuple[int, ...]
+    policy: str
+    effective: float | None = None
+    aggregated: float | None = None
+    preserved: float | None = None
+    fallback: str = ""
+
+    def text(self) -> str:
+        parts = [f"{self.node}={','.join(map(str, self.gpus))}", f"policy={self.policy}"]
+        for name, value in (("eff", self.effective), ("agg", self.aggregated), ("pres", self.preserved)):
+            if value is not None:
+                parts.append(f"{name}={value:.3f}")
+        if self.fallback:
+            parts.append(f"fallback={self.fallback}")
+        return " ".join(parts)
+
+
+def parse_decisions(admin_comment: str) -> dict[str, Decision]:
+    """The per-node decisions recorded after `#` in a `mapa:` AdminComment."""
+    decisions: dict[str, Decision] = {}
+    for segment in admin_comment.split("#")[1:]:
+        tokens = segment.split()
+        if not tokens or "=" not in tokens[0]:
+            continue
+        node, _, gpu_text = tokens[0].partition("=")
+        try:
+            gpus = parse_gpu_indices(gpu_text)
+        except ValueError:
+            continue
+        fields = dict(token.partition("=")[::2] for token in tokens[1:])
+
+        def number(key: str) -> float | None:
+            try:
+                return float(fields[key]) if key in fields else None
+            except ValueError:
+                return None
+
+        decisions[node] = Decision(node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""))
+    return decisions
+
+
+def with_decision(admin_comment: str, directive: Directive, decision: Decision) -> str:
+    """The AdminComment with this node's decision added (replacing an older one of the same node)."""
+    kept = [d.text() for node, d in parse_decisions(admin_comment).items() if node != decision.node]
+    return " # ".join([directive.as_comment(), *kept, decision.text()])
+
+
+# --- the Prolog -----------------------------------------------------------------------------
+
+
+@dataclass
+class PrologContext:
+    job_id: str
+    node: str
+    slurm_gpus: tuple[int, ...]
+    env_comment: str
+
+
+def context_from_env(env: Mapping[str, str]) -> PrologContext | None:
+    """None when the job has no GPUs on this node (nothing to do)."""
+    job_id = env.get("SLURM_JOB_ID", "")
+    node = env.get("SLURMD_NODENAME", "")
+    if not is_job_id(job_id) or not node or len(node) > 255:
+        raise ValueError(f"SLURM_JOB_ID {job_id!r} / SLURMD_NODENAME {node!r} are not what slurmd sets")
+    gpus = parse_gpu_indices(env.get("SLURM_JOB_GPUS", ""))
+    if not gpus:
+        return None
+    return PrologContext(job_id=job_id, node=node, slurm_gpus=gpus, env_comment=env.get("SLURM_JOB_COMMENT", "")[:8192])
+
+
+def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log: Callable[[str], None]) -> tuple[Directive, str]:
+    """The job's directive and where it came from: comment, AdminComment, batch script or site default."""
+    from_comment = parse_comment(ctx.env_comment)
+    if from_comment is not None:
+        return from_comment, "comment"
+    try:
+        job = parse_job_json(run(show_job_argv(config.scontrol, ctx.job_id)))
+        admin = job.get("admin_comment") or ""
+        parsed = parse_comment(admin.split("#")[0]) if isinstance(admin, str) else None
+        if parsed is not None:
+            return parsed, "admin_comment"
+        if not job.get("batch_flag", True):
+            return parse_directive(config.default_directive), "default"
+    except CommandFailed as error:
+        log(f"job {ctx.job_id}: scontrol show job failed ({error}); reading the batch script")
+    try:
+        from_script = parse_directive_lines(run(batch_script_argv(config.scontrol, ctx.job_id)))
+        if from_script is not None:
+            return from_script, "script"
+    except CommandFailed as error:
+        log(f"job {ctx.job_id}: no batch script ({error}); using the site default")
+    return parse_directive(config.default_directive), "default"
+
+
+def load_graph(config: HookConfig, node: str) -> HardwareGraph:
+    from ..hardware.load import load_topology
+
+    spec = config.topology_for(node)
+    if spec is None:
+        raise MapaError(f"no [nodes] entry of the config matches node {node!r}")
+    return load_topology(spec)
+
+
+def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...]) -> tuple[int, ...]:
+    """Slurm's own indices when the ledger has them all free, else the lowest free ones."""
+    if set(slurm_gpus) <= set(free):
+        return slurm_gpus
+    if len(free) >= len(slurm_gpus):
+        return free[: len(slurm_gpus)]
+    return slurm_gpus  # the ledger disagrees with Slurm; Slurm's count is the authority
+
+
+def choose(
+    ctx: PrologContext, config: HookConfig, graph: HardwareGraph | None, directive: Directive, ledger: Ledger, size: int, problem: str
+) -> Decision:
+    """The pure decision: the policy's choice on the free GPUs, or the fail-open fallback."""
+    free = ledger.free(size)
+    if graph is not None and not problem:
+        try:
+            request = to_request(directive, len(ctx.slurm_gpus))
+            model = paper_model() if not config.model else load_model_text(Path(config.model).read_text(), source=config.model)
+            result = select(config.policy, graph, free, request, model)
+            if isinstance(result, Allocation):
+                p = result.placement
+                return Decision(ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth)
+            problem = "ledger-has-too-few-free-gpus"
+        except (MapaError, OSError) as error:
+            problem = "bad-directive-or-model: " + str(error)
+    token = problem.split(":")[0].replace(" ", "-") or "unknown"
+    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free), "fallback", fallback=token)
+
+
+def job_file_text(gpus: Sequence[int]) -> str:
+    return f"MAPA_GPUS={','.join(map(str, gpus))}\n"
+
+
+def write_job_file(jobs_dir: Path, job_id: str, gpus: Sequence[int]) -> None:
+    jobs_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    tmp = jobs_dir / f".{job_id}.tmp"
+    tmp.write_text(job_file_text(gpus))
+    os.chmod(tmp, 0o644)  # the TaskProlog reads it as the job's user
+    os.replace(tmp, jobs_dir / job_id)
+
+
+def read_job_files(jobs_dir: Path, size: int) -> Ledger:
+    """Rebuild holdings from the per-job files (used when the ledger file is corrupt)."""
+    holdings: dict[str, Holding] = {}
+    taken: set[int] = set()
+    if not jobs_dir.is_dir():
+        return Ledger()
+    for path in sorted(jobs_dir.iterdir()):
+        if not is_job_id(path.name):
+            continue
+        try:
+            text = path.read_text()[:JOB_FILE_MAX_BYTES]
+            gpus = parse_gpu_indices(text.strip().partition("=")[2])
+        except (OSError, ValueError):
+            continue
+        if all(0 <= g < size for g in gpus) and not taken & set(gpus):
+            taken |= set(gpus)
+            holdings[path.name] = Holding(gpus=gpus, policy="recovered", since=path.stat().st_mtime)
+    return Ledger(holdings)
+
+
+def run_prolog(env: Mapping[str, str], config: HookConfig, run: RunCommand, log: Callable[[str], None], config_problem: str = "") -> Decision | None:
+    ctx = context_from_env(env)
+    if ctx is None:
+        return None
+    problem = config_problem
+    graph: HardwareGraph | None = None
+    if not problem:
+        try:
+            graph = load_graph(config, ctx.node)
+        except (MapaError, OSError) as error:
+            problem = f"no-topology: {error}"
+    size = graph.size if graph is not None else max([*ctx.slurm_gpus, 0]) + 1
+    try:
+        directive, source = read_directive(ctx, config, run, log)
+    except MapaError as error:
+        problem = problem or f"bad-directive: {error}"
+        directive, source = parse_directive(""), "none"
+    ledger_file = LedgerFile(config.ledger, size)
+    with ledger_file.locked(timeout=config.command_timeout * 2):
+        try:
+            ledger = ledger_file.read()
+        except LedgerCorrupt as error:
+            log(f"job {ctx.job_id}: ledger {config.ledger} is corrupt ({error}); rebuilding it from {config.jobs_dir}")
+            ledger = read_job_files(config.jobs_dir, size)
+        ledger = ledger.without([ctx.job_id])  # a requeued or re-run Prolog chooses afresh
+        try:
+            running = parse_job_ids(run(running_jobs_argv(config.squeue, ctx.node)))
+            ledger, dead = ledger.reaped(running | {ctx.job_id})
+            if dead:
+                log(f"job {ctx.job_id}: reaped ledger entries of finished jobs {','.join(dead)}")
+        except CommandFailed as error:
+            log(f"job {ctx.job_id}: squeue failed ({error}); keeping every ledger entry")
+        decision = choose(ctx, config, graph, directive, ledger, size, problem)
+        note = f"directive from {source}" + (f"; {problem}" if problem else "")
+        ledger_file.write(ledger.with_job(ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note)))
+        write_job_file(config.jobs_dir, ctx.job_id, decision.gpus)
+    log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; Slurm gave {','.join(map(str, ctx.slurm_gpus))})"
+        + (f"; FALLBACK because {problem}" if decision.fallback else ""))
+    try:
+        admin = ""
+        try:
+            admin = parse_job_json(run(show_job_argv(config.scontrol, ctx.job_id))).get("admin_comment") or ""
+        except CommandFailed:
+            pass
+        run(admin_comment_argv(config.scontrol, ctx.job_id, with_decision(str(admin), directive, decision)))
+    except CommandFailed as error:
+        log(f"job {ctx.job_id}: could not record the decision in AdminComment ({error})")
+    return decision
+
+
+def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], None]) -> None:
+    job_id = env.get("SLURM_JOB_ID", "")
+    if not is_job_id(job_id):
+        raise ValueError(f"SLURM_JOB_ID {job_id!r} is not what slurmd sets")
+    ledger_file = LedgerFile(config.ledger, 1 << 10)
+    with ledger_file.locked(timeout=config.command_timeout * 2):
+        try:
+            ledger = ledger_file.read()
+            if job_id in ledger.holdings:
+                ledger_file.write(ledger.without([job_id]))
+                log(f"job {job_id}: released GPUs {','.join(map(str, ledger.holdings[job_id].gpus))}")
+        except LedgerCorrupt as error:
+            log(f"job {job_id}: ledger corrupt ({error}); the next Prolog rebuilds it")
+        try:
+            (config.jobs_dir / job_id).unlink()
+        except FileNotFoundError:
+            pass
+
+
+# --- entry points ---------------------------------------------------------------------------
+
+
+def _logger(path: Path) -> Callable[[str], None]:
+    def log(message: str) -> None:
+        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mapa[{os.getpid()}] {message}\n"
+        try:
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(line)
+        except OSError:
+            sys.stderr.write(line)
+
+    return log
+
+
+def _load_config(path: Path) -> tuple[HookConfig, str]:
+    try:
+        return config_from_text(path.read_text(), source=str(path)), ""
+    except (OSError, MapaError) as error:
+        return HookConfig(), f"bad-config: {error}"
+
+
+def prolog_main() -> int:
+    config, problem = _load_config(Path(os.environ.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH))))
+    log = _logger(config.log)
+    if problem:
+        log(f"config problem, every job falls back: {problem}")
+    try:
+        run_prolog(os.environ, config, Runner(timeout=config.command_timeout), log, problem)
+    except Exception:  # noqa: BLE001 - fail open: never drain the node
+        log("prolog internal error, job runs on Slurm's GPUs:\n" + traceback.format_exc())
+    return 0
+
+
+def epilog_main() -> int:
+    config, _ = _load_config(Path(os.environ.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH))))
+    log = _logger(config.log)
+    try:
+        run_epilog(os.environ, config, log)
+    except Exception:  # noqa: BLE001 - an Epilog error would drain the node
+        log("epilog internal error:\n" + traceback.format_exc())
+    return 0

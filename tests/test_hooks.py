@@ -1,0 +1,233 @@
+"""The Prolog / Epilog logic and the ledger, with a strict fake of scontrol and squeue."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from slurm_mapa.core.patterns import make_pattern
+from slurm_mapa.core.policies import Request, select
+from slurm_mapa.hardware.presets import preset
+from slurm_mapa.slurm.commands import CommandFailed, parse_gpu_indices, parse_job_ids
+from slurm_mapa.slurm.config import HookConfig, config_from_text
+from slurm_mapa.slurm.hooks import Decision, parse_decisions, run_epilog, run_prolog, with_decision
+from slurm_mapa.slurm.directive import parse_directive
+from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json
+from slurm_mapa.errors import InputError
+
+TASKPROLOG = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data" / "hooks" / "mapa-taskprolog"
+
+
+class FakeSlurm:
+    """scontrol and squeue for one node; any other command fails the test."""
+
+    def __init__(self, node="dgx1"):
+        self.node = node
+        self.running: set[str] = set()
+        self.admin: dict[str, str] = {}
+        self.scripts: dict[str, str] = {}
+        self.calls: list[list[str]] = []
+        self.broken: set[str] = set()
+
+    def __call__(self, argv):
+        self.calls.append(list(argv))
+        program = os.path.basename(argv[0])
+        if program in self.broken:
+            raise CommandFailed(f"{program} timed out after 5 s")
+        if program == "squeue" and argv[1:3] == ["--noheader", "--nodelist"] and argv[3] == self.node:
+            return "".join(f"{job}\n" for job in sorted(self.running))
+        if program == "scontrol" and argv[1:4] == ["--json", "show", "job"]:
+            job = argv[4]
+            return json.dumps({"jobs": [{"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts}]})
+        if program == "scontrol" and argv[1:3] == ["write", "batch_script"]:
+            if argv[3] not in self.scripts:
+                raise CommandFailed("scontrol write batch_script exited 1: no script")
+            return self.scripts[argv[3]]
+        if program == "scontrol" and argv[1] == "update" and argv[2].startswith("job=") and argv[3].startswith("AdminComment="):
+            self.admin[argv[2][4:]] = argv[3][len("AdminComment="):]
+            return ""
+        raise AssertionError(f"unexpected command {argv}")
+
+
+@pytest.fixture
+def setup(tmp_path):
+    config = HookConfig(ledger=tmp_path / "ledger.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),))
+    return config, FakeSlurm(), []
+
+
+def env_for(job, gpus, comment=""):
+    return {"SLURM_JOB_ID": job, "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": gpus, "SLURM_JOB_COMMENT": comment}
+
+
+def test_prolog_chooses_like_mapa_select_and_records_everywhere(setup):
+    config, slurm, logs = setup
+    slurm.running = {"11"}
+    slurm.admin["11"] = "mapa:topology=ring sensitive=yes"
+    decision = run_prolog(env_for("11", "0,1,2,3"), config, slurm, logs.append)
+    expected = select("preserve", preset("dgx1-v100"), range(8), Request(make_pattern("ring", 4), True))
+    assert decision.gpus == expected.gpus and decision.policy == "preserve"
+    assert (config.jobs_dir / "11").read_text() == f"MAPA_GPUS={','.join(map(str, expected.gpus))}\n"
+    assert LedgerFile(config.ledger, 8).read().holdings["11"].gpus == expected.gpus
+    recorded = slurm.admin["11"]
+    assert recorded.startswith("mapa:topology=ring sensitive=yes # dgx1=")
+    assert parse_decisions(recorded)["dgx1"].gpus == expected.gpus
+
+
+def test_second_job_gets_the_best_of_what_is_left_and_epilog_frees(setup):
+    config, slurm, logs = setup
+    slurm.running = {"11", "12"}
+    first = run_prolog(env_for("11", "0,1", "mapa:sensitive=yes"), config, slurm, logs.append)
+    second = run_prolog(env_for("12", "2,3", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert not set(first.gpus) & set(second.gpus)
+    free = [g for g in range(8) if g not in first.gpus]
+    assert second.gpus == select("preserve", preset("dgx1-v100"), free, Request(make_pattern("ring", 2), True)).gpus
+    run_epilog({"SLURM_JOB_ID": "11"}, config, logs.append)
+    run_epilog({"SLURM_JOB_ID": "11"}, config, logs.append)  # idempotent
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"12"}
+    assert not (config.jobs_dir / "11").exists()
+
+
+def test_finished_jobs_are_reaped_before_choosing(setup):
+    config, slurm, logs = setup
+    LedgerFile(config.ledger, 8).write(Ledger({"5": Holding((0, 3), "preserve", 0.0)}))
+    slurm.running = {"12"}
+    decision = run_prolog(env_for("12", "0,1", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert decision.gpus == (0, 3)
+    assert any("reaped" in line for line in logs)
+
+
+def test_directive_from_the_batch_script_when_admin_comment_is_empty(setup):
+    config, slurm, logs = setup
+    slurm.running = {"13"}
+    slurm.scripts["13"] = "#!/bin/bash\n#SBATCH --gres=gpu:2\n#MAPA topology=ring sensitive=yes\nsrun hostname\n"
+    decision = run_prolog(env_for("13", "4,5"), config, slurm, logs.append)
+    assert set(decision.gpus) in ({0, 3}, {0, 4}, {1, 2}, {1, 5}, {2, 3}, {4, 7}, {5, 6}, {6, 7})
+
+
+def test_missing_topology_falls_back_to_slurms_indices(setup):
+    config, slurm, logs = setup
+    config = HookConfig(ledger=config.ledger, jobs_dir=config.jobs_dir, log=config.log, nodes=())
+    slurm.running = {"14"}
+    decision = run_prolog(env_for("14", "5,6"), config, slurm, logs.append)
+    assert decision.gpus == (5, 6) and decision.policy == "fallback" and decision.fallback == "no-topology"
+    assert "fallback=no-topology" in slurm.admin["14"]
+
+
+def test_corrupt_ledger_is_rebuilt_from_job_files(setup):
+    config, slurm, logs = setup
+    slurm.running = {"20", "21"}
+    run_prolog(env_for("20", "0,1", "mapa:sensitive=yes"), config, slurm, logs.append)
+    held = LedgerFile(config.ledger, 8).read().holdings["20"].gpus
+    config.ledger.write_text("{ torn")
+    second = run_prolog(env_for("21", "2,3", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert not set(held) & set(second.gpus)
+    assert any("corrupt" in line for line in logs)
+
+
+def test_squeue_failure_keeps_entries_and_never_double_assigns(setup):
+    config, slurm, logs = setup
+    slurm.running = {"30"}
+    first = run_prolog(env_for("30", "0,1", "mapa:sensitive=yes"), config, slurm, logs.append)
+    slurm.broken = {"squeue"}
+    second = run_prolog(env_for("31", "2,3", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert not set(first.gpus) & set(second.gpus)
+
+
+def test_bad_directive_in_a_comment_falls_back_loudly(setup):
+    config, slurm, logs = setup
+    slurm.running = {"40"}
+    decision = run_prolog(env_for("40", "2,3", "mapa:topology=rnig"), config, slurm, logs.append)
+    assert decision.policy == "fallback" and decision.gpus == (2, 3)
+
+
+def test_jobs_without_gpus_are_left_alone(setup):
+    config, slurm, logs = setup
+    assert run_prolog(env_for("41", ""), config, slurm, logs.append) is None
+    assert slurm.calls == []
+
+
+def test_concurrent_prologs_never_share_a_gpu(tmp_path):
+    config = HookConfig(ledger=tmp_path / "ledger.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),))
+    jobs = [str(100 + i) for i in range(8)]
+    results = {}
+
+    def one(job):
+        slurm = FakeSlurm()
+        slurm.running = set(jobs)
+        results[job] = run_prolog(env_for(job, "0"), config, slurm, lambda _: None)
+
+    threads = [threading.Thread(target=one, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    chosen = [results[job].gpus[0] for job in jobs]
+    assert sorted(chosen) == list(range(8))
+
+
+def test_ledger_round_trip_and_strictness():
+    ledger = Ledger({"7": Holding((1, 2), "preserve", 1.5, "x")})
+    assert ledger_from_json(ledger_to_json(ledger), 8) == ledger
+    for bad in ['{"version": 1, "jobs": {"7": {"gpus": [9]}}}', '{"version": 1, "jobs": {"a": {"gpus": [1]}}}',
+                '{"version": 1, "jobs": {"7": {"gpus": [1]}, "8": {"gpus": [1]}}}', "[]", "{"]:
+        with pytest.raises(LedgerCorrupt):
+            ledger_from_json(bad, 8)
+    with pytest.raises(ValueError, match="already held"):
+        ledger.with_job("8", Holding((2,), "preserve", 0.0))
+
+
+def test_decision_text_round_trips_and_keeps_other_nodes():
+    directive = parse_directive("topology=ring sensitive=yes")
+    first = with_decision("mapa:topology=ring sensitive=yes", directive, Decision("n1", (0, 3), "preserve", 58.9, 100.0, 216.0))
+    both = with_decision(first, directive, Decision("n2", (4, 7), "preserve", 58.9, 100.0, 216.0))
+    decisions = parse_decisions(both)
+    assert set(decisions) == {"n1", "n2"} and decisions["n2"].gpus == (4, 7) and decisions["n1"].effective == pytest.approx(58.9)
+
+
+def test_command_output_parsers():
+    assert parse_gpu_indices("0-2,5") == (0, 1, 2, 5)
+    assert parse_job_ids("12\n 13\n\n") == {"12", "13"}
+    with pytest.raises(CommandFailed):
+        parse_job_ids("12\nerror: x\n")
+    with pytest.raises(ValueError):
+        parse_gpu_indices("0;rm")
+
+
+def test_config_validation():
+    config = config_from_text('policy = "greedy"\n[nodes]\n"dgx*" = "dgx1-v100"\n')
+    assert config.policy == "greedy" and config.topology_for("dgx7") == "dgx1-v100" and config.topology_for("x") is None
+    with pytest.raises(InputError, match="unknown policy 'best'"):
+        config_from_text('policy = "best"\n')
+    with pytest.raises(InputError, match="absolute path"):
+        config_from_text('ledger = "ledger.json"\n')
+    with pytest.raises(InputError, match="unknown key"):
+        config_from_text('polcy = "preserve"\n')
+
+
+def run_taskprolog(tmp_path, job, content, extra_env=None):
+    script = TASKPROLOG.read_text().replace("JOBS_DIR=/run/slurm-mapa/jobs", f"JOBS_DIR={tmp_path}")
+    path = tmp_path / "taskprolog"
+    path.write_text(script)
+    if content is not None:
+        (tmp_path / job).write_text(content)
+    env = {"SLURM_JOB_ID": job, "PATH": "/usr/bin:/bin"} | (extra_env or {})
+    return subprocess.run(["/bin/sh", str(path)], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_taskprolog_exports_only_strict_gpu_lists(tmp_path):
+    out = run_taskprolog(tmp_path, "55", "MAPA_GPUS=0,3,2,1\n")
+    assert out.splitlines() == ["export CUDA_VISIBLE_DEVICES=0,3,2,1", "export GPU_DEVICE_ORDINAL=0,3,2,1",
+                                "export CUDA_DEVICE_ORDER=PCI_BUS_ID", "export MAPA_GPUS=0,3,2,1"]
+    for evil in ["MAPA_GPUS=0;reboot\n", "MAPA_GPUS=$(id)\n", "CUDA=1\n", "MAPA_GPUS=\n", "MAPA_GPUS=1,,2\n"]:
+        assert run_taskprolog(tmp_path, "56", evil) == ""
+    assert run_taskprolog(tmp_path, "57", None) == ""
+
+
+def test_taskprolog_gives_a_smaller_step_the_first_gpus_in_pattern_order(tmp_path):
+    out = run_taskprolog(tmp_path, "58", "MAPA_GPUS=4,7,6,5\n", {"SLURM_STEP_GPUS": "4,5"})
+    assert "export CUDA_VISIBLE_DEVICES=4,7" in out.splitlines()
