@@ -18,6 +18,7 @@ from .core.hardware import HardwareGraph
 from .core.policies import POLICIES, Allocation, NoFit, Request, select
 from .errors import InputError, MapaError
 from .hardware.load import load_topology
+from .slurm.admin import add_commands as add_admin_commands
 from .slurm.directive import parse_directive, to_request
 
 EXIT_NO_FIT = 1
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument("--json", action="store_true", help="machine-readable output")
     sel.set_defaults(handler=cmd_select)
 
+    add_admin_commands(commands)
     _add_plugin_commands(commands, topo_commands)
     return parser
 

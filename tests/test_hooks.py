@@ -231,3 +231,20 @@ def test_taskprolog_exports_only_strict_gpu_lists(tmp_path):
 def test_taskprolog_gives_a_smaller_step_the_first_gpus_in_pattern_order(tmp_path):
     out = run_taskprolog(tmp_path, "58", "MAPA_GPUS=4,7,6,5\n", {"SLURM_STEP_GPUS": "4,5"})
     assert "export CUDA_VISIBLE_DEVICES=4,7" in out.splitlines()
+
+
+def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys):
+    from slurm_mapa.slurm.admin import explain_job, node_status
+
+    config, slurm, logs = setup
+    slurm.running = {"60", "61"}
+    slurm.admin["60"] = "mapa:topology=ring sensitive=yes"
+    first = run_prolog(env_for("60", "0,1,2,3"), config, slurm, logs.append)
+    run_prolog(env_for("61", "4"), config, slurm, logs.append)
+    status = node_status(config, "dgx1")
+    assert [job["job"] for job in status["jobs"]] == ["60", "61"]
+    assert status["jobs"][0]["gpus"] == list(first.gpus)
+    assert len(status["free"]) == 3
+    report = explain_job(config, slurm.admin["60"])
+    assert report[0]["gpus"] == list(first.gpus) and report[0]["free"] == list(range(8))
+    assert report[0]["alternatives"] and all(alt["why_not"] for alt in report[0]["alternatives"])

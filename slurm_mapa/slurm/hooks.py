@@ -57,9 +57,12 @@ class Decision:
     aggregated: float | None = None
     preserved: float | None = None
     fallback: str = ""
+    free: tuple[int, ...] = ()
 
     def text(self) -> str:
         parts = [f"{self.node}={','.join(map(str, self.gpus))}", f"policy={self.policy}"]
+        if self.free:
+            parts.append(f"free={','.join(map(str, self.free))}")
         for name, value in (("eff", self.effective), ("agg", self.aggregated), ("pres", self.preserved)):
             if value is not None:
                 parts.append(f"{name}={value:.3f}")
@@ -88,7 +91,13 @@ def parse_decisions(admin_comment: str) -> dict[str, Decision]:
             except ValueError:
                 return None
 
-        decisions[node] = Decision(node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""))
+        try:
+            free = parse_gpu_indices(fields.get("free", ""))
+        except ValueError:
+            free = ()
+        decisions[node] = Decision(
+            node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free
+        )
     return decisions
 
 
@@ -175,12 +184,14 @@ def choose(
             result = select(config.policy, graph, free, request, model)
             if isinstance(result, Allocation):
                 p = result.placement
-                return Decision(ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth)
+                return Decision(
+                    ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth, free=free
+                )
             problem = "ledger-has-too-few-free-gpus"
         except (MapaError, OSError) as error:
             problem = "bad-directive-or-model: " + str(error)
     token = problem.split(":")[0].replace(" ", "-") or "unknown"
-    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free), "fallback", fallback=token)
+    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free), "fallback", fallback=token, free=free)
 
 
 def job_file_text(gpus: Sequence[int]) -> str:

@@ -1,0 +1,123 @@
+"""`mapa status` and `mapa explain`: what the hooks decided, for admins.
+
+`mapa status` runs on a compute node (it reads the node's ledger); `mapa explain JOBID` runs
+anywhere scontrol works and recomputes the alternatives from the recorded free set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from ..core.effbw import paper_model
+from ..core.explain import alternatives
+from ..core.policies import Allocation, Request
+from ..core.search import Placement, preserved_bandwidth, score_placement
+from ..errors import InputError
+from .commands import CommandFailed, Runner, is_job_id, parse_job_json, show_job_argv
+from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
+from .directive import parse_comment, to_request
+from .hooks import load_graph, parse_decisions
+from .ledger import LedgerCorrupt, LedgerFile
+
+
+def _config(path: str | None) -> HookConfig:
+    config_path = Path(path) if path else DEFAULT_CONFIG_PATH
+    try:
+        return config_from_text(config_path.read_text(), source=str(config_path))
+    except FileNotFoundError:
+        raise InputError(f"no config at {config_path} (give --config FILE)") from None
+
+
+def node_status(config: HookConfig, node: str) -> dict[str, Any]:
+    graph = load_graph(config, node)
+    try:
+        ledger = LedgerFile(config.ledger, graph.size).read()
+    except LedgerCorrupt as error:
+        raise InputError(f"ledger {config.ledger} is corrupt: {error}") from None
+    jobs = []
+    for job, holding in sorted(ledger.holdings.items(), key=lambda item: int(item[0])):
+        links = [graph.link(a, b).token for i, a in enumerate(holding.gpus) for b in holding.gpus[i + 1 :]]
+        jobs.append({"job": job, "gpus": list(holding.gpus), "policy": holding.policy, "links": links, "note": holding.note})
+    free = ledger.free(graph.size)
+    return {"node": node, "topology": graph.name, "jobs": jobs, "free": list(free), "free_preserved_bandwidth": preserved_bandwidth(graph, free)}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    config = _config(args.config)
+    status = node_status(config, args.node or socket.gethostname())
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"{status['node']} ({status['topology']})")
+    for job in status["jobs"]:
+        print(f"  job {job['job']}: GPUs {','.join(map(str, job['gpus']))} [{job['policy']}] links {' '.join(job['links']) or '-'}")
+    print(f"  free: {','.join(map(str, status['free'])) or 'none'}; preserved bandwidth {status['free_preserved_bandwidth']:.1f} GB/s")
+    return 0
+
+
+def explain_job(config: HookConfig, admin_comment: str) -> list[dict[str, Any]]:
+    directive = parse_comment(admin_comment.split("#")[0])
+    if directive is None:
+        raise InputError("the job has no MAPA decision in its AdminComment (did the Prolog run with this config?)")
+    model = paper_model()
+    out = []
+    for node, decision in parse_decisions(admin_comment).items():
+        entry: dict[str, Any] = {"node": node, "gpus": list(decision.gpus), "policy": decision.policy, "fallback": decision.fallback,
+                                 "free": list(decision.free), "effective_bandwidth": decision.effective,
+                                 "aggregated_bandwidth": decision.aggregated, "preserved_bandwidth": decision.preserved}
+        if decision.policy != "fallback" and decision.free:
+            graph = load_graph(config, node)
+            request: Request = to_request(directive, len(decision.gpus))
+            chosen: Placement = score_placement(graph, decision.free, request.pattern, decision.gpus, model)
+            objective = "effective" if request.sensitive and request.gpus > 1 else "preserved"
+            if decision.policy == "greedy":
+                objective = "aggregated"
+            allocation = Allocation(policy=decision.policy, placement=chosen, objective=objective)
+            entry["alternatives"] = [
+                {"gpus": list(alt.placement.gpus), "why_not": alt.reason,
+                 "effective_bandwidth": alt.placement.effective_bandwidth, "preserved_bandwidth": alt.placement.preserved_bandwidth}
+                for alt in alternatives(graph, tuple(decision.free), request, allocation, model)
+            ]
+        out.append(entry)
+    return out
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    if not is_job_id(args.job):
+        raise InputError(f"{args.job!r} is not a job id (digits only)")
+    config = _config(args.config)
+    try:
+        job = parse_job_json(Runner(timeout=config.command_timeout)(show_job_argv(config.scontrol, args.job)))
+    except CommandFailed as error:
+        raise InputError(f"cannot read job {args.job}: {error}") from None
+    admin = str(job.get("admin_comment") or "")
+    report = explain_job(config, admin)
+    if args.json:
+        print(json.dumps({"job": args.job, "admin_comment": admin, "nodes": report}, indent=2))
+        return 0
+    print(f"job {args.job}: {admin.split('#')[0].strip()}")
+    for entry in report:
+        line = f"  {entry['node']}: GPUs {','.join(map(str, entry['gpus']))} by {entry['policy']}"
+        if entry["fallback"]:
+            line += f" (FALLBACK: {entry['fallback']})"
+        print(line + f", free then: {','.join(map(str, entry['free']))}")
+        for alt in entry.get("alternatives", []):
+            print(f"    instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}")
+    return 0
+
+
+def add_commands(commands: Any) -> None:
+    status = commands.add_parser("status", help="which job holds which GPUs on this node (run on the node)")
+    status.add_argument("node", nargs="?", help="node name (default: this host)")
+    status.add_argument("--config", help=f"hook config (default {DEFAULT_CONFIG_PATH})")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=cmd_status)
+    explain = commands.add_parser("explain", help="a job's recorded MAPA decision, the alternatives and why they lost")
+    explain.add_argument("job", help="job id")
+    explain.add_argument("--config", help=f"hook config (default {DEFAULT_CONFIG_PATH})")
+    explain.add_argument("--json", action="store_true")
+    explain.set_defaults(handler=cmd_explain)
