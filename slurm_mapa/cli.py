@@ -15,7 +15,7 @@ from . import __version__
 from .core.effbw import EffectiveBandwidthModel, load_model_text, paper_model
 from .core.explain import alternatives
 from .core.hardware import HardwareGraph
-from .core.policies import POLICIES, Allocation, NoFit, Request, select
+from .core.policies import Allocation, NoFit, Request, all_policies, select
 from .errors import InputError, MapaError
 from .hardware.load import load_topology
 from .slurm.admin import add_commands as add_admin_commands
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument("--free", help="free GPUs, e.g. 0,2,3 or 0-3,6 (default: all)")
     sel.add_argument("--gpus", type=int, help="GPUs the job needs on this node (or gpus= in the directive)")
     sel.add_argument("--directive", default="", help='the job\'s MAPA directive, e.g. "topology=ring sensitive=yes"')
-    sel.add_argument("--policy", default="preserve", choices=sorted(POLICIES), help="allocation policy (default: preserve)")
+    sel.add_argument("--policy", default="preserve", choices=list(all_policies()), help="allocation policy (default: preserve)")
     sel.add_argument("--model", help="an effective-bandwidth model file (default: the MAPA paper's DGX-1 V100 model)")
     sel.add_argument("--explain", action="store_true", help="also show the best alternatives and why they lost")
     sel.add_argument("--json", action="store_true", help="machine-readable output")

@@ -124,6 +124,13 @@ POLICIES: dict[str, Policy] = {
 }
 
 
+def all_policies() -> dict[str, Policy]:
+    """The engine's policies and the peers it is compared with (slurm-native, nvidia-besteffort, ...)."""
+    from .peers import PEER_POLICIES  # the peers build on this module
+
+    return {**POLICIES, **PEER_POLICIES}
+
+
 def select(
     policy: str,
     graph: HardwareGraph,
@@ -132,10 +139,9 @@ def select(
     model: EffectiveBandwidthModel | None = None,
 ) -> Allocation | NoFit:
     """Run ``policy`` on ``free`` GPUs of ``graph``; the one entry point the Prolog, replay and CLI share."""
-    try:
-        chosen_policy = POLICIES[policy]
-    except KeyError:
-        raise InputError(f"unknown policy {policy!r} (accepted: {', '.join(POLICIES)})") from None
+    chosen_policy = POLICIES.get(policy) or all_policies().get(policy)
+    if chosen_policy is None:
+        raise InputError(f"unknown policy {policy!r} (accepted: {', '.join(all_policies())})")
     free_tuple = tuple(sorted(set(free)))
     for gpu in free_tuple:
         if not 0 <= gpu < graph.size:

@@ -25,7 +25,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from ..core.policies import POLICIES
+from ..core.policies import all_policies
 from ..errors import InputError
 from .directive import parse_directive
 
@@ -68,8 +68,8 @@ def config_from_text(text: str, source: str = "mapa.toml") -> HookConfig:
             if not isinstance(data[key], str):
                 raise InputError(f"{source}: {key} must be a string, got {data[key]!r}")
             values[key] = data[key]
-    if values.get("policy", "preserve") not in POLICIES:
-        raise InputError(f"{source}: unknown policy {values['policy']!r} (accepted: {', '.join(POLICIES)})")
+    if values.get("policy", "preserve") not in all_policies():
+        raise InputError(f"{source}: unknown policy {values['policy']!r} (accepted: {', '.join(all_policies())})")
     if "default_directive" in values:
         parse_directive(values["default_directive"])  # a bad default is the admin's error, found at load
     for key in ("ledger", "jobs_dir", "log"):

@@ -157,18 +157,20 @@ def parse_directive(text: str) -> Directive:
 def parse_comment(comment: str | None) -> Directive | None:
     """The directive in a job comment of the form ``mapa:<body>``, or None for any other comment.
 
-    Leading and trailing whitespace is ignored and the prefix is case-insensitive (``MAPA:``
-    works too); a comment that does not start with it is the user's own and is left alone.
+    Leading and trailing blanks are ignored (they count towards the length limit) and the prefix
+    is case-insensitive (``MAPA:`` works too); a comment that does not start with it is the
+    user's own and is left alone.
     """
     if not comment:
         return None
-    stripped = comment.strip(" \t")
+    stripped = comment.lstrip(" \t")
     if stripped[: len(COMMENT_PREFIX)].lower() != COMMENT_PREFIX:
         return None
+    _check_line(comment, None)  # the whole comment, surrounding blanks included, is bounded
     return parse_directive(stripped[len(COMMENT_PREFIX) :])
 
 
-def parse_directive_lines(script_text: str) -> Directive | None:
+def parse_directive_lines(script_text: str | None) -> Directive | None:
     """The merged ``#MAPA`` lines of a batch script, or None when it has none.
 
     As sbatch does for ``#SBATCH``, only the lines before the first command count: reading stops
@@ -179,6 +181,8 @@ def parse_directive_lines(script_text: str) -> Directive | None:
     first command (``#mapa ...``, `` #MAPA ...``, ``#MAPA:...``) are errors rather than silently
     ignored. Several lines merge; a key repeated with a different value is an error.
     """
+    if not script_text:
+        return None
     found: list[tuple[list[str], int]] = []
     for number, raw in enumerate(script_text.split("\n"), start=1):
         line = raw[:-1] if raw.endswith("\r") else raw
@@ -194,7 +198,7 @@ def parse_directive_lines(script_text: str) -> Directive | None:
             found.append((_tokens(line[len(KEYWORD) :]), number))
         elif _near_miss(stripped):
             raise _fail(
-                f"{_q(stripped[:len(KEYWORD) + 1])} is not a directive "
+                f"{_q(stripped[:len(KEYWORD)])} here is not a directive "
                 f"(accepted: '#MAPA' at the start of the line, then a space and key=value tokens)",
                 number,
             )
@@ -305,7 +309,7 @@ def _parse_sensitive(value: str) -> tuple[bool, str]:
         return True, "yes"
     if lowered in FALSE_WORDS:
         return False, "no"
-    raise InputError(f"bad value {_q(value)} for sensitive (accepted: {', '.join(TRUE_WORDS + FALSE_WORDS)})")
+    raise InputError(f"bad value {_q(value)} for sensitive (accepted: yes, no, true, false, 1, 0)")
 
 
 def _parse_gpus(value: str) -> tuple[int, str]:

@@ -39,72 +39,12 @@ from .commands import (
     show_job_argv,
 )
 from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
+from .decision import Decision, parse_decisions, with_decision
 from .directive import Directive, parse_comment, parse_directive, parse_directive_lines, to_request
 from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile
 
 JOB_FILE_MAX_BYTES = 4096
 RunCommand = Callable[[Sequence[str]], str]
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What one node chose for one job, as recorded in the AdminComment and the ledger."""
-
-    node: str
-    gpus: tuple[int, ...]
-    policy: str
-    effective: float | None = None
-    aggregated: float | None = None
-    preserved: float | None = None
-    fallback: str = ""
-    free: tuple[int, ...] = ()
-
-    def text(self) -> str:
-        parts = [f"{self.node}={','.join(map(str, self.gpus))}", f"policy={self.policy}"]
-        if self.free:
-            parts.append(f"free={','.join(map(str, self.free))}")
-        for name, value in (("eff", self.effective), ("agg", self.aggregated), ("pres", self.preserved)):
-            if value is not None:
-                parts.append(f"{name}={value:.3f}")
-        if self.fallback:
-            parts.append(f"fallback={self.fallback}")
-        return " ".join(parts)
-
-
-def parse_decisions(admin_comment: str) -> dict[str, Decision]:
-    """The per-node decisions recorded after `#` in a `mapa:` AdminComment."""
-    decisions: dict[str, Decision] = {}
-    for segment in admin_comment.split("#")[1:]:
-        tokens = segment.split()
-        if not tokens or "=" not in tokens[0]:
-            continue
-        node, _, gpu_text = tokens[0].partition("=")
-        try:
-            gpus = parse_gpu_indices(gpu_text)
-        except ValueError:
-            continue
-        fields = dict(token.partition("=")[::2] for token in tokens[1:])
-
-        def number(key: str) -> float | None:
-            try:
-                return float(fields[key]) if key in fields else None
-            except ValueError:
-                return None
-
-        try:
-            free = parse_gpu_indices(fields.get("free", ""))
-        except ValueError:
-            free = ()
-        decisions[node] = Decision(
-            node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free
-        )
-    return decisions
-
-
-def with_decision(admin_comment: str, directive: Directive, decision: Decision) -> str:
-    """The AdminComment with this node's decision added (replacing an older one of the same node)."""
-    kept = [d.text() for node, d in parse_decisions(admin_comment).items() if node != decision.node]
-    return " # ".join([directive.as_comment(), *kept, decision.text()])
 
 
 # --- the Prolog -----------------------------------------------------------------------------

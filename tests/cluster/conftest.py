@@ -369,12 +369,17 @@ def cluster(request: pytest.FixtureRequest) -> Cluster:
         finally:
             lock.close()
 
+    def say(text: str) -> None:
+        reporter = request.config.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(text)
+
     def _teardown() -> None:
         if _failed_cluster_tests:
             where = handle.dump_logs("failure")
-            print(f"\ncluster logs of the failed session written to {where}")
+            say(f"cluster logs of the failed session written to {where}")
         if os.environ.get("MAPA_KEEP_CLUSTER") == "1":
-            print("\nMAPA_KEEP_CLUSTER=1: the cluster keeps running (scripts/cluster down stops it)")
+            say("MAPA_KEEP_CLUSTER=1: the cluster keeps running (scripts/cluster down stops it)")
             return
         subprocess.run([str(CLUSTER_SCRIPT), "down"], capture_output=True, timeout=300)
 

@@ -1,0 +1,567 @@
+--[[
+slurm-mapa job_submit plugin: validates MAPA directives when a job is submitted.
+
+Install as /etc/slurm/job_submit.lua (next to slurm.conf) with JobSubmitPlugins=lua. Written for
+Lua 5.1, the version Debian's slurm-wlm-basic-plugins links (Slurm 24.11).
+
+What it does (docs/directives.md describes the grammar for users):
+
+* A batch job's `#MAPA key=value ...` lines are read from job_desc.script with sbatch's rule for
+  #SBATCH: only the lines before the first command count. srun/salloc jobs have no script; they
+  give `--comment=mapa:key=value ...`. Both are validated when both are present; the comment
+  wins, as in the Prolog.
+* A bad directive rejects the job: slurm.log_user() gets the message (sbatch prints
+  "sbatch: error: MAPA: ...") and the return code is ESLURM_INVALID_GRES ("Invalid generic resource
+  (gres) specification"; slurm.ERROR where that code is missing).
+* A good one is stored in normalised form as job_desc.admin_comment = "mapa:<normalised>", which
+  the Prolog reads and sacct keeps. Jobs without a directive are left untouched.
+* Slurm 24.11 ACCEPTS a job when the Lua function raises a runtime error, so everything runs under
+  pcall: an internal error rejects the job with a message that says so (ESLURM_INTERNAL, or
+  slurm.ERROR).
+* slurm_job_modify validates a changed `mapa:` comment the same way (the Prolog reads the job
+  comment first) and rejects a bad one; it never rewrites admin_comment, because a user may not
+  set it on modify. Other modifications, the Prolog's own AdminComment updates included, pass.
+
+This is a line-by-line port of slurm_mapa/slurm/directive.py (parse_comment and
+parse_directive_lines, with the checks of Directive): same order of checks, same limits, same
+message text; tests/test_job_submit_lua.py runs both over tests/data/directives/corpus.tsv and
+compares them. One difference by design: Slurm hands Lua bytes, so lengths and columns count bytes
+and a refused byte is shown as '\xHH' (Python counts characters of the decoded text).
+
+All input is bounded before any per-character work (8192 bytes per line or comment, 16 lines,
+64 tokens, 2048 list items); the only patterns used on user text are anchored or single-class
+scans, which are linear in the input.
+--]]
+
+local _KEYWORD = "#MAPA"
+local _COMMENT_PREFIX = "mapa:"
+local _MAX_PATTERN_GPUS = 64
+local _MAX_LINE_CHARS = 8192 -- one #MAPA line, or one mapa: comment
+local _MAX_DIRECTIVE_LINES = 16 -- #MAPA lines in one script
+local _MAX_TOKENS = 64 -- key=value tokens in one directive (all lines together)
+local _MAX_LIST_ITEMS = 2048 -- items in edges= or weights=
+local _MAX_WEIGHT_DIGITS = 6 -- digits before and after the decimal point of a weight
+
+local _KEYS = { "topology", "sensitive", "gpus", "edges", "weights" }
+local _SHAPES = { "ring", "chain", "tree", "ring+tree", "all", "star", "mesh2d", "torus2d", "hypercube", "custom" }
+local _KEY_LIST = table.concat(_KEYS, ", ")
+local _SHAPE_LIST = table.concat(_SHAPES, ", ")
+local _TRUE_WORDS = { yes = true, ["true"] = true, ["1"] = true }
+local _FALSE_WORDS = { no = true, ["false"] = true, ["0"] = true }
+local _GRID_SHAPES = { mesh2d = true, torus2d = true }
+
+local function _set_of(list)
+    local set = {}
+    for _, item in ipairs(list) do
+        set[item] = true
+    end
+    return set
+end
+
+local _KEY_SET = _set_of(_KEYS)
+local _SHAPE_SET = _set_of(_SHAPES)
+
+-- ASCII-only case mapping: string.lower/upper follow the C locale of slurmctld.
+local _TO_LOWER, _TO_UPPER = {}, {}
+for code = 65, 90 do
+    _TO_LOWER[string.char(code)] = string.char(code + 32)
+    _TO_UPPER[string.char(code + 32)] = string.char(code)
+end
+
+local function _lower(text)
+    return (string.gsub(text, "[A-Z]", _TO_LOWER))
+end
+
+local function _upper(text)
+    return (string.gsub(text, "[a-z]", _TO_UPPER))
+end
+
+local function _int(number)
+    return string.format("%d", number)
+end
+
+local function _q(text)
+    return "'" .. text .. "'"
+end
+
+-- A user error is raised as a table with this metatable; anything else raised is a bug.
+local _INVALID = {}
+
+local function _fail(message, line)
+    local where = ""
+    if line ~= nil then
+        where = "line " .. _int(line) .. ": "
+    end
+    error(setmetatable({ message = "MAPA: " .. where .. message }, _INVALID), 0)
+end
+
+-- How Python's ascii() writes one refused character (a byte here).
+local function _ascii(code)
+    if code == 10 then
+        return "'\\n'"
+    elseif code == 13 then
+        return "'\\r'"
+    elseif code == 9 then
+        return "'\\t'"
+    end
+    return string.format("'\\x%02x'", code)
+end
+
+local function _check_line(text, line)
+    if #text > _MAX_LINE_CHARS then
+        _fail("directive text is " .. _int(#text) .. " characters long (accepted: at most " .. _int(_MAX_LINE_CHARS) .. ")", line)
+    end
+    local column = string.find(text, "[^\t -~]")
+    if column then
+        _fail("character " .. _ascii(string.byte(text, column)) .. " at column " .. _int(column)
+            .. " is not accepted (accepted: printable ASCII, spaces and tabs)", line)
+    end
+end
+
+-- The key=value tokens of a checked body (only spaces and tabs are left); '#' starts a comment.
+local function _tokens(body)
+    local tokens = {}
+    for token in string.gmatch(body, "[^ \t]+") do
+        if string.sub(token, 1, 1) == "#" then
+            break
+        end
+        tokens[#tokens + 1] = token
+    end
+    return tokens
+end
+
+local function _split_list(value, key, line)
+    local count, position = 1, string.find(value, ",", 1, true)
+    while position do
+        count = count + 1
+        position = string.find(value, ",", position + 1, true)
+    end
+    if count > _MAX_LIST_ITEMS then
+        _fail(key .. "= has " .. _int(count) .. " items (accepted: at most " .. _int(_MAX_LIST_ITEMS) .. ")", line)
+    end
+    local items, start = {}, 1
+    while true do
+        local comma = string.find(value, ",", start, true)
+        if not comma then
+            items[#items + 1] = string.sub(value, start)
+            return items
+        end
+        items[#items + 1] = string.sub(value, start, comma - 1)
+        start = comma + 1
+    end
+end
+
+-- Value parsers: return (parsed value, canonical text), or fail with the line number.
+
+local function _parse_topology(value, line)
+    local lowered = _lower(value)
+    local shape, grid_text = lowered, nil
+    local colon = string.find(lowered, ":", 1, true)
+    if colon then
+        shape, grid_text = string.sub(lowered, 1, colon - 1), string.sub(lowered, colon + 1)
+    end
+    if not _SHAPE_SET[shape] then
+        _fail("unknown topology " .. _q(value) .. " (accepted: " .. _SHAPE_LIST .. ")", line)
+    end
+    if not colon then
+        return { shape = shape }, shape
+    end
+    if not _GRID_SHAPES[shape] then
+        _fail("a grid like ':" .. grid_text .. "' is only accepted with mesh2d and torus2d, not topology="
+            .. value .. " (accepted: mesh2d:RxC, torus2d:RxC)", line)
+    end
+    local rows, cols = 0, 0
+    local row_text, col_text = string.match(grid_text, "^([0-9][0-9]?)x([0-9][0-9]?)$")
+    if row_text then
+        rows, cols = tonumber(row_text), tonumber(col_text)
+    end
+    if math.min(rows, cols) < 1 or rows * cols > _MAX_PATTERN_GPUS then
+        _fail("bad grid " .. _q(grid_text) .. " in topology=" .. value .. " (accepted: RxC of positive whole numbers, at most "
+            .. _int(_MAX_PATTERN_GPUS) .. " GPUs, e.g. " .. shape .. ":2x4)", line)
+    end
+    return { shape = shape, rows = rows, cols = cols }, shape .. ":" .. _int(rows) .. "x" .. _int(cols)
+end
+
+local function _parse_sensitive(value, line)
+    local lowered = _lower(value)
+    if _TRUE_WORDS[lowered] then
+        return true, "yes"
+    elseif _FALSE_WORDS[lowered] then
+        return false, "no"
+    end
+    _fail("bad value " .. _q(value) .. " for sensitive (accepted: yes, no, true, false, 1, 0)", line)
+end
+
+local function _parse_gpus(value, line)
+    if string.find(value, "^[0-9][0-9]?[0-9]?[0-9]?$") then
+        local number = tonumber(value)
+        if number >= 1 and number <= _MAX_PATTERN_GPUS then
+            return number, _int(number)
+        end
+    end
+    _fail("bad value " .. _q(value) .. " for gpus (accepted: a whole number from 1 to " .. _int(_MAX_PATTERN_GPUS) .. ")", line)
+end
+
+local function _parse_edges(value, line)
+    local edges, texts = {}, {}
+    for _, item in ipairs(_split_list(value, "edges", line)) do
+        local a, b = -1, _MAX_PATTERN_GPUS
+        local a_text, b_text = string.match(item, "^([0-9][0-9]?)%-([0-9][0-9]?)$")
+        if a_text then
+            a, b = tonumber(a_text), tonumber(b_text)
+        end
+        if math.max(a, b) >= _MAX_PATTERN_GPUS then
+            _fail("bad edge " .. _q(item) .. " in edges= (accepted: comma-separated pairs like 0-1 of GPU numbers 0 to "
+                .. _int(_MAX_PATTERN_GPUS - 1) .. ")", line)
+        end
+        if a == b then
+            _fail("edge " .. _q(item) .. " links a GPU to itself (accepted: pairs of two different GPUs)", line)
+        end
+        edges[#edges + 1] = { a, b }
+        texts[#texts + 1] = _int(a) .. "-" .. _int(b)
+    end
+    return edges, table.concat(texts, ",")
+end
+
+-- The canonical text of a weight W = digits{1,6} ['.' digits{1,6}], or nil when W is not one or
+-- is zero. Python writes the shortest decimal of float(W); for at most 12 significant digits
+-- that is W without leading zeros before the point and without trailing zeros after it.
+local function _weight_text(item)
+    local whole, fraction = item, nil
+    local point = string.find(item, ".", 1, true)
+    if point then
+        whole, fraction = string.sub(item, 1, point - 1), string.sub(item, point + 1)
+    end
+    if #whole < 1 or #whole > _MAX_WEIGHT_DIGITS or not string.find(whole, "^[0-9]+$") then
+        return nil
+    end
+    if fraction ~= nil and (#fraction < 1 or #fraction > _MAX_WEIGHT_DIGITS or not string.find(fraction, "^[0-9]+$")) then
+        return nil
+    end
+    whole = string.match(whole, "^0*(.-)$")
+    fraction = string.match(fraction or "", "^(.-)0*$")
+    if whole == "" and fraction == "" then
+        return nil -- zero
+    end
+    if whole == "" then
+        whole = "0"
+    end
+    if fraction == "" then
+        return whole
+    end
+    return whole .. "." .. fraction
+end
+
+local function _parse_weights(value, line)
+    local texts = {}
+    for _, item in ipairs(_split_list(value, "weights", line)) do
+        local text = _weight_text(item)
+        if not text then
+            _fail("bad weight " .. _q(item) .. " in weights= (accepted: positive decimal numbers like 4 or 0.5, at most "
+                .. _int(_MAX_WEIGHT_DIGITS) .. " digits before and after the point)", line)
+        end
+        texts[#texts + 1] = text
+    end
+    return texts, table.concat(texts, ",")
+end
+
+local _VALUE_PARSERS = {
+    topology = _parse_topology,
+    sensitive = _parse_sensitive,
+    gpus = _parse_gpus,
+    edges = _parse_edges,
+    weights = _parse_weights,
+}
+
+-- The number of edges of a shape over `size` GPUs (slurm_mapa.core.patterns.make_pattern).
+local function _edge_count(shape, size, rows, cols, edges)
+    if shape == "ring" then
+        if size == 1 then
+            return 0
+        elseif size == 2 then
+            return 2 -- both directions over the one link
+        end
+        return size
+    elseif shape == "chain" or shape == "tree" or shape == "star" then
+        return size - 1
+    elseif shape == "ring+tree" then
+        return _edge_count("ring", size) + size - 1
+    elseif shape == "all" then
+        return size * (size - 1) / 2
+    elseif shape == "mesh2d" or shape == "torus2d" then
+        if rows == nil then -- the squarest grid: R x C, R <= C, R as large as possible
+            rows = 1
+            local r = 1
+            while r * r <= size do
+                if size % r == 0 then
+                    rows = r
+                end
+                r = r + 1
+            end
+            cols = size / rows
+        end
+        local across, down = cols - 1, rows - 1
+        if shape == "torus2d" then
+            if cols > 1 then
+                across = across + 1
+            end
+            if rows > 1 then
+                down = down + 1
+            end
+        end
+        return rows * across + cols * down
+    elseif shape == "hypercube" then
+        local dims = 0
+        while 2 ^ dims < size do
+            dims = dims + 1
+        end
+        return size * dims / 2
+    end
+    return #edges -- custom
+end
+
+local function _is_power_of_two(number)
+    while number > 1 and number % 2 == 0 do
+        number = number / 2
+    end
+    return number == 1
+end
+
+local function _weights_count_message(given, edges, what)
+    return _int(given) .. " weights given for the " .. _int(edges) .. " edges of " .. what
+        .. " (accepted: one weight per edge, in the pattern's edge order)"
+end
+
+-- The checks of a directive against a GPU count (Python: _check_size).
+local function _check_size(d, size)
+    if d.rows ~= nil and d.rows * d.cols ~= size then
+        _fail("topology=" .. d.topology .. ":" .. _int(d.rows) .. "x" .. _int(d.cols) .. " needs "
+            .. _int(d.rows * d.cols) .. " GPUs, got " .. _int(size))
+    end
+    if d.topology == "hypercube" and not _is_power_of_two(size) then
+        _fail("a hypercube needs a power-of-two GPU count (accepted: 1, 2, 4, 8, 16, 32, 64), got " .. _int(size))
+    end
+    if d.edges ~= nil then
+        for _, edge in ipairs(d.edges) do
+            local top = math.max(edge[1], edge[2])
+            if top >= size then
+                _fail("edge '" .. _int(edge[1]) .. "-" .. _int(edge[2]) .. "' names GPU " .. _int(top)
+                    .. ", outside 0.." .. _int(size - 1) .. " for " .. _int(size) .. " GPUs")
+            end
+        end
+    end
+    if d.weights ~= nil then
+        local count = _edge_count(d.topology, size, d.rows, d.cols, d.edges)
+        if count ~= #d.weights then
+            _fail(_weights_count_message(#d.weights, count, d.topology .. " over " .. _int(size) .. " GPUs"))
+        end
+    end
+end
+
+-- Merge the tokens of one or more lines into the normalised directive text (Python: _build and
+-- the checks of Directive). `lines` is a list of { tokens = {...}, line = number or nil }.
+local function _build(lines)
+    local seen, values, count = {}, {}, 0
+    for _, entry in ipairs(lines) do
+        local line = entry.line
+        for _, token in ipairs(entry.tokens) do
+            count = count + 1
+            if count > _MAX_TOKENS then
+                _fail("more than " .. _int(_MAX_TOKENS) .. " key=value tokens (accepted: at most " .. _int(_MAX_TOKENS) .. ")", line)
+            end
+            local equals = string.find(token, "=", 1, true)
+            if not equals then
+                _fail("token " .. _q(token) .. " is not key=value (accepted keys: " .. _KEY_LIST .. ")", line)
+            end
+            local written_key, value = string.sub(token, 1, equals - 1), string.sub(token, equals + 1)
+            local key = _lower(written_key)
+            if not _KEY_SET[key] then
+                _fail("unknown key " .. _q(written_key) .. " in " .. _q(token) .. " (accepted: " .. _KEY_LIST .. ")", line)
+            end
+            if value == "" then
+                _fail("empty value in " .. _q(token) .. " (accepted: key=value with a value)", line)
+            end
+            local parsed, canonical = _VALUE_PARSERS[key](value, line)
+            if seen[key] then
+                if seen[key].canonical ~= canonical then
+                    _fail(key .. " given twice: " .. _q(seen[key].token) .. " and " .. _q(token)
+                        .. " (accepted: each key once, or again with the same value)", line)
+                end
+            else
+                seen[key] = { canonical = canonical, token = token }
+                values[key] = parsed
+            end
+        end
+    end
+
+    local topology = values.topology or { shape = "ring" }
+    local d = {
+        topology = topology.shape,
+        rows = topology.rows,
+        cols = topology.cols,
+        sensitive = values.sensitive == true,
+        gpus = values.gpus,
+        edges = values.edges,
+        weights = values.weights,
+    }
+    if d.edges ~= nil then
+        if d.topology ~= "custom" then
+            _fail("edges= is only accepted with topology=custom, not topology=" .. d.topology)
+        end
+    elseif d.topology == "custom" then
+        _fail("topology=custom needs edges=, e.g. edges=0-1,1-2 (accepted: comma-separated GPU pairs)")
+    end
+    local size = d.gpus
+    if size == nil and d.rows ~= nil then
+        size = d.rows * d.cols
+    end
+    if size ~= nil then
+        _check_size(d, size)
+    elseif d.edges ~= nil and d.weights ~= nil and #d.weights ~= #d.edges then
+        _fail(_weights_count_message(#d.weights, #d.edges, "the custom edge list"))
+    end
+
+    local topology_text = d.topology
+    if d.rows ~= nil then
+        topology_text = topology_text .. ":" .. _int(d.rows) .. "x" .. _int(d.cols)
+    end
+    local parts = { "topology=" .. topology_text, "sensitive=" .. (d.sensitive and "yes" or "no") }
+    for _, key in ipairs({ "gpus", "edges", "weights" }) do
+        if seen[key] then
+            parts[#parts + 1] = key .. "=" .. seen[key].canonical
+        end
+    end
+    return table.concat(parts, " ")
+end
+
+-- The normalised directive of a `mapa:` comment, or nil for any other comment.
+local function _parse_comment(comment)
+    local first = string.find(comment, "[^ \t]")
+    if not first or _lower(string.sub(comment, first, first + #_COMMENT_PREFIX - 1)) ~= _COMMENT_PREFIX then
+        return nil
+    end
+    _check_line(comment, nil) -- the whole comment, surrounding blanks included, is bounded
+    return _build({ { tokens = _tokens(string.sub(comment, first + #_COMMENT_PREFIX)), line = nil } })
+end
+
+local function _is_near_miss(line, first)
+    if _upper(string.sub(line, first, first + #_KEYWORD - 1)) ~= _KEYWORD then
+        return false
+    end
+    local after = string.sub(line, first + #_KEYWORD, first + #_KEYWORD)
+    return after == "" or after == " " or after == "\t" or after == ":" or after == "="
+end
+
+-- The normalised directive of a batch script's #MAPA lines, or nil when it has none. As sbatch
+-- does for #SBATCH, reading stops at the first line that is neither blank nor a comment.
+local function _parse_script(script)
+    local found, number, start = {}, 0, 1
+    while true do
+        number = number + 1
+        local newline = string.find(script, "\n", start, true)
+        local line = string.sub(script, start, (newline or #script + 1) - 1)
+        if string.sub(line, -1) == "\r" then
+            line = string.sub(line, 1, -2)
+        end
+        local first = string.find(line, "[^ \t]")
+        if first then
+            if string.sub(line, first, first) ~= "#" then
+                break -- the first command
+            end
+            local after = string.sub(line, #_KEYWORD + 1, #_KEYWORD + 1)
+            if string.sub(line, 1, #_KEYWORD) == _KEYWORD and (after == "" or after == " " or after == "\t") then
+                if #found == _MAX_DIRECTIVE_LINES then
+                    _fail("more than " .. _int(_MAX_DIRECTIVE_LINES) .. " #MAPA lines (accepted: at most "
+                        .. _int(_MAX_DIRECTIVE_LINES) .. ")", number)
+                end
+                _check_line(line, number)
+                found[#found + 1] = { tokens = _tokens(string.sub(line, #_KEYWORD + 1)), line = number }
+            elseif _is_near_miss(line, first) then
+                _fail(_q(string.sub(line, first, first + #_KEYWORD - 1)) .. " here is not a directive "
+                    .. "(accepted: '#MAPA' at the start of the line, then a space and key=value tokens)", number)
+            end
+        end
+        if not newline then
+            break
+        end
+        start = newline + 1
+    end
+    if #found == 0 then
+        return nil
+    end
+    return _build(found)
+end
+
+-- A string field of job_desc, or nil (unset fields are nil; anything else is ignored).
+local function _string_field(job_desc, name)
+    if job_desc == nil then
+        return nil
+    end
+    local value = job_desc[name]
+    if type(value) == "string" and value ~= "" then
+        return value
+    end
+    return nil
+end
+
+local function _rc(name)
+    local rc = slurm[name]
+    if type(rc) ~= "number" then
+        rc = slurm.ERROR
+    end
+    return rc
+end
+
+-- Runs `check` under pcall; returns slurm.SUCCESS or rejects with a message for the user.
+local function _guarded(what, check, ...)
+    local ok, result = pcall(check, ...)
+    if ok then
+        return slurm.SUCCESS
+    end
+    if getmetatable(result) == _INVALID then
+        pcall(slurm.log_user, "%s", result.message)
+        pcall(slurm.log_debug, "MAPA: %s rejected: %s", what, result.message)
+        return _rc("ESLURM_INVALID_GRES")
+    end
+    pcall(slurm.log_error, "MAPA: internal error in job_submit.lua (%s): %s", what, tostring(result))
+    pcall(slurm.log_user, "%s", "MAPA: internal error while checking the job's MAPA directive; the job was "
+        .. "not accepted. Please tell your Slurm administrator (details are in the slurmctld log).")
+    return _rc("ESLURM_INTERNAL")
+end
+
+local function _check_submit(job_desc, submit_uid)
+    local directive = nil
+    local comment = _string_field(job_desc, "comment")
+    if comment then
+        directive = _parse_comment(comment)
+    end
+    local script = _string_field(job_desc, "script")
+    if script then
+        local from_script = _parse_script(script)
+        if directive == nil then
+            directive = from_script
+        end
+    end
+    if directive ~= nil then
+        job_desc.admin_comment = _COMMENT_PREFIX .. directive
+        slurm.log_debug("MAPA: job of uid %s: %s", tostring(submit_uid), directive)
+    end
+end
+
+local function _check_modify(job_desc)
+    local comment = _string_field(job_desc, "comment")
+    if comment then
+        _parse_comment(comment)
+    end
+end
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+    return _guarded("job submission", _check_submit, job_desc, submit_uid)
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+    return _guarded("job modification", _check_modify, job_desc)
+end
+
+slurm.log_info("job_submit.lua (slurm-mapa MAPA directive validator) initialized")
+return slurm.SUCCESS

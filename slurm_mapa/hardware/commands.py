@@ -1,0 +1,293 @@
+"""``mapa topo discover``, ``mapa topo show`` and ``mapa gres-conf``.
+
+:func:`add_commands` adds them to the ``mapa`` CLI's subparsers; each handler is
+``(args) -> int``, stored as ``args.func``, prints to stdout and raises InputError on bad input
+(the CLI's one error handler reports it). Subprocess and file I/O live here, at the edge;
+parsing and formatting are the pure functions of the sibling modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import InputError
+from .gres import PRESET_CPU_LAYOUTS, CpuLayout, gres_conf_text
+from .nvidia_smi import format_topo_matrix, parse_discovery
+from .presets import PRESETS, preset
+from .topofile import Topology, topology_from_toml_text, topology_to_dict, topology_to_toml
+
+
+def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argparse._SubParsersAction | None = None) -> None:
+    """Add ``topo discover``, ``topo show`` and ``gres-conf`` to the ``mapa`` subparsers.
+
+    When the CLI already has a ``topo`` command, pass its subparsers as ``topo_subparsers``:
+    ``discover`` is added there and the CLI's own ``topo show`` is kept. Handlers are stored
+    as both ``args.func`` and ``args.handler``.
+    """
+    own_topo = topo_subparsers is None
+    if topo_subparsers is None:
+        topo = subparsers.add_parser("topo", help="discover and show GPU server topologies")
+        topo_subparsers = topo.add_subparsers(dest="topo_command", metavar="{discover,show}")
+        topo_subparsers.required = True
+    topo_commands = topo_subparsers
+
+    discover = topo_commands.add_parser(
+        "discover",
+        help="read this machine's GPU topology and print a topology file",
+        description="Read the GPU topology (NVML, nvidia-smi, or a saved `nvidia-smi topo -m` text) and print "
+        "a topology file an admin can keep under version control.",
+    )
+    discover.add_argument("--source", choices=("nvml", "nvidia-smi", "file"), default="nvidia-smi")
+    discover.add_argument("--file", help="with --source file: a saved `nvidia-smi topo -m` output")
+    discover.add_argument("--gpu-list", help="with --source file: a saved `nvidia-smi -L` output (GPU model, UUIDs)")
+    discover.add_argument("--nvidia-smi", default="nvidia-smi", dest="nvidia_smi", help="the nvidia-smi to run")
+    discover.add_argument("--name", help="the topology's name (default: the host name)")
+    output = discover.add_mutually_exclusive_group()
+    output.add_argument("--toml", action="store_const", const="toml", dest="format", help="TOML (the default)")
+    output.add_argument("--json", action="store_const", const="json", dest="format", help="JSON")
+    discover.add_argument("-o", "--output", help="write to this file instead of stdout")
+    discover.set_defaults(func=cmd_discover, handler=cmd_discover, format="toml")
+
+    if own_topo:
+        show = topo_commands.add_parser(
+            "show", help="print a topology: a preset or a topology file", description="Print a topology's link matrix."
+        )
+        show.add_argument("topology", nargs="?", help="a preset name, a topology file (.toml) or a saved `nvidia-smi topo -m`")
+        show.add_argument("--topology", dest="topology_option", help="the same, as an option")
+        show.add_argument("--json", action="store_true", help="JSON instead of text")
+        show.add_argument("--nvidia-smi-format", action="store_true", help="print it as `nvidia-smi topo -m` would")
+        show.set_defaults(func=cmd_show, handler=cmd_show)
+
+    gres = subparsers.add_parser(
+        "gres-conf",
+        help="print gres.conf lines for a node",
+        description="Print gres.conf for a GPU server: Name=gpu File=/dev/nvidiaN per GPU, Cores= from the CPU "
+        "affinity, Links= from the NVLinks. Without --topology, the local GPUs are read with nvidia-smi.",
+    )
+    gres.add_argument("--topology", help="a preset name, a topology file (.toml) or a saved `nvidia-smi topo -m`")
+    gres.add_argument("--nvidia-smi", default="nvidia-smi", dest="nvidia_smi", help="the nvidia-smi to run")
+    gres.add_argument("--node", help="prefix each line with NodeName=NODE")
+    gres.add_argument("--type", dest="gres_type", help="Type= for every line (e.g. a100)")
+    gres.add_argument("--cores", type=int, help="the node's core count in slurm.conf (Sockets x CoresPerSocket)")
+    gres.add_argument("--threads-per-core", type=int, default=None, help="hardware threads per core (default 1)")
+    gres.add_argument(
+        "--cpu-numbering",
+        choices=("split", "packed"),
+        default=None,
+        help="split: core c's threads are CPUs c, c+cores, ... (x86); packed: c*threads+t (POWER)",
+    )
+    gres.add_argument("--no-cores", action="store_true", help="leave Cores= out")
+    gres.add_argument("--no-links", action="store_true", help="leave Links= out")
+    gres.add_argument(
+        "--write-presets",
+        metavar="DIR",
+        help="write <preset>.toml and <preset>.gres.conf for every preset into DIR instead",
+    )
+    gres.set_defaults(func=cmd_gres_conf, handler=cmd_gres_conf)
+
+
+# --- edges: files and nvidia-smi ------------------------------------------------------------
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror}") from None
+
+
+def _run_nvidia_smi(executable: str, *arguments: str) -> str:
+    try:
+        done = subprocess.run([executable, *arguments], capture_output=True, text=True, timeout=120, check=False)
+    except FileNotFoundError:
+        raise InputError(f"{executable} not found; install the NVIDIA driver or use --source file/nvml") from None
+    except subprocess.TimeoutExpired:
+        raise InputError(f"`{executable} {' '.join(arguments)}` did not answer within 120 s") from None
+    if done.returncode != 0:
+        raise InputError(
+            f"`{executable} {' '.join(arguments)}` failed (exit {done.returncode}): {done.stderr.strip() or done.stdout.strip()}"
+        )
+    return done.stdout
+
+
+def load_topology(spec: str) -> Topology:
+    """A preset name or the path of a topology file."""
+    if spec in PRESETS:
+        return Topology(graph=preset(spec))
+    if not os.path.exists(spec):
+        raise InputError(f"topology {spec!r}: neither a preset ({', '.join(PRESETS)}) nor an existing file")
+    text = _read(spec)
+    if spec.endswith(".toml"):
+        return topology_from_toml_text(text, source=spec)
+    from .nvidia_smi import parse_topo_matrix
+
+    return Topology(graph=parse_topo_matrix(text, source=spec).graph)
+
+
+def discover_topology(source: str, *, name: str, nvidia_smi: str = "nvidia-smi", file: str | None = None,
+                      gpu_list: str | None = None) -> Topology:
+    if source == "nvml":
+        from .nvml import discover, load_pynvml, nvml_session
+
+        with nvml_session(load_pynvml()) as nvml:
+            found = discover(nvml, name=name)
+        for warning in found.warnings:
+            print(f"mapa: warning: {warning}", file=sys.stderr)
+        return found.topology
+    if source == "file":
+        if not file:
+            raise InputError("--source file needs --file <saved `nvidia-smi topo -m` output>")
+        list_text = _read(gpu_list) if gpu_list else None
+        try:
+            result = parse_discovery(_read(file), list_text, name=name)
+        except InputError as error:
+            raise InputError(f"{file}: {error}") from None
+        from .nvidia_smi import parse_gpu_list
+
+        uuids = tuple(entry.uuid for entry in parse_gpu_list(list_text)) if list_text else None
+        return Topology(graph=result.graph, uuids=uuids)
+    topo_text = _run_nvidia_smi(nvidia_smi, "topo", "-m")
+    list_text = _run_nvidia_smi(nvidia_smi, "-L")
+    result = parse_discovery(topo_text, list_text, name=name)
+    from .nvidia_smi import parse_gpu_list
+
+    uuids = tuple(entry.uuid for entry in parse_gpu_list(list_text))
+    return Topology(graph=result.graph, uuids=uuids)
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output:
+        Path(output).write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+# --- handlers --------------------------------------------------------------------------------
+
+
+def cmd_discover(args: argparse.Namespace) -> int:
+    name = args.name or socket.gethostname().split(".")[0] or "node"
+    topology = discover_topology(
+        args.source, name=name, nvidia_smi=args.nvidia_smi, file=args.file, gpu_list=args.gpu_list
+    )
+    if args.format == "json":
+        text = json.dumps(topology_to_dict(topology), indent=2) + "\n"
+    else:
+        text = topology_to_toml(topology, comment=f"Discovered by `mapa topo discover --source {args.source}`.")
+    _emit(text, args.output)
+    return 0
+
+
+def show_text(topology: Topology) -> str:
+    """A readable view: the link matrix, domains, CPU affinity and the bandwidth of each class."""
+    graph = topology.graph
+    width = max(5, *(len(graph.link(a, b).token) + 1 for a, b in graph.pairs())) if graph.size > 1 else 5
+    out = [f"{graph.name}: {graph.size} GPUs, NVLink generation {graph.bandwidths.nvlink_generation}"]
+    if graph.description:
+        out.append(graph.description)
+    out.append("")
+    out.append("      " + "".join(f"{'GPU' + str(b):>{width}}" for b in graph.gpus) + "  domain  CPU affinity")
+    for a in graph.gpus:
+        cells = "".join(f"{('X' if a == b else graph.link(a, b).token):>{width}}" for b in graph.gpus)
+        affinity = graph.cpu_affinity[a] if graph.cpu_affinity else "-"
+        out.append(f"{'GPU' + str(a):<6}{cells}  {graph.domains[a]:>6}  {affinity}")
+    out.append("")
+    classes = sorted({graph.link(a, b) for a, b in graph.pairs()})
+    out.append("bandwidth (GB/s): " + ", ".join(f"{link.token} {graph.bandwidths.of(link):g}" for link in classes))
+    return "\n".join(out) + "\n"
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    spec = args.topology_option or args.topology
+    if not spec:
+        raise InputError(f"mapa topo show needs a preset ({', '.join(PRESETS)}) or a topology file")
+    topology = load_topology(spec)
+    if args.json:
+        sys.stdout.write(json.dumps(topology_to_dict(topology), indent=2) + "\n")
+    elif args.nvidia_smi_format:
+        sys.stdout.write(format_topo_matrix(topology.graph))
+    else:
+        sys.stdout.write(show_text(topology))
+    return 0
+
+
+def _layout(args: argparse.Namespace, preset_name: str | None) -> CpuLayout | None:
+    if args.no_cores:
+        return None
+    if args.cores is not None:
+        return CpuLayout(
+            cores=args.cores, threads_per_core=args.threads_per_core or 1, numbering=args.cpu_numbering or "split"
+        )
+    if args.threads_per_core is not None or args.cpu_numbering is not None:
+        raise InputError("--threads-per-core and --cpu-numbering need --cores (the node's core count)")
+    return PRESET_CPU_LAYOUTS.get(preset_name) if preset_name else None
+
+
+def write_preset_files(directory: str) -> list[str]:
+    """Write ``<preset>.toml`` and ``<preset>.gres.conf`` for every preset; returns the paths."""
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in PRESETS:
+        topology = Topology(graph=preset(name))
+        toml_path = target / f"{name}.toml"
+        toml_path.write_text(
+            topology_to_toml(topology, comment=f"Preset {name}, written by `mapa gres-conf --write-presets`.")
+        )
+        gres_path = target / f"{name}.gres.conf"
+        gres_path.write_text(
+            gres_conf_text(topology, layout=PRESET_CPU_LAYOUTS.get(name), generated_by=f"mapa gres-conf --topology {name}")
+        )
+        written += [str(toml_path), str(gres_path)]
+    return written
+
+
+def cmd_gres_conf(args: argparse.Namespace) -> int:
+    if args.write_presets:
+        for path in write_preset_files(args.write_presets):
+            print(path)
+        return 0
+    if args.topology:
+        topology = load_topology(args.topology)
+        preset_name = args.topology if args.topology in PRESETS else None
+        origin = f"mapa gres-conf --topology {args.topology}"
+    else:
+        name = socket.gethostname().split(".")[0] or "node"
+        topology = discover_topology("nvidia-smi", name=name, nvidia_smi=args.nvidia_smi)
+        preset_name = None
+        origin = "mapa gres-conf (nvidia-smi)"
+    sys.stdout.write(
+        gres_conf_text(
+            topology,
+            layout=_layout(args, preset_name),
+            gres_type=args.gres_type,
+            links=not args.no_links,
+            node_name=args.node,
+            generated_by=origin,
+        )
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m slurm_mapa.hardware.commands``), for tests and until the
+    ``mapa`` CLI wires :func:`add_commands`."""
+    parser = argparse.ArgumentParser(prog="mapa")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_commands(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except InputError as error:
+        print(f"mapa: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

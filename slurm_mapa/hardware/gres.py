@@ -1,0 +1,233 @@
+"""gres.conf lines for a GPU server, and the mapping between GPU numberings.
+
+Numbering (docs/hardware.md, "Index mapping"): a topology numbers its GPUs as nvidia-smi and
+NVML do, in PCI bus order. :func:`gres_conf_text` writes one ``Name=gpu File=/dev/nvidiaN`` line per
+GPU in that order, with N the GPU's minor number, so Slurm's GPU index (the order of the File
+entries) is the topology's index. Jobs are bound with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and the
+same indices in ``CUDA_VISIBLE_DEVICES`` (:func:`binding_environment`); CUDA's default order,
+"fastest first", would otherwise renumber the GPUs.
+
+``Cores=`` is written in Slurm's core numbering, not in the CPU (hardware thread) ids that
+nvidia-smi prints: slurmd stops with ``fatal: Invalid gres data for gpu, Cores=...`` when a core
+is out of range. :class:`CpuLayout` says how CPU ids map to cores on the node.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..core.hardware import HardwareGraph
+from ..errors import InputError
+from .topofile import Topology
+
+LINKS_NOTE = (
+    "Slurm 24.11 uses Links= only when a gres.conf line of the GRES also has Type= or Cores=; "
+    "without them it keeps no per-GPU topology and hands GPUs out first-fit (slurm-24.11-facts 3.4)."
+)
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    """How a node's CPU ids map to Slurm core ids.
+
+    ``cores`` is the core count Slurm knows for the node (Sockets x CoresPerSocket in
+    slurm.conf). ``numbering`` is how Linux numbers the hardware threads: ``split`` (x86: thread
+    t of core c is CPU ``c + t * cores``) or ``packed`` (POWER: CPU ``c * threads_per_core + t``).
+    """
+
+    cores: int
+    threads_per_core: int = 1
+    numbering: str = "split"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cores, int) or self.cores < 1:
+            raise InputError(f"core count must be a positive integer, got {self.cores!r}")
+        if not isinstance(self.threads_per_core, int) or self.threads_per_core < 1:
+            raise InputError(f"threads per core must be a positive integer, got {self.threads_per_core!r}")
+        if self.numbering not in ("split", "packed"):
+            raise InputError(f"CPU numbering must be 'split' or 'packed', got {self.numbering!r}")
+
+    def core_of(self, cpu: int) -> int:
+        if not 0 <= cpu < self.cores * self.threads_per_core:
+            raise InputError(
+                f"CPU {cpu} is beyond the node's {self.cores} cores x {self.threads_per_core} thread(s); "
+                f"give the node's real core count and threads per core"
+            )
+        if self.numbering == "split":
+            return cpu % self.cores
+        return cpu // self.threads_per_core
+
+
+# The real servers' CPU layouts (used for the generated gres_conf/ files; the mini cluster's
+# nodes declare the same core counts in slurm.conf).
+PRESET_CPU_LAYOUTS: dict[str, CpuLayout] = {
+    "dgx1-v100": CpuLayout(cores=40, threads_per_core=2, numbering="split"),  # 2 x 20-core Xeon E5-2698 v4
+    "summit": CpuLayout(cores=44, threads_per_core=4, numbering="packed"),  # 2 x 22-core POWER9, SMT4
+    "dgx-a100": CpuLayout(cores=128, threads_per_core=2, numbering="split"),  # 2 x 64-core EPYC 7742
+    "hgx-h100": CpuLayout(cores=104, threads_per_core=2, numbering="split"),  # 2 x 52-core Xeon 8480+ class
+}
+
+_CPU_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``0-19,40-59`` -> the sorted CPU ids."""
+    ids: set[int] = set()
+    for part in text.split(","):
+        match = _CPU_RANGE.match(part.strip())
+        if not match:
+            raise InputError(f"CPU list {text!r}: {part!r} is not a number or a range a-b")
+        low = int(match.group(1))
+        high = int(match.group(2)) if match.group(2) is not None else low
+        if high < low:
+            raise InputError(f"CPU list {text!r}: range {part!r} runs backwards")
+        ids.update(range(low, high + 1))
+    return sorted(ids)
+
+
+def format_cpu_list(ids: list[int] | set[int]) -> str:
+    """Sorted ids -> ``0-19,40-59``."""
+    ordered = sorted(set(ids))
+    parts = []
+    start = previous = None
+    for value in ordered:
+        if start is None:
+            start = previous = value
+        elif value == previous + 1:
+            previous = value
+        else:
+            parts.append(f"{start}" if start == previous else f"{start}-{previous}")
+            start = previous = value
+    if start is not None:
+        parts.append(f"{start}" if start == previous else f"{start}-{previous}")
+    return ",".join(parts)
+
+
+def slurm_cores(cpu_affinity: str, layout: CpuLayout) -> str:
+    """The ``Cores=`` value for a GPU whose CPU affinity (nvidia-smi's list) is ``cpu_affinity``."""
+    return format_cpu_list({layout.core_of(cpu) for cpu in parse_cpu_list(cpu_affinity)})
+
+
+def links_value(graph: HardwareGraph, gpu: int) -> str:
+    """Slurm's ``Links=`` for one GPU: NVLinks to each GPU by index, -1 for itself, 0 for PCIe."""
+    values = []
+    for other in graph.gpus:
+        if other == gpu:
+            values.append("-1")
+        else:
+            link = graph.link(gpu, other)
+            values.append(str(link.links if link.is_nvlink else 0))
+    return ",".join(values)
+
+
+def gres_conf_lines(
+    topology: Topology | HardwareGraph,
+    *,
+    layout: CpuLayout | None = None,
+    gres_type: str | None = None,
+    links: bool = True,
+    node_name: str | None = None,
+) -> list[str]:
+    """The ``Name=gpu`` lines, one per GPU in topology order (= Slurm's GPU index)."""
+    if isinstance(topology, HardwareGraph):
+        topology = Topology(graph=topology)
+    graph = topology.graph
+    if gres_type is not None and not re.match(r"^[A-Za-z0-9_.-]+$", gres_type):
+        raise InputError(f"GRES type {gres_type!r}: expected letters, digits, '_', '.' or '-'")
+    if node_name is not None and not re.match(r"^[A-Za-z0-9_.\[\],-]+$", node_name):
+        raise InputError(f"node name {node_name!r}: expected a Slurm host name or host list")
+    lines = []
+    for gpu in graph.gpus:
+        fields = []
+        if node_name:
+            fields.append(f"NodeName={node_name}")
+        fields.append("Name=gpu")
+        if gres_type:
+            fields.append(f"Type={gres_type}")
+        fields.append(f"File=/dev/nvidia{topology.minor(gpu)}")
+        if layout is not None and graph.cpu_affinity:
+            fields.append(f"Cores={slurm_cores(graph.cpu_affinity[gpu], layout)}")
+        if links:
+            fields.append(f"Links={links_value(graph, gpu)}")
+        lines.append(" ".join(fields))
+    return lines
+
+
+def gres_conf_text(
+    topology: Topology | HardwareGraph,
+    *,
+    layout: CpuLayout | None = None,
+    gres_type: str | None = None,
+    links: bool = True,
+    node_name: str | None = None,
+    generated_by: str = "mapa gres-conf",
+) -> str:
+    """A whole gres.conf: explanatory comments, ``AutoDetect=off`` and the GPU lines."""
+    graph = topology.graph if isinstance(topology, Topology) else topology
+    lines = gres_conf_lines(topology, layout=layout, gres_type=gres_type, links=links, node_name=node_name)
+    head = [
+        f"# gres.conf for {graph.name} ({graph.size} GPUs), generated by `{generated_by}`.",
+        "# One line per GPU in nvidia-smi (PCI bus) order: Slurm's GPU index i is GPU i of the topology.",
+    ]
+    if links:
+        head.append("# Links= gives the NVLinks to every GPU by index (-1: itself, 0: PCIe only).")
+        head.append("# NOTE: " + LINKS_NOTE)
+        if gres_type is None and not (layout is not None and graph.cpu_affinity):
+            head.append("# NOTE: these lines have neither Type= nor Cores=, so Slurm ignores their Links=.")
+    if layout is not None and graph.cpu_affinity:
+        head.append(
+            f"# Cores= are Slurm core ids ({layout.cores} cores, {layout.threads_per_core} thread(s) per core, "
+            f"{layout.numbering} CPU numbering), converted from nvidia-smi's CPU affinity."
+        )
+    elif graph.cpu_affinity:
+        head.append("# Cores= left out: give the node's core count (--cores) to convert the CPU affinity.")
+    return "\n".join(head + ["AutoDetect=off", *lines]) + "\n"
+
+
+def binding_environment(gpus: list[int] | tuple[int, ...], uuids: tuple[str, ...] | None = None) -> dict[str, str]:
+    """The environment that binds a job to topology GPUs ``gpus`` whatever CUDA's own order.
+
+    Indices with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` by default (they then mean what nvidia-smi
+    and NVML mean); UUIDs instead when ``uuids`` (per topology GPU) are given.
+    """
+    if uuids is not None:
+        visible = ",".join(uuids[gpu] for gpu in gpus)
+    else:
+        visible = ",".join(str(gpu) for gpu in gpus)
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible}
+
+
+_DEVICE_FILE = re.compile(r"^/dev/nvidia(\d+)$")
+
+
+def gpu_of_device_file(topology: Topology, path: str) -> int:
+    """The topology GPU behind ``/dev/nvidiaN`` (by minor number, which may differ from the index)."""
+    match = _DEVICE_FILE.match(path.strip())
+    if not match:
+        raise InputError(f"device file {path!r}: expected /dev/nvidia<N>")
+    minor = int(match.group(1))
+    for gpu in topology.graph.gpus:
+        if topology.minor(gpu) == minor:
+            return gpu
+    raise InputError(f"device file {path!r}: no GPU of {topology.graph.name} has minor number {minor}")
+
+
+def parse_gres_conf_files(text: str) -> list[str]:
+    """The ``File=`` device paths of ``Name=gpu`` lines, in order (Slurm's GPU index order)."""
+    files: list[str] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.split("#", 1)[0].strip()
+        if not stripped:
+            continue
+        fields = dict(
+            field.split("=", 1) if "=" in field else (field, "") for field in stripped.split()
+        )
+        lowered = {key.lower(): value for key, value in fields.items()}
+        if lowered.get("name") != "gpu":
+            continue
+        path = lowered.get("file")
+        if not path:
+            raise InputError(f"gres.conf line {number}: {line.strip()!r}: a gpu line without File=")
+        files.append(path)
+    return files

@@ -1,0 +1,576 @@
+"""``nvidia-smi topo -m`` and ``nvidia-smi -L``: a strict parser and a formatter.
+
+Pure functions only: text in, a :class:`SmiTopology` out (the hardware graph plus the facts the
+text carries: NICs and their links, CPU and NUMA affinity), and a graph back to text (the mock
+``nvidia-smi`` prints that text, and it round-trips through the parser to the same graph).
+
+What the parser accepts, from real pastes (tests/data/nvidia-smi/):
+
+* tab- or space-aligned columns, headers whose names are glued together (``GPU0GPU1mlx5_0``),
+  lines before the matrix that are comments (``# ...``), a shell prompt running ``nvidia-smi``
+  or blank;
+* old and new legends (``SOC`` is read as ``SYS``), ``NV<n>`` for any bonded count, a legend or
+  none, and the ``NIC Legend`` block of newer drivers;
+* NIC rows and columns (``mlx5_0``, ``NIC0``, ...): kept as facts, never GPU pairs;
+* ``CPU Affinity``, ``NUMA Affinity`` and ``GPU NUMA ID`` columns in any subset.
+
+What it refuses (an :class:`InputError` that quotes the line and says what was expected): a
+row whose cell count does not fit the header, a diagonal that is not ``X``, an unknown link
+token, an asymmetric matrix (a single changed cell is caught this way), a missing or repeated
+GPU row, a header that does not name the rows in order, and any stray text after the matrix
+that is not legend.
+
+NVSwitch: nvidia-smi prints a pair on an NVSwitch fabric as ``NV<n>`` like a direct link. A GPU
+whose ``NV`` counts add up to more NVLink ports than it has (:func:`nvlink_ports` of its
+generation, at least its largest single bond) must sit on a switch; pairs of two such GPUs
+become ``NVS<n>``. A 2-GPU NVSwitch system cannot be told from a bridged pair this way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from ..core.hardware import HardwareGraph, build_graph
+from ..core.links import Bandwidths, Link, parse_link
+from ..errors import InputError
+
+# NVLink ports per GPU, by NVLink generation (P100 4, V100 6, A100 12, H100 18, B200 18).
+NVLINK_PORTS = {1: 4, 2: 6, 3: 12, 4: 18, 5: 18}
+# Without a known generation, a GPU with more NVLinks than any GPU has ports is on a switch.
+MAX_NVLINK_PORTS = max(NVLINK_PORTS.values())
+
+ATTRIBUTE_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
+_GPU_LABEL = re.compile(r"^GPU(\d+)$")
+_DEVICE_LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]*$")
+_LEGEND_ENTRY = re.compile(r"^\s*(X|NV#|NV\d+|NVS#|SOC|SYS|NODE|PHB|PXB|PIX|NVB|NV|NIC\d*)\s*=\s*\S.*$")
+_NIC_LEGEND_ENTRY = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
+_PROMPT = re.compile(r"^\S*[$#>]\s+.*nvidia-smi")
+_CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+@dataclass(frozen=True)
+class SmiTopology:
+    """What one ``nvidia-smi topo -m`` text says.
+
+    ``graph`` holds the GPU pairs. ``nics`` names the NIC rows (as printed: ``mlx5_0`` or
+    ``NIC0``), ``nic_names`` maps ``NIC<n>`` to the device name from the NIC legend, and
+    ``nic_links`` holds every pair that involves a NIC as ``{(row, column): token}``.
+    Affinities are the raw column values per GPU (``None`` where the column is absent).
+    """
+
+    graph: HardwareGraph
+    nics: tuple[str, ...] = ()
+    nic_names: dict[str, str] = field(default_factory=dict)
+    nic_links: dict[tuple[str, str], str] = field(default_factory=dict)
+    cpu_affinity: tuple[str, ...] | None = None
+    numa_affinity: tuple[str, ...] | None = None
+    gpu_numa_id: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class GpuListEntry:
+    """One ``GPU n: <name> (UUID: GPU-...)`` line of ``nvidia-smi -L``."""
+
+    index: int
+    name: str
+    uuid: str
+
+
+def nvlink_ports(generation: int | None) -> int:
+    """NVLink ports of one GPU of this generation (the most any GPU has when unknown)."""
+    if generation is None:
+        return MAX_NVLINK_PORTS
+    return NVLINK_PORTS.get(generation, MAX_NVLINK_PORTS)
+
+
+def _where(number: int, line: str) -> str:
+    return f"line {number}: {line.rstrip()!r}"
+
+
+def _is_preamble(line: str) -> bool:
+    stripped = line.strip()
+    return not stripped or stripped.startswith("#") or bool(_PROMPT.match(stripped))
+
+
+def _despace(text: str) -> str:
+    return "".join(text.split())
+
+
+def parse_topo_matrix(
+    text: str, *, name: str | None = None, nvlink_generation: int | None = None, source: str | None = None
+) -> SmiTopology:
+    """Parse the text of ``nvidia-smi topo -m`` (see the module docstring for what is accepted).
+
+    ``nvlink_generation`` (from the GPU model, see :func:`nvlink_generation_of`) sets the
+    graph's bandwidths and how many NVLink ports a GPU has; without it generation 2 bandwidths
+    are used and a switch is recognised only above the largest port count of any GPU.
+    ``source`` (a file name) prefixes error messages and is the default ``name``.
+    """
+    try:
+        return _parse_topo_matrix(text, name=name or source or "nvidia-smi", nvlink_generation=nvlink_generation)
+    except InputError as error:
+        if source:
+            raise InputError(f"{source}: {error}") from None
+        raise
+
+
+def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -> SmiTopology:
+    lines = text.splitlines()
+    header_at = None
+    for number, line in enumerate(lines):
+        if _is_preamble(line):
+            continue
+        header_at = number
+        break
+    if header_at is None:
+        raise InputError(
+            "nvidia-smi topo -m: no header line naming the columns (GPU0 GPU1 ...) found; "
+            "expected the output of `nvidia-smi topo -m`"
+        )
+    header = lines[header_at]
+    header_words = header.split()
+    if "GPU0" not in _despace(header) or (len(header_words) > 1 and header_words[1] == "X"):
+        raise InputError(
+            f"nvidia-smi topo -m, {_where(header_at + 1, header)}: expected the header line naming the columns "
+            f"(GPU0 GPU1 ... CPU Affinity) before the matrix; only blank lines, '#' comments and the command "
+            f"line may come before it"
+        )
+
+    # The matrix rows: a device label and its cells, up to the legend (blank lines are skipped).
+    rows: list[tuple[int, str, list[str]]] = []
+    number = header_at + 1
+    while number < len(lines):
+        line = lines[number]
+        stripped = line.strip()
+        if stripped.startswith(("Legend", "NIC Legend")):
+            break
+        number += 1
+        if not stripped:
+            continue
+        cells = stripped.split()
+        label = cells[0]
+        if not _DEVICE_LABEL.match(label) or label == "X":
+            raise InputError(
+                f"nvidia-smi topo -m, {_where(number, line)}: {label!r} is not a device label "
+                f"(expected a matrix row starting with GPU<n>, NIC<n> or a NIC name such as mlx5_0)"
+            )
+        rows.append((number, label, cells[1:]))
+    _check_trailer(lines, number)
+    nic_names = _nic_legend(lines, number)
+
+    if not rows:
+        raise InputError(f"nvidia-smi topo -m, {_where(header_at + 1, header)}: no matrix rows follow the header")
+    labels = [label for _, label, _ in rows]
+    seen: set[str] = set()
+    for line_no, label, _ in rows:
+        if label in seen:
+            raise InputError(
+                f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: device {label} has a second row "
+                f"(expected one row per device)"
+            )
+        seen.add(label)
+
+    # The header must name the rows in order, then the attribute columns.
+    glued = _despace(header)
+    device_part = "".join(labels)
+    for line_no, label, _ in rows:
+        if label not in glued:
+            raise InputError(
+                f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: {label!r} starts a row but the "
+                f"header has no such column; expected a matrix row of a device named in the header, blank "
+                f"lines or the legend"
+            )
+    if not glued.startswith(device_part):
+        raise InputError(
+            f"nvidia-smi topo -m, {_where(header_at + 1, header)}: the header does not name the matrix rows in "
+            f"order; expected the columns {' '.join(labels)} (then CPU Affinity, NUMA Affinity, GPU NUMA ID "
+            f"as printed)"
+        )
+    attributes = _attribute_columns(glued[len(device_part) :], header_at + 1, header)
+
+    gpu_rows = [(line_no, label, cells) for line_no, label, cells in rows if _GPU_LABEL.match(label)]
+    nic_rows = [(line_no, label, cells) for line_no, label, cells in rows if not _GPU_LABEL.match(label)]
+    if not gpu_rows:
+        raise InputError(f"nvidia-smi topo -m, {_where(header_at + 1, header)}: no GPU rows (GPU0, GPU1, ...)")
+    if rows[: len(gpu_rows)] != gpu_rows:
+        first_nic = nic_rows[0]
+        raise InputError(
+            f"nvidia-smi topo -m, {_where(first_nic[0], lines[first_nic[0] - 1])}: a NIC row comes before a "
+            f"GPU row; expected the GPU rows first, as nvidia-smi prints them"
+        )
+    for position, (line_no, label, _) in enumerate(gpu_rows):
+        if label != f"GPU{position}":
+            raise InputError(
+                f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: expected the row of GPU{position}, "
+                f"found {label} (GPU rows must be GPU0, GPU1, ... in order)"
+            )
+
+    size = len(labels)
+    tokens: dict[tuple[int, int], str] = {}
+    values: list[list[str]] = []
+    for row_index, (line_no, label, cells) in enumerate(rows):
+        is_gpu = row_index < len(gpu_rows)
+        extra = len(cells) - size
+        if is_gpu:
+            # An empty cell (two tabs) vanishes when splitting on whitespace, so a GPU row may carry
+            # fewer attribute values only where the absent ones were blank; never more.
+            if not 0 <= extra <= len(attributes) or (attributes and extra < _required_attributes(attributes)):
+                raise InputError(
+                    f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: expected {size} link cells"
+                    + (f" and the values of {', '.join(attributes)}" if attributes else "")
+                    + f" after {label}, found {len(cells)} cells"
+                )
+        elif extra not in (0, len(attributes)):
+            raise InputError(
+                f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: expected {size} link cells after "
+                f"{label}, found {len(cells)}"
+            )
+        for column, cell in enumerate(cells[:size]):
+            if column == row_index:
+                if cell != "X":
+                    raise InputError(
+                        f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: the cell of {label} with "
+                        f"itself is {cell!r}; expected X"
+                    )
+                continue
+            if cell == "X":
+                raise InputError(
+                    f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: X off the diagonal (column "
+                    f"{labels[column]}); expected a link class such as NV2, PIX or SYS"
+                )
+            try:
+                parse_link(cell)
+            except InputError as error:
+                raise InputError(f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: {error}") from None
+            tokens[(row_index, column)] = cell.upper()
+        values.append(cells[size:] if is_gpu else [])
+
+    for (a, b), token in tokens.items():
+        other = tokens[(b, a)]
+        if _canonical(token) != _canonical(other):
+            line_no = rows[max(a, b)][0]
+            raise InputError(
+                f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: {labels[a]}-{labels[b]} is "
+                f"{token} but {labels[b]}-{labels[a]} is {other}; expected a symmetric matrix"
+            )
+
+    gpu_count = len(gpu_rows)
+    counts = {len(values[gpu]) for gpu in range(gpu_count)}
+    if len(counts) > 1:
+        for gpu in range(1, gpu_count):
+            if len(values[gpu]) != len(values[0]):
+                line_no = rows[gpu][0]
+                raise InputError(
+                    f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: {len(values[gpu])} values for "
+                    f"{', '.join(attributes)} where GPU0 has {len(values[0])}; expected the same columns in every "
+                    f"GPU row"
+                )
+    columns: dict[str, list[str]] = {column: [] for column in attributes}
+    for gpu in range(gpu_count):
+        row_values = values[gpu]
+        if len(row_values) < len(attributes):
+            # Blank trailing cells only: fill the blanks from the right, after the required ones.
+            row_values = row_values + [""] * (len(attributes) - len(row_values))
+        for column, value in zip(attributes, row_values):
+            columns[column].append(value)
+    for column, entries in columns.items():
+        for gpu, value in enumerate(entries):
+            _check_attribute(column, value, rows[gpu][0], lines[rows[gpu][0] - 1])
+
+    gpu_links = {
+        (a, b): _canonical(tokens[(a, b)]) for a in range(gpu_count) for b in range(a + 1, gpu_count)
+    }
+    gpu_links = _classify_switches(gpu_links, gpu_count, nvlink_ports(nvlink_generation))
+    cpu = tuple(columns["CPU Affinity"]) if "CPU Affinity" in columns else None
+    numa = tuple(columns["NUMA Affinity"]) if "NUMA Affinity" in columns else None
+    gpu_numa = tuple(columns["GPU NUMA ID"]) if "GPU NUMA ID" in columns else None
+    graph_affinity = cpu if cpu is not None and all(value not in ("", "N/A") for value in cpu) else None
+    graph = build_graph(
+        name,
+        gpu_count,
+        gpu_links,
+        bandwidths=Bandwidths(nvlink_generation=nvlink_generation or 2),
+        domains=infer_domains(gpu_count, gpu_links, cpu, numa),
+        cpu_affinity=graph_affinity,
+    )
+    nics = tuple(label for _, label, _ in nic_rows)
+    if nic_names:
+        numbered = {nic for nic in nics if re.match(r"^NIC\d+$", nic)}
+        if set(nic_names) != numbered:
+            raise InputError(
+                f"nvidia-smi topo -m: the NIC Legend names {', '.join(sorted(nic_names)) or 'nothing'} but the "
+                f"matrix has the NIC rows {', '.join(sorted(numbered)) or 'none'}; expected one legend entry per NIC<n>"
+            )
+    nic_links = {
+        (labels[a], labels[b]): _canonical(token)
+        for (a, b), token in tokens.items()
+        if a < b and (a >= gpu_count or b >= gpu_count)
+    }
+    return SmiTopology(
+        graph=graph,
+        nics=nics,
+        nic_names=nic_names,
+        nic_links=nic_links,
+        cpu_affinity=cpu,
+        numa_affinity=numa,
+        gpu_numa_id=gpu_numa,
+    )
+
+
+def _canonical(token: str) -> str:
+    return parse_link(token).token
+
+
+def _required_attributes(attributes: tuple[str, ...]) -> int:
+    # CPU Affinity and NUMA Affinity are printed for every GPU; GPU NUMA ID may be blank.
+    return sum(1 for column in attributes if column != "GPU NUMA ID")
+
+
+def _attribute_columns(tail: str, line_no: int, header: str) -> tuple[str, ...]:
+    found: list[str] = []
+    rest = tail
+    for column in ATTRIBUTE_COLUMNS:
+        key = column.replace(" ", "")
+        if rest.startswith(key):
+            found.append(column)
+            rest = rest[len(key) :]
+    if rest:
+        raise InputError(
+            f"nvidia-smi topo -m, {_where(line_no, header)}: unexpected {rest!r} after the device columns; "
+            f"expected only {', '.join(ATTRIBUTE_COLUMNS)} (in that order, any of them)"
+        )
+    return tuple(found)
+
+
+def _check_attribute(column: str, value: str, line_no: int, line: str) -> None:
+    if value in ("", "N/A"):
+        if column == "CPU Affinity" and value == "":
+            raise InputError(f"nvidia-smi topo -m, {_where(line_no, line)}: the CPU Affinity value is missing")
+        return
+    if column == "CPU Affinity" and not _CPU_LIST.match(value):
+        raise InputError(
+            f"nvidia-smi topo -m, {_where(line_no, line)}: CPU Affinity {value!r} is not a CPU list "
+            f"(expected e.g. 0-19,40-59 or N/A)"
+        )
+    if column in ("NUMA Affinity", "GPU NUMA ID") and not _CPU_LIST.match(value):
+        raise InputError(
+            f"nvidia-smi topo -m, {_where(line_no, line)}: {column} {value!r} is not a NUMA node number "
+            f"(expected e.g. 0, or N/A)"
+        )
+
+
+def _check_trailer(lines: list[str], start: int) -> None:
+    """After the matrix only blank lines and legend text may follow."""
+    for number in range(start, len(lines)):
+        line = lines[number]
+        stripped = line.strip()
+        if (
+            not stripped
+            or stripped in ("Legend:", "NIC Legend:")
+            or _LEGEND_ENTRY.match(line)
+            or _NIC_LEGEND_ENTRY.match(line)
+        ):
+            continue
+        raise InputError(
+            f"nvidia-smi topo -m, {_where(number + 1, line)}: unexpected text after the matrix; expected blank "
+            f"lines, 'Legend:' with entries such as '  SYS = ...', or 'NIC Legend:' with entries such as "
+            f"'  NIC0: mlx5_0'"
+        )
+
+
+def _nic_legend(lines: list[str], start: int) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for number in range(start, len(lines)):
+        match = _NIC_LEGEND_ENTRY.match(lines[number])
+        if match:
+            if match.group(1) in names:
+                raise InputError(
+                    f"nvidia-smi topo -m, {_where(number + 1, lines[number])}: {match.group(1)} is named twice "
+                    f"in the NIC Legend"
+                )
+            names[match.group(1)] = match.group(2)
+    return names
+
+
+def _classify_switches(links: dict[tuple[int, int], str], size: int, ports: int) -> dict[tuple[int, int], str]:
+    """Turn ``NV<n>`` pairs between GPUs that have more NVLinks than ports into ``NVS<n>``."""
+    totals = [0] * size
+    largest = [0] * size
+    for (a, b), token in links.items():
+        link = parse_link(token)
+        if link.is_nvlink:
+            for gpu in (a, b):
+                totals[gpu] += link.links
+                largest[gpu] = max(largest[gpu], link.links)
+    # A GPU has at least as many ports as its largest bond (a GPU newer than the table).
+    on_switch = [totals[gpu] > max(ports, largest[gpu]) for gpu in range(size)]
+    result = {}
+    for (a, b), token in links.items():
+        link = parse_link(token)
+        if link.kind == "nvlink" and on_switch[a] and on_switch[b]:
+            result[(a, b)] = f"NVS{link.links}"
+        else:
+            result[(a, b)] = token
+    return result
+
+
+def infer_domains(
+    size: int, links: dict[tuple[int, int], str], cpu: tuple[str, ...] | None, numa: tuple[str, ...] | None
+) -> list[int]:
+    """Domains: the NUMA Affinity column, else groups of equal CPU affinity, else the GPU groups
+    that reach each other without crossing the SMP interconnect (SYS)."""
+    if numa is not None and all(value.isdigit() for value in numa):
+        return [int(value) for value in numa]
+    if cpu is not None and all(value not in ("", "N/A") for value in cpu):
+        order: dict[str, int] = {}
+        return [order.setdefault(value, len(order)) for value in cpu]
+    parent = list(range(size))
+
+    def find(gpu: int) -> int:
+        while parent[gpu] != gpu:
+            parent[gpu] = parent[parent[gpu]]
+            gpu = parent[gpu]
+        return gpu
+
+    for (a, b), token in links.items():
+        if token != "SYS":
+            parent[find(a)] = find(b)
+    order = {}
+    return [order.setdefault(find(gpu), len(order)) for gpu in range(size)]
+
+
+# --- nvidia-smi -L ----------------------------------------------------------------------------
+
+_GPU_LIST_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: (GPU-[0-9A-Fa-f-]+)\)\s*$")
+_MIG_LIST_LINE = re.compile(r"^\s+MIG .+\(UUID: MIG-[^)]*\)\s*$")
+
+_MODEL_GENERATIONS = (
+    ("P100", 1),
+    ("V100", 2),
+    ("A100", 3),
+    ("A800", 3),
+    ("H100", 4),
+    ("H800", 4),
+    ("H200", 4),
+    ("GH200", 4),
+    ("B100", 5),
+    ("B200", 5),
+    ("GB200", 5),
+)
+
+
+def parse_gpu_list(text: str) -> list[GpuListEntry]:
+    """Parse ``nvidia-smi -L``; MIG lines are accepted and skipped."""
+    entries: list[GpuListEntry] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.strip().startswith("#") or _MIG_LIST_LINE.match(line):
+            continue
+        match = _GPU_LIST_LINE.match(line)
+        if not match:
+            raise InputError(
+                f"nvidia-smi -L, {_where(number, line)}: expected 'GPU <n>: <model> (UUID: GPU-...)'"
+            )
+        index = int(match.group(1))
+        if index != len(entries):
+            raise InputError(f"nvidia-smi -L, {_where(number, line)}: expected GPU {len(entries)} next, found GPU {index}")
+        entries.append(GpuListEntry(index=index, name=match.group(2).strip(), uuid=match.group(3)))
+    if not entries:
+        raise InputError("nvidia-smi -L: no GPU lines; expected 'GPU <n>: <model> (UUID: GPU-...)' per GPU")
+    return entries
+
+
+def nvlink_generation_of(model: str) -> int | None:
+    """The NVLink generation of a GPU model name (``Tesla V100-SXM2-32GB`` -> 2), None if unknown."""
+    words = re.split(r"[^A-Za-z0-9]+", model.upper())
+    for word in words:
+        for key, generation in _MODEL_GENERATIONS:
+            if word == key or (word.startswith(key) and not word[len(key) :].isalpha()):
+                return generation
+    return None
+
+
+# --- formatting -------------------------------------------------------------------------------
+
+_GENERATION_MODELS = {
+    1: "Tesla P100-SXM2-16GB",
+    2: "Tesla V100-SXM2-32GB",
+    3: "NVIDIA A100-SXM4-80GB",
+    4: "NVIDIA H100 80GB HBM3",
+    5: "NVIDIA B200",
+}
+
+LEGEND = """Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
+  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node
+  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)
+  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)
+  PIX  = Connection traversing at most a single PCIe bridge
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+
+def _smi_token(link: Link) -> str:
+    # nvidia-smi prints NVSwitch pairs as plain NV<n>.
+    return f"NV{link.links}" if link.is_nvlink else link.level
+
+
+def format_topo_matrix(graph: HardwareGraph) -> str:
+    """``nvidia-smi topo -m`` text for a graph, tab-separated as the real tool prints it.
+
+    The CPU Affinity column appears when the graph has CPU affinities; NUMA Affinity always
+    carries the graph's domains, so that parsing the text gives the same graph back.
+    """
+    columns = [f"GPU{gpu}" for gpu in graph.gpus]
+    header = ["", *columns]
+    if graph.cpu_affinity:
+        header.append("CPU Affinity")
+    header.append("NUMA Affinity")
+    out = ["\t".join(header)]
+    for a in graph.gpus:
+        cells = [f"GPU{a}"]
+        for b in graph.gpus:
+            cells.append(" X " if a == b else _smi_token(graph.link(a, b)))
+        if graph.cpu_affinity:
+            cells.append(graph.cpu_affinity[a])
+        cells.append(str(graph.domains[a]))
+        out.append("\t".join(cells))
+    return "\n".join(out) + "\n\n" + LEGEND
+
+
+def fake_uuid(name: str, gpu: int) -> str:
+    """A stable, well-formed GPU UUID for a mock GPU."""
+    digest = hashlib.sha256(f"{name}/{gpu}".encode()).hexdigest()
+    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+def format_gpu_list(graph: HardwareGraph, uuids: list[str] | None = None) -> str:
+    """``nvidia-smi -L`` text for a graph; the model name tells the NVLink generation."""
+    model = _GENERATION_MODELS.get(graph.bandwidths.nvlink_generation, "NVIDIA GPU")
+    lines = []
+    for gpu in graph.gpus:
+        uuid = uuids[gpu] if uuids else fake_uuid(graph.name, gpu)
+        lines.append(f"GPU {gpu}: {model} (UUID: {uuid})")
+    return "\n".join(lines) + "\n"
+
+
+def parse_discovery(topo_text: str, list_text: str | None = None, *, name: str = "nvidia-smi") -> SmiTopology:
+    """Parse ``topo -m`` with the NVLink generation taken from ``-L`` (when given and known)."""
+    generation = None
+    if list_text is not None:
+        entries = parse_gpu_list(list_text)
+        generations = {nvlink_generation_of(entry.name) for entry in entries}
+        known = generations - {None}
+        if len(known) == 1:
+            generation = known.pop()
+        result = parse_topo_matrix(topo_text, name=name, nvlink_generation=generation)
+        if len(entries) != result.graph.size:
+            raise InputError(
+                f"nvidia-smi -L lists {len(entries)} GPUs but topo -m shows {result.graph.size}; "
+                f"expected the same GPUs in both"
+            )
+        return result
+    return parse_topo_matrix(topo_text, name=name, nvlink_generation=generation)

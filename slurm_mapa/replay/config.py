@@ -1,0 +1,131 @@
+"""The replay configuration (TOML): node topologies, the cluster for generated workloads, site rules.
+
+    [nodes]                      # node-name pattern (shell glob) -> preset name
+    "n1" = "dgx1-v100"
+    "gpu*" = "pcie-8"
+
+    [cluster]                    # the nodes of a generated workload (name:topology)
+    nodes = ["n1:dgx1-v100", "n2:torus2d-16"]
+
+    [defaults]                   # what a job with no directive and no matching rule asks for
+    topology = "ring"
+    sensitive = false
+
+    [[rules]]                    # site rules, first match wins: name, account, partition or user
+    name = "^train-"             # (a regular expression) -> a directive
+    directive = "topology=ring sensitive=yes"
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Iterable
+
+from ..core.hardware import HardwareGraph
+from ..core.patterns import SHAPES
+from ..errors import InputError
+from ..hardware.presets import PRESETS, preset
+from .directives import SiteRule, make_rules
+from .simulate import Node
+
+
+@dataclass
+class Config:
+    node_topologies: list[tuple[str, str]] = field(default_factory=list)
+    cluster: list[tuple[str, str]] = field(default_factory=list)
+    rules: list[SiteRule] = field(default_factory=list)
+    default_shape: str = "ring"
+    default_sensitive: bool = False
+
+
+def parse_config(text: str, source: str = "config") -> Config:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"{source}: not valid TOML: {exc}") from None
+    return config_from_dict(data, source)
+
+
+def _topology_name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or value not in PRESETS:
+        raise InputError(f"{where}: unknown topology {value!r} (accepted presets: {', '.join(PRESETS)})")
+    return value
+
+
+def config_from_dict(data: dict, source: str = "config") -> Config:
+    unknown = set(data) - {"nodes", "cluster", "defaults", "rules"}
+    if unknown:
+        raise InputError(f"{source}: unknown section(s) {', '.join(sorted(unknown))} (accepted: nodes, cluster, defaults, rules)")
+    config = Config()
+    for pattern, topo in (data.get("nodes") or {}).items():
+        config.node_topologies.append((pattern, _topology_name(topo, f"{source}: [nodes] {pattern!r}")))
+    for entry in (data.get("cluster") or {}).get("nodes", []):
+        config.cluster.append(parse_node_spec(entry, f"{source}: [cluster]"))
+    defaults = data.get("defaults") or {}
+    shape = defaults.get("topology", "ring")
+    if shape not in SHAPES:
+        raise InputError(f"{source}: [defaults] topology {shape!r} (accepted: {', '.join(SHAPES)})")
+    config.default_shape = shape
+    sensitive = defaults.get("sensitive", False)
+    if not isinstance(sensitive, bool):
+        raise InputError(f"{source}: [defaults] sensitive must be true or false, got {sensitive!r}")
+    config.default_sensitive = sensitive
+    config.rules = make_rules(data.get("rules") or [])
+    return config
+
+
+def parse_node_spec(text: str, where: str = "--cluster") -> tuple[str, str]:
+    """``name:preset`` or ``COUNTxpreset`` handled by :func:`expand_cluster`."""
+    if not isinstance(text, str) or ":" not in text:
+        raise InputError(f"{where}: node {text!r} (accepted: NAME:PRESET, e.g. n1:dgx1-v100)")
+    name, topo = text.split(":", 1)
+    return name.strip(), _topology_name(topo.strip(), where)
+
+
+def expand_cluster(spec: str) -> list[tuple[str, str]]:
+    """``2xdgx1-v100,1xtorus2d-16`` or ``n1:dgx1-v100,n2:pcie-8`` -> [(name, preset)]."""
+    out: list[tuple[str, str]] = []
+    for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if ":" in part:
+            out.append(parse_node_spec(part))
+            continue
+        count, sep, topo = part.partition("x")
+        if not sep or not count.isdigit():
+            raise InputError(f"--cluster part {part!r} (accepted: COUNTxPRESET such as 2xdgx1-v100, or NAME:PRESET)")
+        _topology_name(topo, "--cluster")
+        for _ in range(int(count)):
+            out.append((f"node{len(out) + 1}", topo))
+    if not out:
+        raise InputError("--cluster is empty (accepted: COUNTxPRESET or NAME:PRESET, comma-separated)")
+    return out
+
+
+_GRAPHS: dict[str, HardwareGraph] = {}
+
+
+def graph_of(name: str) -> HardwareGraph:
+    if name not in _GRAPHS:
+        _GRAPHS[name] = preset(name)
+    return _GRAPHS[name]
+
+
+def nodes_for(names: Iterable[str], config: Config, topology: str | None) -> list[Node]:
+    """Nodes named in a log, each with the topology of ``--topology`` or the first matching pattern."""
+    out = []
+    missing = []
+    for name in names:
+        topo = topology
+        if topo is None:
+            topo = next((t for pattern, t in config.node_topologies if fnmatchcase(name, pattern)), None)
+        if topo is None:
+            missing.append(name)
+            continue
+        out.append(Node(name, graph_of(topo)))
+    if missing:
+        raise InputError(
+            f"no topology for node(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: "
+            "give --topology PRESET for all nodes or map them in the config's [nodes] section"
+        )
+    return out

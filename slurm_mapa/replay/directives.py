@@ -1,0 +1,96 @@
+"""MAPA directives and recorded decisions in sacct comments, and the site rules for jobs without one.
+
+A comment carries a directive when it starts with ``mapa:`` (AdminComment first, then Comment).
+The Prolog appends its decision after ``#`` (see :mod:`slurm_mapa.slurm.decision`):
+``mapa:topology=ring sensitive=yes # n1=0,3 policy=preserve free=0-7 ...``. The request is read
+with the project's directive grammar (:mod:`slurm_mapa.slurm.directive`), the one the job_submit
+plugin and the Prolog use.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterable, Mapping
+
+from ..core.patterns import make_pattern
+from ..core.policies import Request
+from ..errors import InputError
+from ..slurm.decision import parse_decisions
+from ..slurm.directive import parse_comment
+
+
+@dataclass(frozen=True)
+class Intent:
+    """What a job asks for (shape, sensitivity) and what MAPA recorded (node, GPUs), if anything."""
+
+    shape: str | None
+    sensitive: bool | None
+    recorded: tuple[int, ...] | None = None
+    node: str | None = None
+
+
+@lru_cache(maxsize=4096)
+def read_intent(text: str) -> Intent | None:
+    """The intent in one comment, or None when it carries no ``mapa:`` text. Raises InputError when malformed."""
+    text = (text or "").strip()
+    if not text.lower().startswith("mapa:"):
+        return None
+    directive = parse_comment(text.split("#")[0])
+    decisions = parse_decisions(text)
+    node, recorded = None, None
+    if decisions:
+        first = next(iter(decisions.values()))
+        node, recorded = first.node, first.gpus
+    assert directive is not None
+    return Intent(shape=directive.topology, sensitive=directive.sensitive, recorded=recorded, node=node)
+
+
+@dataclass(frozen=True)
+class SiteRule:
+    """``field`` (name, account, partition, user) matching ``pattern`` (a regex) gets ``directive``."""
+
+    field: str
+    pattern: re.Pattern
+    directive: str
+
+
+RULE_FIELDS = ("name", "account", "partition", "user")
+
+
+def make_rules(raw: Iterable[Mapping[str, Any]]) -> list[SiteRule]:
+    rules = []
+    for i, item in enumerate(raw):
+        fields = [f for f in RULE_FIELDS if f in item]
+        if len(fields) != 1 or "directive" not in item:
+            raise InputError(
+                f"site rule {i + 1}: needs exactly one of {', '.join(RULE_FIELDS)} (a regular expression) and a directive, got {dict(item)}"
+            )
+        try:
+            pattern = re.compile(str(item[fields[0]]))
+        except re.error as exc:
+            raise InputError(f"site rule {i + 1}: bad regular expression {item[fields[0]]!r}: {exc}") from None
+        directive = str(item["directive"]).strip()
+        if not directive.lower().startswith("mapa:"):
+            directive = "mapa:" + directive
+        read_intent(directive)  # validate now
+        rules.append(SiteRule(fields[0], pattern, directive))
+    return rules
+
+
+def match_rule(rules: list[SiteRule], values: Mapping[str, str]) -> Intent | None:
+    for rule in rules:
+        if rule.pattern.search(values.get(rule.field, "") or ""):
+            return read_intent(rule.directive)
+    return None
+
+
+@lru_cache(maxsize=1024)
+def request_for(shape: str, gpus: int, sensitive: bool) -> Request:
+    """The request of a job: its pattern over its GPU count (a shape that needs more GPUs falls back to ring)."""
+    try:
+        pattern = make_pattern(shape, gpus)
+    except InputError:
+        pattern = make_pattern("ring", gpus)
+    return Request(pattern, sensitive)

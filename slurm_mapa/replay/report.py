@@ -1,0 +1,138 @@
+"""Reports of replay runs: summary dicts (JSON), the terminal table, Table 3, per-job CSV rows."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .simulate import Record, RunResult
+
+CSV_HEADER = (
+    "job,policy,node,submit,start,end,wait,runtime,base_runtime,gpus,sensitive,pattern,"
+    "effective_bw,aggregated_bw,preserved_bw"
+)
+
+
+def _r(value, digits: int = 3):
+    return None if value is None else round(value, digits)
+
+
+def summary(result: RunResult) -> dict:
+    def five(dist):
+        return {k: _r(v) for k, v in dist.five().items()}
+
+    return {
+        "policy": result.policy,
+        "jobs": result.jobs,
+        "dropped": dict(result.dropped),
+        "stuck_in_queue": result.stuck,
+        "effective_bw_sensitive": five(result.eff_sensitive),
+        "effective_bw_insensitive": five(result.eff_insensitive),
+        "preserved_bw_after_decision": five(result.preserved_after),
+        "preserved_bw_time_mean": _r(result.mean_preserved),
+        "fragmentation_time_mean": _r(result.mean_fragmentation, 4),
+        "wait": five(result.wait),
+        "runtime": five(result.runtime),
+        "runtime_sensitive": five(result.runtime_sensitive),
+        "makespan": _r(result.makespan),
+        "throughput_per_hour": _r(result.throughput_per_hour),
+        "out_of_order_arrivals": result.out_of_order,
+        "over_time": [
+            {"t": _r(t), "preserved_bw": _r(p), "fragmentation": _r(f, 4), "queued": q, "running": r}
+            for t, p, f, q, r in result.series.points
+        ],
+    }
+
+
+def table3(results: Sequence[RunResult], baseline: str = "baseline") -> list[dict] | None:
+    """The paper's Table 3: run-time speed-up over ``baseline`` at min/25/50/75/max, and throughput."""
+    base = next((r for r in results if r.policy == baseline), None)
+    if base is None or not base.jobs:
+        return None
+    qs = (("min", 0.0), ("p25", 0.25), ("median", 0.5), ("p75", 0.75), ("max", 1.0))
+    rows = []
+    for r in results:
+        row = {"policy": r.policy}
+        for name, q in qs:
+            b, p = base.runtime.quantile(q), r.runtime.quantile(q)
+            row[name] = _r(b / p) if b and p else None
+        row["throughput"] = _r(r.throughput_per_hour / base.throughput_per_hour) if base.throughput_per_hour else None
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, width: int, digits: int = 1) -> str:
+    if value is None:
+        return "-".rjust(width)
+    if isinstance(value, float):
+        return f"{value:.{digits}f}".rjust(width)
+    return str(value).rjust(width)
+
+
+def table(results: Sequence[RunResult]) -> str:
+    """The comparison table: one line per policy."""
+    head = (
+        f"{'policy':<18} {'jobs':>6} | {'sensitive effective BW (GB/s)':^34} | {'insens.':>7} | "
+        f"{'preserved':>9} {'frag':>5} | {'wait mean':>9} {'p95':>8} | {'makespan':>9} {'jobs/h':>8}"
+    )
+    sub = f"{'':<18} {'':>6} | {'min':>6} {'p25':>6} {'med':>6} {'p75':>6} {'max':>6} | {'median':>7} | {'mean GB/s':>9} {'mean':>5} | {'(s)':>9} {'(s)':>8} | {'(s)':>9} {'':>8}"
+    lines = [head, sub, "-" * len(head)]
+    for r in results:
+        f = r.eff_sensitive.five()
+        lines.append(
+            f"{r.policy:<18} {r.jobs:>6} | "
+            + " ".join(_fmt(f[k], 6) for k in ("min", "p25", "median", "p75", "max"))
+            + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
+            + f"{_fmt(r.wait.mean, 9)} {_fmt(r.wait.quantile(0.95), 8)} | {_fmt(r.makespan, 9, 0)} {_fmt(r.throughput_per_hour, 8)}"
+        )
+    return "\n".join(lines)
+
+
+def table3_text(rows: list[dict]) -> str:
+    lines = [f"{'policy':<18} {'MIN':>6} {'25th':>6} {'50th':>6} {'75th':>6} {'MAX':>6} {'Tput':>6}", "-" * 60]
+    for row in rows:
+        lines.append(
+            f"{row['policy']:<18} "
+            + " ".join(_fmt(row[k], 6, 3) for k in ("min", "p25", "median", "p75", "max"))
+            + f" {_fmt(row['throughput'], 6, 2)}"
+        )
+    return "\n".join(lines)
+
+
+def csv_row(rec: Record) -> str:
+    def num(v, d=3):
+        return "" if v is None else f"{v:.{d}f}".rstrip("0").rstrip(".") if isinstance(v, float) else str(v)
+
+    fields = [
+        rec.id, rec.policy, rec.node, num(rec.submit), num(rec.start), num(rec.end), num(rec.wait), num(rec.runtime),
+        num(rec.base_runtime), " ".join(map(str, rec.gpus)), "1" if rec.sensitive else "0", rec.shape,
+        num(rec.effective), num(rec.aggregated), num(rec.preserved),
+    ]
+    return ",".join(_quote(f) for f in fields)
+
+
+def _quote(text: str) -> str:
+    if any(c in text for c in ',"\n'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def audit_text(audit: dict) -> str:
+    if not audit.get("compared"):
+        return f"recorded MAPA decisions: none comparable ({audit.get('note', 'no job carries one')})"
+    lines = [
+        f"recorded MAPA decisions: {audit['compared']} compared"
+        + (f", {audit['skipped']} skipped ({', '.join(f'{n} {r}' for r, n in audit['skipped_reasons'].items())})" if audit["skipped"] else ""),
+        f"{'policy':<18} {'same GPUs':>9} {'as good':>8} {'mean eff. BW (recorded vs policy)':>34}",
+    ]
+    for name, row in audit["policies"].items():
+        lines.append(
+            f"{name:<18} {row['same_set']:>9} {row['as_good']:>8} "
+            f"{_fmt(row['recorded_mean_bw'], 16)} vs {_fmt(row['policy_mean_bw'], 14)}"
+        )
+    return "\n".join(lines)
+
+
+def records_csv(records: Iterable[Record]) -> Iterable[str]:
+    yield CSV_HEADER + "\n"
+    for rec in records:
+        yield csv_row(rec) + "\n"

@@ -1,0 +1,145 @@
+--[[
+Test driver for slurm_mapa/data/slurm/job_submit.lua under a plain Lua 5.1 interpreter.
+
+    lua5.1 tests/lua/run_cases.lua PLUGIN CASES > RESULTS
+
+It loads PLUGIN with a mocked `slurm` table (log_user collects the messages the user would see,
+formatted with string.format as Slurm does; the other log functions are no-ops that still format
+their arguments), then runs every case of the binary file CASES through the plugin.
+
+CASES: a sequence of records "MODE SCRIPT_LEN COMMENT_LEN\n" followed by SCRIPT_LEN bytes of
+job_desc.script and COMMENT_LEN bytes of job_desc.comment (a length of -1 means the field is nil).
+MODE is one of
+    submit    slurm_job_submit(job_desc, {}, 1000)
+    modify    slurm_job_modify(job_desc, {}, {}, 1000)
+    boom      slurm_job_submit with a job_desc whose every field read raises a Lua error
+    noeslurm  submit with the slurm.ESLURM_* codes removed from the mock
+    number    submit with job_desc.script and job_desc.comment set to numbers (non-strings)
+
+RESULTS: first "LOAD RC\n", then "GLOBALS name,name,...\n" (globals the plugin defined), then
+"INFO N\n" and N records "LEN\n" + bytes (what the plugin logged at info level while loading);
+then, per case, "RC NMSG ADMIN_LEN\n", NMSG records "LEN\n" + bytes (the log_user messages) and
+ADMIN_LEN bytes of job_desc.admin_comment after the call (-1: nil).
+--]]
+
+local plugin_path, cases_path = arg[1], arg[2]
+assert(plugin_path and cases_path, "usage: run_cases.lua PLUGIN CASES")
+
+local ESLURM = { ESLURM_INVALID_GRES = 2072, ESLURM_INTERNAL = 2090 }
+local user_messages, info_messages = {}, {}
+
+local function _format(fmt, ...)
+    return string.format(fmt, ...)
+end
+
+slurm = {
+    SUCCESS = 0,
+    ERROR = -1,
+    FAILURE = -1,
+    log_user = function(fmt, ...)
+        user_messages[#user_messages + 1] = _format(fmt, ...)
+    end,
+    log_info = function(fmt, ...)
+        info_messages[#info_messages + 1] = _format(fmt, ...)
+    end,
+    log_debug = function(fmt, ...)
+        _format(fmt, ...)
+    end,
+    log_error = function(fmt, ...)
+        _format(fmt, ...)
+    end,
+}
+for name, value in pairs(ESLURM) do
+    slurm[name] = value
+end
+
+local before = {}
+for name in pairs(_G) do
+    before[name] = true
+end
+local chunk = assert(loadfile(plugin_path))
+local load_rc = chunk()
+local added = {}
+for name in pairs(_G) do
+    if not before[name] then
+        added[#added + 1] = name
+    end
+end
+table.sort(added)
+
+local out = {}
+local function emit(text)
+    out[#out + 1] = text
+end
+local function emit_blob(text)
+    emit(string.format("%d\n", #text))
+    emit(text)
+end
+
+emit("LOAD " .. tostring(load_rc) .. "\n")
+emit("GLOBALS " .. table.concat(added, ",") .. "\n")
+emit(string.format("INFO %d\n", #info_messages))
+for _, message in ipairs(info_messages) do
+    emit_blob(message)
+end
+
+local file = assert(io.open(cases_path, "rb"))
+local data = file:read("*a")
+file:close()
+
+local position = 1
+local function take(count)
+    if count < 0 then
+        return nil
+    end
+    local text = string.sub(data, position, position + count - 1)
+    assert(#text == count, "truncated cases file")
+    position = position + count
+    return text
+end
+
+while position <= #data do
+    local header_end = assert(string.find(data, "\n", position, true), "bad case header")
+    local mode, script_len, comment_len = string.match(string.sub(data, position, header_end - 1), "^(%a+) (%-?%d+) (%-?%d+)$")
+    assert(mode, "bad case header")
+    position = header_end + 1
+    local script, comment = take(tonumber(script_len)), take(tonumber(comment_len))
+
+    user_messages = {}
+    local job_desc = { script = script, comment = comment }
+    local rc
+    if mode == "submit" then
+        rc = slurm_job_submit(job_desc, {}, 1000)
+    elseif mode == "modify" then
+        rc = slurm_job_modify(job_desc, {}, {}, 1000)
+    elseif mode == "boom" then
+        local trap = setmetatable({}, { __index = function(_, key)
+            error("mock: reading job_desc." .. tostring(key) .. " failed")
+        end })
+        rc = slurm_job_submit(trap, {}, 1000)
+    elseif mode == "noeslurm" then
+        for name in pairs(ESLURM) do
+            slurm[name] = nil
+        end
+        rc = slurm_job_submit(job_desc, {}, 1000)
+        for name, value in pairs(ESLURM) do
+            slurm[name] = value
+        end
+    elseif mode == "number" then
+        job_desc = { script = 42, comment = 7 }
+        rc = slurm_job_submit(job_desc, {}, 1000)
+    else
+        error("unknown mode " .. mode)
+    end
+
+    local admin = rawget(job_desc, "admin_comment")
+    emit(string.format("%s %d %d\n", tostring(rc), #user_messages, admin and #admin or -1))
+    for _, message in ipairs(user_messages) do
+        emit_blob(message)
+    end
+    if admin then
+        emit(admin)
+    end
+end
+
+io.stdout:write(table.concat(out))

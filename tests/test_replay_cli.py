@@ -1,0 +1,101 @@
+"""``mapa-replay`` end to end: the demo, run on literal sacct files, generate, errors, JSON, CSV, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slurm_mapa.replay.cli import main
+
+DATA = Path(__file__).parent / "data" / "sacct"
+
+
+def test_demo_is_the_default_and_prints_the_comparison(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "bundled paper workload" in out and "preserve" in out and "slurm-native" in out
+    assert "Table 3" in out
+    assert "recorded MAPA decisions: 36 compared" in out
+    preserve_line = next(line for line in out.splitlines() if line.startswith("preserve ") and "36" in line.split()[1:3])
+    assert preserve_line
+
+
+def test_demo_json(capsys):
+    assert main(["demo", "--json", "--policies", "baseline,preserve"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [p["policy"] for p in data["policies"]] == ["baseline", "preserve"]
+    assert data["table3"][0]["policy"] == "baseline"
+
+
+def test_run_on_sacct_text_and_json(capsys, tmp_path):
+    csv = tmp_path / "jobs.csv"
+    code = main(["run", str(DATA / "mixed-p.txt"), "--topology", "dgx1-v100", "--policies", "baseline,preserve",
+                 "--csv", str(csv), "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["read"]["jobs"] == 4 and len(data["read"]["malformed"]) == 3
+    assert {n["name"] for n in data["nodes"]} == {"g1", "g2"}
+    assert data["recorded_decisions"]["compared"] == 1
+    rows = csv.read_text().splitlines()
+    assert rows[0].startswith("job,policy,node") and len(rows) == 1 + 2 * 4
+    assert main(["run", str(DATA / "sample.json"), "--topology", "dgx1-v100", "--policies", "preserve"]) == 0
+    assert "recorded MAPA decisions" in capsys.readouterr().out
+
+
+def test_run_generated_and_job_file(capsys, tmp_path):
+    out = tmp_path / "w.jobs"
+    assert main(["generate", "paper", "--jobs", "50", "--seed", "2", "-o", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 50
+    assert main(["run", str(out), "--topology", "summit", "--nodes", "2", "--policies", "baseline,greedy", "--backfill"]) == 0
+    assert "2 node(s)" in capsys.readouterr().out
+    assert main(["run", "--generate", "amaral:40", "--cluster", "1xdgx1-v100,1xpcie-8", "--time-model", "--policies", "baseline,preserve"]) == 0
+    assert "speed-up over baseline" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "/no/such/file"], "does not exist"),
+        (["run", str(DATA / "mixed-p.txt"), "--policies", "nope"], "unknown policy"),
+        (["run", str(DATA / "mixed-p.txt")], "no topology for node"),
+        (["run", "--generate", "paper:10", "--cluster", "3xnope"], "unknown topology"),
+        (["run", "--generate", "paper:10", "--time-model", "1:2,x"], "BW:SLOWDOWN"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_exits_2_with_one_error_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mapa-replay: error: ") and message in err
+
+
+def test_bad_header_is_an_error(capsys, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("JobID|JobName\n1|x\n")
+    assert main(["run", str(bad), "--format", "sacct"]) == 2
+    assert "not a sacct --parsable2 header" in capsys.readouterr().err
+
+
+def test_config_file(capsys, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[nodes]\n"g*" = "dgx1-v100"\n[[rules]]\nname = "^bad"\ndirective = "topology=ring sensitive=yes"\n')
+    assert main(["run", str(DATA / "mixed-p.txt"), "--config", str(cfg), "--policies", "preserve"]) == 0
+    cfg.write_text("[nodez]\n")
+    assert main(["run", str(DATA / "mixed-p.txt"), "--config", str(cfg)]) == 2
+    assert "unknown section" in capsys.readouterr().err
+
+
+def test_policies_listing(capsys):
+    assert main(["policies", "--json"]) == 0
+    names = json.loads(capsys.readouterr().out)["policies"]
+    assert {"preserve", "nvidia-besteffort", "hami-topology", "slurm-native"} <= set(names)
+
+
+def test_plots(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    assert main(["run", "--generate", "paper:60", "--topology", "dgx1-v100", "--policies", "baseline,preserve",
+                 "--time-model", "--plot", str(tmp_path)]) == 0
+    assert (tmp_path / "effbw-sensitive.png").stat().st_size > 1000
+    assert (tmp_path / "over-time.png").exists() and (tmp_path / "runtime-sensitive.png").exists()

@@ -1,0 +1,152 @@
+"""The event-driven simulator, the time model, the statistics and the decision audit."""
+
+from __future__ import annotations
+
+import pytest
+
+from slurm_mapa.errors import InputError
+from slurm_mapa.hardware.presets import preset
+from slurm_mapa.replay import report
+from slurm_mapa.replay.audit import audit
+from slurm_mapa.replay.generate import generate
+from slurm_mapa.replay.jobs import Job
+from slurm_mapa.replay.simulate import Decider, Node, Options, simulate
+from slurm_mapa.replay.stats import Dist, Series
+from slurm_mapa.replay.timemodel import TimeModel, parse_curve
+
+DGX = [Node("n1", preset("dgx1-v100"))]
+
+
+def _records(jobs, nodes=DGX, policy="baseline", options=None):
+    out = []
+    result = simulate(jobs, nodes, policy, options, on_record=out.append)
+    return result, {r.id: r for r in out}
+
+
+def test_fifo_head_of_line_blocking_and_backfill():
+    jobs = [
+        Job("a", 0, 100, 6),  # takes 6 of 8 GPUs
+        Job("b", 1, 10, 4),   # head: does not fit until a ends
+        Job("c", 2, 10, 1),   # fits now, but FIFO makes it wait behind b
+    ]
+    result, recs = _records([Job(**{s: getattr(j, s) for s in Job.__slots__}) for j in jobs])
+    assert recs["b"].start == 100 and recs["c"].start == 100
+    assert result.jobs == 3 and result.makespan == 110
+    _, recs = _records(jobs, options=Options(backfill=True))
+    assert recs["c"].start == 2 and recs["b"].start == 100
+
+
+def test_arrivals_are_honest_and_idle_time_is_skipped():
+    result, recs = _records([Job("a", 0, 5, 2), Job("b", 1000, 5, 2)])
+    assert recs["b"].start == 1000 and recs["b"].wait == 0
+    assert result.makespan == 1005
+
+
+def test_out_of_order_arrivals_are_reordered_within_the_window():
+    result, recs = _records([Job("a", 10, 5, 1), Job("b", 0, 5, 1)])
+    assert recs["b"].start == 0 and recs["a"].start == 10 and result.out_of_order == 0
+
+
+def test_jobs_larger_than_every_node_are_dropped_not_blocking():
+    result, recs = _records([Job("big", 0, 5, 9), Job("ok", 1, 5, 2)])
+    assert set(recs) == {"ok"} and result.dropped == {"larger than every node": 1}
+
+
+def test_many_nodes_and_pinning():
+    nodes = [Node("n1", preset("dgx1-v100")), Node("n2", preset("dgx1-v100"))]
+    _, recs = _records([Job("a", 0, 10, 8), Job("b", 0, 10, 8)], nodes)
+    assert recs["a"].node == "n1" and recs["b"].node == "n2" and recs["b"].start == 0
+    pinned = [Job("a", 0, 10, 8, node="n1"), Job("b", 0, 10, 8, node="n1")]
+    _, recs = _records(pinned, nodes)
+    assert recs["b"].node == "n1" and recs["b"].start == 10
+    _, recs = _records([Job(**{s: getattr(j, s) for s in Job.__slots__}) for j in pinned], nodes, options=Options(pin_nodes=False))
+    assert recs["b"].node == "n2"
+    _, recs = _records([Job("wide", 0, 10, 4, nodes=2)], nodes)
+    assert recs["wide"].node == "n1,n2"
+
+
+def test_time_model_slows_sensitive_jobs_on_poor_bandwidth_only():
+    model = TimeModel()
+    assert model.slowdown(12.3) == 3.0 and model.slowdown(80) == 1.0 and model.slowdown(None) == 1.0
+    assert model.runtime(100, False, 4, 12.3) == 100 and model.runtime(100, True, 1, None) == 100
+    assert 1.0 < model.slowdown(30) < 1.8
+    jobs = [Job("a", 0, 100, 4, sensitive=True)]
+    _, recs = _records(jobs, [Node("p", preset("pcie-8"))], options=Options(time_model=model))
+    assert recs["a"].runtime == pytest.approx(100 * model.slowdown(recs["a"].effective))
+    assert recs["a"].runtime > 250
+    with pytest.raises(InputError, match="BW:SLOWDOWN"):
+        parse_curve("12:3,oops")
+    with pytest.raises(InputError, match="increase"):
+        parse_curve("50:1,12:3")
+
+
+def test_decisions_are_memoised_per_state():
+    decider = Decider()
+    simulate(generate("paper", 300, seed=1, load=4), DGX, "preserve", decider=decider)
+    first = decider.searches
+    simulate(generate("paper", 300, seed=1, load=4), DGX, "preserve", decider=decider)
+    assert decider.searches == first and decider.lookups > first
+
+
+def test_preserve_improves_the_lower_tail_on_the_paper_workload_dgx1():
+    decider = Decider()
+    results = {p: simulate(generate("paper", 300, seed=1, load=4), DGX, p, decider=decider)
+               for p in ("baseline", "topo-aware", "greedy", "preserve")}
+    pres = results["preserve"].eff_sensitive
+    for other in ("baseline", "topo-aware"):
+        assert pres.quantile(0) > results[other].eff_sensitive.quantile(0)
+        assert pres.quantile(0.25) > results[other].eff_sensitive.quantile(0.25)
+    assert results["preserve"].jobs == 300
+    text = report.table(list(results.values()))
+    assert "preserve" in text and "min" in text
+    rows = report.table3(list(results.values()))
+    assert rows[0] == {"policy": "baseline", "min": 1.0, "p25": 1.0, "median": 1.0, "p75": 1.0, "max": 1.0, "throughput": 1.0}
+    summary = report.summary(results["preserve"])
+    assert summary["effective_bw_sensitive"]["n"] == results["preserve"].eff_sensitive.count
+    assert 0 <= summary["fragmentation_time_mean"] <= 1
+
+
+def test_round_robin_keeps_its_queue_per_node():
+    _, recs = _records([Job("a", 0, 10, 1), Job("b", 20, 10, 1)], policy="round-robin")
+    assert recs["a"].gpus == (0,) and recs["b"].gpus == (1,)
+    _, recs = _records([Job("a", 0, 10, 1), Job("b", 20, 10, 1)], policy="first-fit")
+    assert recs["b"].gpus == (0,)
+
+
+def test_unknown_policy_and_empty_cluster():
+    with pytest.raises(InputError, match="accepted"):
+        simulate([], DGX, "nope")
+    with pytest.raises(InputError, match="no nodes"):
+        simulate([], [], "baseline")
+
+
+def test_dist_quantiles_exact_and_bounded():
+    d = Dist()
+    for v in [1, 2, 3, 4, 5]:
+        d.add(float(v))
+    assert d.five()["p25"] == 2 and d.quantile(0.5) == 3 and d.mean == 3
+    big = Dist(exact_limit=100)
+    for i in range(10_000):
+        big.add(float(i % 50))
+    assert big.values is None and len(big.hist) == 50
+    assert big.quantile(0.5) in (24.0, 25.0) and big.quantile(1) == 49
+    s = Series(limit=10)
+    for t in range(100):
+        s.add(float(t), 1.0, 0.0, 0, 0)
+    assert len(s.points) <= 11
+
+
+def test_audit_recorded_decisions_match_preserve():
+    graph = preset("dgx1-v100")
+    jobs = [
+        Job("1", 0, 100, 2, sensitive=True, node="n1", recorded=(0, 3), start=0),
+        Job("2", 0, 100, 1, sensitive=False, node="n1", recorded=(1,), start=5),
+    ]
+    decider = Decider()
+    from slurm_mapa.core.policies import select
+    want = select("preserve", graph, [1, 2, 4, 5, 6, 7], jobs[1] and __import__("slurm_mapa.replay.directives", fromlist=["x"]).request_for("ring", 1, False))
+    jobs[1].recorded = tuple(sorted(want.gpus))
+    result = audit(jobs, DGX, ["preserve", "baseline"], decider)
+    assert result["compared"] == 2 and result["policies"]["preserve"]["same_set"] == 2
+    overlapping = [Job("1", 0, 100, 2, node="n1", recorded=(0, 3), start=0), Job("2", 0, 100, 1, node="n1", recorded=(3,), start=5)]
+    assert audit(overlapping, DGX, ["preserve"], decider)["skipped"] == 1
