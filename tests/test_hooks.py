@@ -248,3 +248,23 @@ def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys):
     report = explain_job(config, slurm.admin["60"])
     assert report[0]["gpus"] == list(first.gpus) and report[0]["free"] == list(range(8))
     assert report[0]["alternatives"] and all(alt["why_not"] for alt in report[0]["alternatives"])
+
+
+def test_unhealthy_gpus_are_left_out_and_logged(setup):
+    config, slurm, logs = setup
+    slurm.running = {"70"}
+    decision = run_prolog(env_for("70", "0,1", "mapa:sensitive=yes"), config, slurm, logs.append,
+                          unhealthy_gpus=lambda: {0: ("2 uncorrectable ECC errors",), 3: ("pending page retirement",)})
+    assert not {0, 3} & set(decision.gpus) and decision.policy == "preserve"
+    assert any("leaving out GPU 0: 2 uncorrectable ECC errors" in line for line in logs)
+
+
+def test_a_failing_health_probe_never_stops_the_job(setup):
+    config, slurm, logs = setup
+    slurm.running = {"71"}
+
+    def broken():
+        raise RuntimeError("NVML exploded")
+
+    decision = run_prolog(env_for("71", "0,1", "mapa:sensitive=yes"), config, slurm, logs.append, unhealthy_gpus=broken)
+    assert decision.policy == "preserve" and any("health check failed" in line for line in logs)

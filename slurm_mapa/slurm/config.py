@@ -9,6 +9,7 @@
     scontrol = "/usr/bin/scontrol"
     squeue = "/usr/bin/squeue"
     model = ""                                 # an effective-bandwidth model file, or the paper's
+    health = "auto"                            # "off": do not ask NVML which GPUs are sick
 
     [nodes]                                    # node-name glob -> preset or topology file
     "dgx*" = "dgx1-v100"
@@ -30,7 +31,7 @@ from ..errors import InputError
 from .directive import parse_directive
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
-_KEYS = {"policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes"}
+_KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes"}
 _OTHER_TOOLS_SECTIONS = {"cluster", "defaults", "rules", "replay"}
 
 
@@ -45,6 +46,7 @@ class HookConfig:
     scontrol: str = "/usr/bin/scontrol"
     squeue: str = "/usr/bin/squeue"
     model: str = ""
+    health: str = "auto"
     nodes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def topology_for(self, node: str) -> str | None:
@@ -63,13 +65,15 @@ def config_from_text(text: str, source: str = "mapa.toml") -> HookConfig:
     if unknown:
         raise InputError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} (accepted: {', '.join(sorted(_KEYS))})")
     values: dict[str, Any] = {}
-    for key in ("policy", "default_directive", "scontrol", "squeue", "model"):
+    for key in ("policy", "default_directive", "scontrol", "squeue", "model", "health"):
         if key in data:
             if not isinstance(data[key], str):
                 raise InputError(f"{source}: {key} must be a string, got {data[key]!r}")
             values[key] = data[key]
     if values.get("policy", "preserve") not in all_policies():
         raise InputError(f"{source}: unknown policy {values['policy']!r} (accepted: {', '.join(all_policies())})")
+    if values.get("health", "auto") not in ("auto", "off"):
+        raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {values['health']!r}")
     if "default_directive" in values:
         parse_directive(values["default_directive"])  # a bad default is the admin's error, found at load
     for key in ("ledger", "jobs_dir", "log"):

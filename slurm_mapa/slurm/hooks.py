@@ -113,10 +113,17 @@ def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...]) -> tuple[i
 
 
 def choose(
-    ctx: PrologContext, config: HookConfig, graph: HardwareGraph | None, directive: Directive, ledger: Ledger, size: int, problem: str
+    ctx: PrologContext,
+    config: HookConfig,
+    graph: HardwareGraph | None,
+    directive: Directive,
+    ledger: Ledger,
+    size: int,
+    problem: str,
+    unhealthy: frozenset[int] = frozenset(),
 ) -> Decision:
-    """The pure decision: the policy's choice on the free GPUs, or the fail-open fallback."""
-    free = ledger.free(size)
+    """The pure decision: the policy's choice on the free healthy GPUs, or the fail-open fallback."""
+    free = ledger.free(size, unhealthy)
     if graph is not None and not problem:
         try:
             request = to_request(directive, len(ctx.slurm_gpus))
@@ -166,10 +173,26 @@ def read_job_files(jobs_dir: Path, size: int) -> Ledger:
     return Ledger(holdings)
 
 
-def run_prolog(env: Mapping[str, str], config: HookConfig, run: RunCommand, log: Callable[[str], None], config_problem: str = "") -> Decision | None:
+def run_prolog(
+    env: Mapping[str, str],
+    config: HookConfig,
+    run: RunCommand,
+    log: Callable[[str], None],
+    config_problem: str = "",
+    unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None = None,
+) -> Decision | None:
     ctx = context_from_env(env)
     if ctx is None:
         return None
+    unhealthy: frozenset[int] = frozenset()
+    if unhealthy_gpus is not None:
+        try:
+            problems = unhealthy_gpus()
+            unhealthy = frozenset(problems)
+            for gpu, reasons in sorted(problems.items()):
+                log(f"job {ctx.job_id}: leaving out GPU {gpu}: {'; '.join(reasons)}")
+        except Exception as error:  # noqa: BLE001 - a health probe must never stop the job
+            log(f"job {ctx.job_id}: GPU health check failed ({error}); using every GPU")
     problem = config_problem
     graph: HardwareGraph | None = None
     if not problem:
@@ -198,7 +221,7 @@ def run_prolog(env: Mapping[str, str], config: HookConfig, run: RunCommand, log:
                 log(f"job {ctx.job_id}: reaped ledger entries of finished jobs {','.join(dead)}")
         except CommandFailed as error:
             log(f"job {ctx.job_id}: squeue failed ({error}); keeping every ledger entry")
-        decision = choose(ctx, config, graph, directive, ledger, size, problem)
+        decision = choose(ctx, config, graph, directive, ledger, size, problem, unhealthy)
         note = f"directive from {source}" + (f"; {problem}" if problem else "")
         ledger_file.write(ledger.with_job(ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note)))
         write_job_file(config.jobs_dir, ctx.job_id, decision.gpus)
@@ -263,10 +286,37 @@ def prolog_main() -> int:
     if problem:
         log(f"config problem, every job falls back: {problem}")
     try:
-        run_prolog(os.environ, config, Runner(timeout=config.command_timeout), log, problem)
+        run_prolog(os.environ, config, Runner(timeout=config.command_timeout), log, problem, nvml_health_probe(config))
     except Exception:  # noqa: BLE001 - fail open: never drain the node
         log("prolog internal error, job runs on Slurm's GPUs:\n" + traceback.format_exc())
     return 0
+
+
+def _pid_in_a_job(pid: int) -> bool:
+    """Whether a process runs inside a Slurm job (its environment names one)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return b"SLURM_JOB_ID=" in handle.read(1 << 16)
+    except OSError:
+        return True  # gone, or not ours to read: do not blame the GPU
+
+
+def nvml_health_probe(config: HookConfig) -> Callable[[], dict[int, tuple[str, ...]]] | None:
+    """NVML's view of sick GPUs, when the config asks for it and NVML is there."""
+    if config.health == "off":
+        return None
+    try:
+        import pynvml  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return None
+
+    def probe() -> dict[int, tuple[str, ...]]:
+        from ..hardware.nvml import health, load_pynvml, nvml_session
+
+        with nvml_session(load_pynvml()) as nvml:
+            return health(nvml, job_pids=_pid_in_a_job).problems
+
+    return probe
 
 
 def epilog_main() -> int:

@@ -1,0 +1,368 @@
+"""job_submit.lua against the Python directive parser, under a real Lua 5.1 interpreter.
+
+Every line of tests/data/directives/corpus.tsv, plus generated inputs, goes through the plugin
+(tests/lua/run_cases.lua loads it with a mocked ``slurm`` table) and through
+:mod:`slurm_mapa.slurm.directive`; both must give the same verdict and the same text: the same
+normalised directive (stored as ``admin_comment = "mapa:<normalised>"``), or the same error
+message (sent with ``slurm.log_user``), or no directive at all.
+
+Needs ``lua5.1`` and ``luac5.1`` (Debian/Ubuntu: ``apt-get install -y lua5.1``). Without them
+these tests fail, unless ``MAPA_SKIP_LUA=1`` is set, which skips them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from slurm_mapa.errors import InputError
+from slurm_mapa.slurm.directive import MAX_LINE_CHARS, parse_comment, parse_directive_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = ROOT / "slurm_mapa" / "data" / "slurm" / "job_submit.lua"
+DRIVER = Path(__file__).resolve().parent / "lua" / "run_cases.lua"
+CORPUS = Path(__file__).resolve().parent / "data" / "directives" / "corpus.tsv"
+
+INSTALL_HINT = (
+    "install Lua 5.1 (it provides lua5.1 and luac5.1): `apt-get update && apt-get install -y lua5.1` "
+    "on Debian/Ubuntu; or set MAPA_SKIP_LUA=1 to skip the job_submit.lua tests"
+)
+
+SUCCESS, ERROR, INVALID, INTERNAL = 0, -1, 2072, 2090  # the mock's slurm.SUCCESS, ERROR, ESLURM_INVALID_GRES, ESLURM_INTERNAL
+
+
+def _require(tool: str) -> str:
+    path = shutil.which(tool)
+    if path:
+        return path
+    if os.environ.get("MAPA_SKIP_LUA") == "1":
+        pytest.skip(f"{tool} not found and MAPA_SKIP_LUA=1 is set")
+    pytest.fail(f"{tool} not found: {INSTALL_HINT}", pytrace=False)
+
+
+# --- running the plugin -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of the plugin: job_desc.script and job_desc.comment (None: the field is nil)."""
+
+    script: str | None = None
+    comment: str | None = None
+    mode: str = "submit"  # see tests/lua/run_cases.lua
+
+
+@dataclass(frozen=True)
+class Result:
+    rc: int
+    messages: tuple[str, ...]
+    admin_comment: str | None
+
+
+@dataclass(frozen=True)
+class Load:
+    rc: str
+    globals: tuple[str, ...]
+    info: tuple[str, ...]
+
+
+def _bytes(text: str | None) -> bytes | None:
+    # The corpus reads \xHH as the character U+00HH; the plugin sees the byte HH.
+    return None if text is None else text.encode("latin-1")
+
+
+def _run(cases: list[Case], tmp: Path) -> tuple[Load, list[Result]]:
+    lua = _require("lua5.1")
+    blob = bytearray()
+    for case in cases:
+        script, comment = _bytes(case.script), _bytes(case.comment)
+        blob += f"{case.mode} {-1 if script is None else len(script)} {-1 if comment is None else len(comment)}\n".encode()
+        blob += (script or b"") + (comment or b"")
+    cases_file = tmp / "cases.bin"
+    cases_file.write_bytes(bytes(blob))
+    done = subprocess.run([lua, str(DRIVER), str(PLUGIN), str(cases_file)], capture_output=True, timeout=120)
+    assert done.returncode == 0, f"the Lua driver failed:\n{done.stderr.decode(errors='replace')}"
+    data, pos = done.stdout, 0
+
+    def line() -> str:
+        nonlocal pos
+        end = data.index(b"\n", pos)
+        text = data[pos:end].decode("latin-1")
+        pos = end + 1
+        return text
+
+    def take(count: int) -> str:
+        nonlocal pos
+        text = data[pos : pos + count].decode("latin-1")
+        assert len(text) == count, "truncated driver output"
+        pos += count
+        return text
+
+    load_rc = line().removeprefix("LOAD ")
+    globals_ = tuple(filter(None, line().removeprefix("GLOBALS ").split(",")))
+    info = tuple(take(int(line())) for _ in range(int(line().removeprefix("INFO "))))
+    results = []
+    for _ in cases:
+        rc, count, admin_len = (int(v) for v in line().split(" "))
+        messages = tuple(take(int(line())) for _ in range(count))
+        admin = take(admin_len) if admin_len >= 0 else None
+        results.append(Result(rc, messages, admin))
+    assert pos == len(data), "the driver wrote more results than cases"
+    return Load(load_rc, globals_, info), results
+
+
+def _verdict(result: Result) -> tuple[str, str | None]:
+    """The plugin's answer as (ok, normalised) / (none, None) / (error, message)."""
+    if result.rc == SUCCESS and not result.messages:
+        if result.admin_comment is None:
+            return ("none", None)
+        assert result.admin_comment.startswith("mapa:"), result
+        return ("ok", result.admin_comment.removeprefix("mapa:"))
+    if result.rc == INVALID and len(result.messages) == 1 and result.admin_comment is None:
+        return ("error", result.messages[0])
+    return ("unexpected", repr(result))
+
+
+def _python(case: Case) -> tuple[str, str | None]:
+    """What the Python parser says about the same job: the comment first, then the script."""
+    try:
+        from_comment = parse_comment(case.comment) if case.comment is not None else None
+        from_script = parse_directive_lines(case.script) if case.script is not None else None
+    except InputError as error:
+        return ("error", str(error))
+    directive = from_comment if from_comment is not None else from_script
+    return ("none", None) if directive is None else ("ok", directive.normalised())
+
+
+# --- the corpus ---------------------------------------------------------------------------------
+
+
+def _unescape(text: str) -> str:
+    text = text.replace("\\n", "\n").replace("\\t", "\t").replace("\\r", "\r")
+    return re.sub(r"\\x([0-9a-fA-F]{2})", lambda m: chr(int(m.group(1), 16)), text)
+
+
+def _corpus() -> list[tuple[int, str, str, str, str]]:
+    cases = []
+    for number, line in enumerate(CORPUS.read_text(encoding="ascii").split("\n"), start=1):
+        if not line or line.startswith("#"):
+            continue
+        kind, text, verdict, expected = line.split("\t")
+        cases.append((number, kind, _unescape(text), verdict, expected))
+    return cases
+
+
+CORPUS_CASES = _corpus()
+
+
+def _forms(kind: str, text: str) -> list[Case]:
+    """The plugin inputs for one corpus line: comments and scripts as they are; a body both as a
+    ``mapa:`` comment and as a ``#MAPA`` line (alone and inside a typical script)."""
+    if kind == "comment":
+        return [Case(comment=text)]
+    if kind == "script":
+        return [Case(script=text)]
+    return [
+        Case(comment="mapa:" + text),
+        Case(script="#MAPA " + text),
+        Case(script="#!/bin/bash\n#SBATCH --gres=gpu:4\n#MAPA " + text + "\nsrun ./app\n"),
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _corpus_results(tmp: Path) -> dict[Case, Result]:
+    cases = list(dict.fromkeys(case for _, kind, text, _, _ in CORPUS_CASES for case in _forms(kind, text)))
+    _, results = _run(cases, tmp)
+    return dict(zip(cases, results))
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lua-corpus")
+
+
+@pytest.mark.parametrize("number,kind,text,verdict,expected", CORPUS_CASES, ids=[f"L{c[0]}-{c[1]}-{c[3]}" for c in CORPUS_CASES])
+def test_corpus_line_lua_matches_python(corpus_dir: Path, number: int, kind: str, text: str, verdict: str, expected: str) -> None:
+    results = _corpus_results(corpus_dir)
+    for case in _forms(kind, text):
+        lua = _verdict(results[case])
+        assert lua == _python(case), f"corpus line {number}, {case!r}: Lua and Python disagree"
+        if kind != "body":  # the corpus's own expectation, for the inputs used as they are
+            assert lua[0] == verdict, f"corpus line {number}"
+            if verdict == "ok":
+                assert lua[1] == expected
+            elif verdict == "error":
+                assert lua[1] is not None and lua[1].startswith("MAPA: ") and expected in lua[1]
+
+
+# --- generated inputs ---------------------------------------------------------------------------
+
+VOCAB = [
+    "topology", "sensitive", "gpus", "edges", "weights", "Topology", "SENSITIVE", "=", "==", "ring", "Ring", "chain",
+    "tree", "ring+tree", "all", "star", "mesh2d", "torus2d", "hypercube", "custom", "rnig", ":", "x", "X", "2x4", "0x4",
+    "8x8", "9x9", "0", "00", "1", "2", "4", "6", "8", "16", "63", "64", "65", "0064", "-", "0-1", "1-2", "1-1", "0-63",
+    ",", ".", ".5", "4.", "0.5", "010.50", "1234567", "0.000001", "999999.999999", "1e3", "yes", "no", "true", "maybe",
+    " ", "  ", "\t", "#", "# x", "#MAPA ", "#MAPA", "#mapa ", " #MAPA ", "#SBATCH -N1", "srun ./app", "\n", "\r\n", "\r",
+    "mapa:", "MAPA:", "%", "%s", "'", "\\", "\x00", "\x07", "\x7f", "\xc3\xa9", "\xff",
+]
+
+
+def _random_cases(seed: int, count: int) -> list[Case]:
+    rnd = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        text = "".join(rnd.choice(VOCAB) for _ in range(rnd.randint(0, 24)))
+        pick = rnd.randrange(6)
+        if pick == 0:
+            cases.append(Case(comment="mapa:" + text))
+        elif pick == 1:
+            cases.append(Case(comment=text))
+        elif pick == 2:
+            cases.append(Case(script="#MAPA " + text))
+        elif pick == 3:
+            cases.append(Case(script=text))
+        elif pick == 4:
+            lines = ["#!/bin/bash"] + [rnd.choice(["#MAPA ", "#MAPA\t", "#SBATCH ", "", "# "]) + text for _ in range(rnd.randint(1, 4))]
+            cases.append(Case(script="\n".join(lines) + "\nsrun ./app\n"))
+        else:
+            cases.append(Case(script="#MAPA " + text, comment=rnd.choice(["mapa:" + text, "notes", "mapa:sensitive=yes"])))
+    return cases
+
+
+def test_generated_inputs_lua_matches_python(tmp_path: Path) -> None:
+    cases = _random_cases(seed=5, count=4000)
+    _, results = _run(cases, tmp_path)
+    verdicts = {"ok": 0, "none": 0, "error": 0}
+    for case, result in zip(cases, results):
+        lua = _verdict(result)
+        assert lua == _python(case), f"Lua and Python disagree on {case!r}"
+        verdicts[lua[0]] += 1
+    assert min(verdicts.values()) >= 100, verdicts  # the generator reaches every verdict
+
+
+# --- the plugin as Slurm uses it ----------------------------------------------------------------
+
+SCRIPT = "#!/bin/bash\n#SBATCH --gres=gpu:4\n\n# set-up\n#MAPA topology=ring\n#SBATCH -t 10\n#MAPA sensitive=yes gpus=4 # best ring\nsrun ./app\n#MAPA topology=chain\n"
+
+EXTRA = [
+    ("multi-line script", Case(script=SCRIPT), ("ok", "topology=ring sensitive=yes gpus=4")),
+    ("sbatch stop rule", Case(script="#!/bin/bash\n#SBATCH -N1\nhostname\n#MAPA topology=rnig\n"), ("none", None)),
+    ("directive after #SBATCH", Case(script="#!/bin/bash\n#SBATCH -N1\n#MAPA topology=star\n"), ("ok", "topology=star sensitive=no")),
+    ("here-document", Case(script="#!/bin/sh\ncat > x.sh <<EOF\n#MAPA topology=rnig\nEOF\n"), ("none", None)),
+    ("windows line ends", Case(script="#!/bin/bash\r\n#MAPA topology=tree\r\n"), ("ok", "topology=tree sensitive=no")),
+    ("no directive", Case(script="#!/bin/bash\n#SBATCH -N1\nsrun ./app\n", comment="run 3 of 5"), ("none", None)),
+    ("no script, no comment", Case(), ("none", None)),
+    ("empty script and comment", Case(script="", comment=""), ("none", None)),
+    ("srun comment", Case(comment="mapa:topology=all gpus=4"), ("ok", "topology=all sensitive=no gpus=4")),
+    ("comment wins over script", Case(script="#MAPA topology=star\n", comment="mapa:topology=chain"), ("ok", "topology=chain sensitive=no")),
+    ("other comment, script used", Case(script="#MAPA topology=star\n", comment="sweep 7"), ("ok", "topology=star sensitive=no")),
+    (
+        "bad script rejected even with a good comment",
+        Case(script="#!/bin/bash\n#MAPA topology=rnig\n", comment="mapa:topology=chain"),
+        ("error", "MAPA: line 2: unknown topology 'rnig' (accepted: ring, chain, tree, ring+tree, all, star, mesh2d, torus2d, hypercube, custom)"),
+    ),
+    (
+        "bad comment reported first",
+        Case(script="#MAPA topology=rnig\n", comment="mapa:sensitive=maybe"),
+        ("error", "MAPA: bad value 'maybe' for sensitive (accepted: yes, no, true, false, 1, 0)"),
+    ),
+    (
+        "percent signs reach the user unformatted",
+        Case(comment="mapa:topology=50%d%s%%"),
+        ("error", "MAPA: unknown topology '50%d%s%%' (accepted: ring, chain, tree, ring+tree, all, star, mesh2d, torus2d, hypercube, custom)"),
+    ),
+    ("the issue's example", Case(script="#MAPA topology=rnig\n"), ("error", "MAPA: line 1: unknown topology 'rnig' (accepted: ring, chain, tree, ring+tree, all, star, mesh2d, torus2d, hypercube, custom)")),
+]
+
+
+@pytest.fixture(scope="module")
+def extra_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
+    _, results = _run([case for _, case, _ in EXTRA], tmp_path_factory.mktemp("lua-extra"))
+    return {name: result for (name, _, _), result in zip(EXTRA, results)}
+
+
+@pytest.mark.parametrize("name,case,expected", EXTRA, ids=[e[0] for e in EXTRA])
+def test_extra_cases(extra_results: dict[str, Result], name: str, case: Case, expected: tuple[str, str | None]) -> None:
+    lua = _verdict(extra_results[name])
+    assert lua == expected
+    assert _python(case) == expected
+
+
+def test_plugin_loads_like_slurm_expects(tmp_path: Path) -> None:
+    load, _ = _run([], tmp_path)
+    assert load.rc == str(SUCCESS)
+    assert load.globals == ("slurm_job_modify", "slurm_job_submit"), "helpers must be local"
+    assert len(load.info) == 1 and load.info[0].endswith("initialized")
+
+
+def test_syntax_with_luac() -> None:
+    luac = _require("luac5.1")
+    done = subprocess.run([luac, "-p", str(PLUGIN), str(DRIVER)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_runtime_error_rejects_the_job(tmp_path: Path) -> None:
+    # In Slurm 24.11 a Lua error escaping slurm_job_submit would ACCEPT the job.
+    _, (result,) = _run([Case(mode="boom")], tmp_path)
+    assert result.rc == INTERNAL
+    assert len(result.messages) == 1 and result.messages[0].startswith("MAPA: internal error")
+    assert result.admin_comment is None
+
+
+def test_return_codes_fall_back_to_slurm_error(tmp_path: Path) -> None:
+    cases = [Case(comment="mapa:topology=rnig", mode="noeslurm"), Case(comment="mapa:", mode="noeslurm")]
+    _, (bad, good) = _run(cases, tmp_path)
+    assert (bad.rc, len(bad.messages)) == (ERROR, 1)
+    assert (good.rc, good.admin_comment) == (SUCCESS, "mapa:topology=ring sensitive=no")
+
+
+def test_non_string_fields_are_ignored(tmp_path: Path) -> None:
+    _, (result,) = _run([Case(mode="number")], tmp_path)
+    assert result == Result(SUCCESS, (), None)
+
+
+def test_modify_validates_a_changed_comment_without_touching_admin_comment(tmp_path: Path) -> None:
+    cases = [
+        Case(comment="mapa:topology=chain sensitive=yes", mode="modify"),
+        Case(comment="mapa:topology=chain sensitive=perhaps", mode="modify"),
+        Case(comment="just notes", mode="modify"),
+        Case(mode="modify"),  # e.g. the Prolog's `scontrol update AdminComment=...`
+        Case(script="#MAPA topology=rnig\n", mode="modify"),  # a script is not re-read on modify
+    ]
+    _, results = _run(cases, tmp_path)
+    assert results[0] == Result(SUCCESS, (), None)
+    assert results[1] == Result(INVALID, ("MAPA: bad value 'perhaps' for sensitive (accepted: yes, no, true, false, 1, 0)",), None)
+    assert results[2:] == [Result(SUCCESS, (), None)] * 3
+
+
+def test_large_inputs_stay_fast(tmp_path: Path) -> None:
+    """Bounded work on hostile sizes: a 4 MB script (Slurm's default max_script_size), huge lines."""
+    big_header = "#!/bin/bash\n" + "# a comment line of the kind long scripts have\n" * 85_000
+    cases = [
+        Case(script=big_header + "#MAPA topology=star\nsrun ./app\n"),
+        Case(script="#" * 4_000_000 + "\n#MAPA topology=chain\n"),
+        Case(script="#MAPA " + "x=" * 2_000_000),
+        Case(comment="mapa:" + "sensitive=yes " * 300_000),
+        Case(comment="mapa:topology=all gpus=64 weights=" + "1," * 2015 + "1"),  # 2016 edges
+        Case(script="#MAPA topology=custom edges=" + ",".join(["0-1"] * 2048) + " weights=" + "," * 2048),
+        Case(script="\n" * 1_000_000 + "#MAPA\n"),
+        Case(script="#MAPA " + " " * 8180 + "gpus=4"),  # exactly at the line limit
+        Case(script="#MAPA " + " " * 8181 + "gpus=4"),  # one over
+    ]
+    started = time.monotonic()
+    _, results = _run(cases, tmp_path)
+    elapsed = time.monotonic() - started
+    for case, result in zip(cases, results):
+        assert _verdict(result) == _python(case)
+    assert [_verdict(r)[0] for r in results] == ["ok", "ok", "error", "error", "ok", "error", "ok", "ok", "error"]
+    assert [len(c.script or "") for c in cases[-2:]] == [MAX_LINE_CHARS, MAX_LINE_CHARS + 1]
+    assert elapsed < 10, f"the plugin took {elapsed:.1f} s on large inputs"
