@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm_mapa.core.patterns import SHAPES, make_pattern
 from slurm_mapa.errors import InputError
 from slurm_mapa.slurm.directive import MAX_LINE_CHARS, parse_comment, parse_directive_lines
 
@@ -186,13 +187,14 @@ def _corpus_results(tmp: Path) -> dict[Case, Result]:
 
 
 @pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("lua-corpus")
+def lua_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder for the cases file of the cached runs (each run rewrites it before Lua reads it)."""
+    return tmp_path_factory.mktemp("lua")
 
 
 @pytest.mark.parametrize("number,kind,text,verdict,expected", CORPUS_CASES, ids=[f"L{c[0]}-{c[1]}-{c[3]}" for c in CORPUS_CASES])
-def test_corpus_line_lua_matches_python(corpus_dir: Path, number: int, kind: str, text: str, verdict: str, expected: str) -> None:
-    results = _corpus_results(corpus_dir)
+def test_corpus_line_lua_matches_python(lua_tmp: Path, number: int, kind: str, text: str, verdict: str, expected: str) -> None:
+    results = _corpus_results(lua_tmp)
     for case in _forms(kind, text):
         lua = _verdict(results[case])
         assert lua == _python(case), f"corpus line {number}, {case!r}: Lua and Python disagree"
@@ -216,11 +218,76 @@ VOCAB = [
 ]
 
 
+VALUES = {
+    "topology": ["ring", "chain", "tree", "ring+tree", "all", "star", "mesh2d", "torus2d", "hypercube", "custom", "Ring",
+                 "mesh2d:2x4", "torus2d:4x4", "torus2d:2x2", "MESH2D:1X8", "mesh2d:02x4", "mesh2d:0x4", "torus2d:9x9",
+                 "mesh2d:", "mesh2d:2x4:1", "ring:2x4", "chain:2X4", "rnig", "ring,chain"],
+    "sensitive": ["yes", "no", "true", "false", "1", "0", "YES", "False", "maybe", "y"],
+    "gpus": ["1", "2", "3", "4", "6", "7", "8", "16", "64", "04", "0064", "0", "65", "00004", "2.0", "-1"],
+}
+WEIGHTS = ["1", "2", "0.5", "4.000", "010.50", "000.000100", "999999.999999", "0.000001", "0", "0.000", "1e3", ".5", "4.", "1234567", ""]
+KEY_SPELLINGS = ["topology", "sensitive", "gpus", "edges", "weights"] * 4 + ["Topology", "GPUS", "Weights", "topo", ""]
+
+
+def _value(rnd: random.Random, key: str) -> str:
+    if key in VALUES:
+        return rnd.choice(VALUES[key])
+    if key == "edges":
+        top = rnd.choice([3, 8, 64, 65])
+        return ",".join(rnd.choice([f"{rnd.randrange(top)}-{rnd.randrange(top)}", "0-1", "1-2", "01-2", ""]) for _ in range(rnd.randint(1, 6)))
+    return ",".join(rnd.choice(WEIGHTS) for _ in range(rnd.randint(1, 9)))
+
+
+def _sized_body(rnd: random.Random) -> str:
+    """A directive whose GPU count is known (gpus= or a grid), with a weights count near the right one."""
+    shape = rnd.choice(SHAPES)
+    size = rnd.choice([1, 2, 3, 4, 6, 8, 9, 16, 64])
+    grid = rnd.choice([None, (2, size // 2), (1, size)]) if shape in ("mesh2d", "torus2d") and size % 2 == 0 else None
+    edges = None
+    if shape == "custom":
+        edges = tuple((rnd.randrange(size + 1), rnd.randrange(size + 1)) for _ in range(rnd.randint(1, 5)))
+        edges = tuple(e for e in edges if e[0] != e[1]) or ((0, 1),)
+    try:
+        count = len(make_pattern(shape, size, grid=grid, edges=edges).edges)
+    except InputError:
+        count = rnd.randint(1, 8)
+    tokens = [f"topology={shape}" + (f":{grid[0]}x{grid[1]}" if grid else "")]
+    if grid is None or rnd.random() < 0.5:
+        tokens.append(f"gpus={rnd.choice([size, size, size + 1])}")
+    if edges is not None:
+        tokens.append("edges=" + ",".join(f"{a}-{b}" for a, b in edges))
+    if count + 1 <= 2048 and rnd.random() < 0.8:
+        tokens.append("weights=" + ",".join(rnd.choice(["1", "2.5", "0.25"]) for _ in range(max(1, count + rnd.choice([-1, 0, 0, 0, 1])))))
+    rnd.shuffle(tokens)
+    return " ".join(tokens)
+
+
+def _body(rnd: random.Random) -> str:
+    """Mostly well-formed key=value tokens with plausible, sometimes wrong, values."""
+    tokens = []
+    for _ in range(rnd.randint(0, 5)):
+        spelled = rnd.choice(KEY_SPELLINGS)
+        token = spelled + rnd.choice(["="] * 20 + ["", "=="]) + _value(rnd, spelled.lower())
+        if rnd.random() < 0.05:
+            cut = rnd.randint(0, len(token))
+            token = token[:cut] + rnd.choice(VOCAB) + token[cut:]
+        tokens.append(token)
+    if rnd.random() < 0.1:
+        tokens.append(rnd.choice(["#", "# comment", "#topology=chain"]))
+    return "".join(rnd.choice([" ", "\t", "  "]) + t for t in tokens)
+
+
 def _random_cases(seed: int, count: int) -> list[Case]:
     rnd = random.Random(seed)
     cases = []
     for _ in range(count):
-        text = "".join(rnd.choice(VOCAB) for _ in range(rnd.randint(0, 24)))
+        roll = rnd.random()
+        if roll < 0.3:
+            text = _sized_body(rnd)
+        elif roll < 0.7:
+            text = _body(rnd)
+        else:
+            text = "".join(rnd.choice(VOCAB) for _ in range(rnd.randint(0, 24)))
         pick = rnd.randrange(6)
         if pick == 0:
             cases.append(Case(comment="mapa:" + text))
@@ -231,15 +298,15 @@ def _random_cases(seed: int, count: int) -> list[Case]:
         elif pick == 3:
             cases.append(Case(script=text))
         elif pick == 4:
-            lines = ["#!/bin/bash"] + [rnd.choice(["#MAPA ", "#MAPA\t", "#SBATCH ", "", "# "]) + text for _ in range(rnd.randint(1, 4))]
+            lines = ["#!/bin/bash"] + [rnd.choice(["#MAPA ", "#MAPA\t", "#SBATCH ", "", "# "]) + _body(rnd) for _ in range(rnd.randint(1, 4))]
             cases.append(Case(script="\n".join(lines) + "\nsrun ./app\n"))
         else:
-            cases.append(Case(script="#MAPA " + text, comment=rnd.choice(["mapa:" + text, "notes", "mapa:sensitive=yes"])))
+            cases.append(Case(script="#MAPA " + text, comment=rnd.choice(["mapa:" + _body(rnd), "notes", "mapa:sensitive=yes"])))
     return cases
 
 
 def test_generated_inputs_lua_matches_python(tmp_path: Path) -> None:
-    cases = _random_cases(seed=5, count=4000)
+    cases = _random_cases(seed=5, count=6000)
     _, results = _run(cases, tmp_path)
     verdicts = {"ok": 0, "none": 0, "error": 0}
     for case, result in zip(cases, results):
@@ -284,15 +351,15 @@ EXTRA = [
 ]
 
 
-@pytest.fixture(scope="module")
-def extra_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
-    _, results = _run([case for _, case, _ in EXTRA], tmp_path_factory.mktemp("lua-extra"))
+@functools.lru_cache(maxsize=None)
+def _extra_results(tmp: Path) -> dict[str, Result]:
+    _, results = _run([case for _, case, _ in EXTRA], tmp)
     return {name: result for (name, _, _), result in zip(EXTRA, results)}
 
 
 @pytest.mark.parametrize("name,case,expected", EXTRA, ids=[e[0] for e in EXTRA])
-def test_extra_cases(extra_results: dict[str, Result], name: str, case: Case, expected: tuple[str, str | None]) -> None:
-    lua = _verdict(extra_results[name])
+def test_extra_cases(lua_tmp: Path, name: str, case: Case, expected: tuple[str, str | None]) -> None:
+    lua = _verdict(_extra_results(lua_tmp)[name])
     assert lua == expected
     assert _python(case) == expected
 
