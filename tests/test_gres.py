@@ -39,12 +39,17 @@ def test_cpu_lists():
 
 
 def test_slurm_cores_from_affinity():
-    dgx1 = CpuLayout(cores=40, threads_per_core=2, numbering="split")
+    dgx1 = CpuLayout(cores=40, threads_per_core=2, numbering="split", sockets=2)
     assert slurm_cores("0-19,40-59", dgx1) == "0-19"
     assert slurm_cores("20-39,60-79", dgx1) == "20-39"
-    summit = CpuLayout(cores=44, threads_per_core=4, numbering="packed")
-    assert slurm_cores("0-83", summit) == "0-20"
-    assert slurm_cores("88-171", summit) == "22-42"
+    # Summit binds GPUs to 21 of a socket's 22 cores; slurmd rejects Cores= that do not cover
+    # whole sockets ("doesn't match socket boundaries"), so each socket is taken whole.
+    summit = CpuLayout(cores=44, threads_per_core=4, numbering="packed", sockets=2)
+    assert slurm_cores("0-83", summit) == "0-21"
+    assert slurm_cores("88-171", summit) == "22-43"
+    assert slurm_cores("0-3", CpuLayout(cores=8)) == "0-7"  # one socket: the whole node
+    with pytest.raises(InputError, match="socket count must divide"):
+        CpuLayout(cores=10, sockets=3)
     with pytest.raises(InputError, match="beyond the node's 40 cores"):
         slurm_cores("0-19,40-59", CpuLayout(cores=40))
     with pytest.raises(InputError):
@@ -59,7 +64,7 @@ def test_links_value():
 
 
 def test_lines_for_dgx1():
-    lines = gres_conf_lines(preset("dgx1-v100"), layout=CpuLayout(40, 2), gres_type="v100", node_name="dgx1")
+    lines = gres_conf_lines(preset("dgx1-v100"), layout=CpuLayout(40, 2, sockets=2), gres_type="v100", node_name="dgx1")
     assert lines[0] == "NodeName=dgx1 Name=gpu Type=v100 File=/dev/nvidia0 Cores=0-19 Links=-1,1,1,2,2,0,0,0"
     assert lines[7].endswith("File=/dev/nvidia7 Cores=20-39 Links=0,0,0,1,2,1,2,-1")
     plain = gres_conf_lines(preset("dgx1-v100"), links=False)
@@ -122,7 +127,7 @@ def test_mini_cluster_cores_fit_slurm_conf():
 def test_gres_conf_command(capsys):
     assert commands_main(["gres-conf", "--topology", "summit", "--node", "summit1", "--type", "v100"]) == 0
     out = capsys.readouterr().out
-    assert "NodeName=summit1 Name=gpu Type=v100 File=/dev/nvidia0 Cores=0-20 Links=-1,2,2,0,0,0" in out
+    assert "NodeName=summit1 Name=gpu Type=v100 File=/dev/nvidia0 Cores=0-21 Links=-1,2,2,0,0,0" in out
     assert commands_main(["gres-conf", "--topology", "dgx1-v100", "--cores", "20", "--threads-per-core", "4"]) == 0
     assert "Cores=0-19 " in capsys.readouterr().out
     assert commands_main(["gres-conf", "--topology", "dgx1-v100", "--no-cores", "--no-links"]) == 0

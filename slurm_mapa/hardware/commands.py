@@ -75,6 +75,7 @@ def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argpar
     gres.add_argument("--node", help="prefix each line with NodeName=NODE")
     gres.add_argument("--type", dest="gres_type", help="Type= for every line (e.g. a100)")
     gres.add_argument("--cores", type=int, help="the node's core count in slurm.conf (Sockets x CoresPerSocket)")
+    gres.add_argument("--sockets", type=int, default=None, help="sockets of the node (Cores= cover whole sockets; default 1)")
     gres.add_argument("--threads-per-core", type=int, default=None, help="hardware threads per core (default 1)")
     gres.add_argument(
         "--cpu-numbering",
@@ -222,7 +223,10 @@ def _layout(args: argparse.Namespace, preset_name: str | None) -> CpuLayout | No
         return None
     if args.cores is not None:
         return CpuLayout(
-            cores=args.cores, threads_per_core=args.threads_per_core or 1, numbering=args.cpu_numbering or "split"
+            cores=args.cores,
+            threads_per_core=args.threads_per_core or 1,
+            numbering=args.cpu_numbering or "split",
+            sockets=args.sockets or 1,
         )
     if args.threads_per_core is not None or args.cpu_numbering is not None:
         raise InputError("--threads-per-core and --cpu-numbering need --cores (the node's core count)")

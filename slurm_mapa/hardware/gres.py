@@ -39,12 +39,15 @@ class CpuLayout:
     cores: int
     threads_per_core: int = 1
     numbering: str = "split"
+    sockets: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.cores, int) or self.cores < 1:
             raise InputError(f"core count must be a positive integer, got {self.cores!r}")
         if not isinstance(self.threads_per_core, int) or self.threads_per_core < 1:
             raise InputError(f"threads per core must be a positive integer, got {self.threads_per_core!r}")
+        if not isinstance(self.sockets, int) or self.sockets < 1 or self.cores % self.sockets:
+            raise InputError(f"socket count must divide the {self.cores} cores, got {self.sockets!r}")
         if self.numbering not in ("split", "packed"):
             raise InputError(f"CPU numbering must be 'split' or 'packed', got {self.numbering!r}")
 
@@ -62,10 +65,10 @@ class CpuLayout:
 # The real servers' CPU layouts (used for the generated gres_conf/ files; the mini cluster's
 # nodes declare the same core counts in slurm.conf).
 PRESET_CPU_LAYOUTS: dict[str, CpuLayout] = {
-    "dgx1-v100": CpuLayout(cores=40, threads_per_core=2, numbering="split"),  # 2 x 20-core Xeon E5-2698 v4
-    "summit": CpuLayout(cores=44, threads_per_core=4, numbering="packed"),  # 2 x 22-core POWER9, SMT4
-    "dgx-a100": CpuLayout(cores=128, threads_per_core=2, numbering="split"),  # 2 x 64-core EPYC 7742
-    "hgx-h100": CpuLayout(cores=104, threads_per_core=2, numbering="split"),  # 2 x 52-core Xeon 8480+ class
+    "dgx1-v100": CpuLayout(cores=40, threads_per_core=2, numbering="split", sockets=2),  # 2 x 20-core Xeon E5-2698 v4
+    "summit": CpuLayout(cores=44, threads_per_core=4, numbering="packed", sockets=2),  # 2 x 22-core POWER9, SMT4
+    "dgx-a100": CpuLayout(cores=128, threads_per_core=2, numbering="split", sockets=2),  # 2 x 64-core EPYC 7742
+    "hgx-h100": CpuLayout(cores=104, threads_per_core=2, numbering="split", sockets=2),  # 2 x 52-core Xeon 8480+ class
 }
 
 _CPU_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -105,8 +108,16 @@ def format_cpu_list(ids: list[int] | set[int]) -> str:
 
 
 def slurm_cores(cpu_affinity: str, layout: CpuLayout) -> str:
-    """The ``Cores=`` value for a GPU whose CPU affinity (nvidia-smi's list) is ``cpu_affinity``."""
-    return format_cpu_list({layout.core_of(cpu) for cpu in parse_cpu_list(cpu_affinity)})
+    """The ``Cores=`` value for a GPU whose CPU affinity (nvidia-smi's list) is ``cpu_affinity``.
+
+    slurmd rejects a node whose Cores= do not cover whole sockets ("doesn't match socket
+    boundaries"), so every socket the affinity touches is taken whole: a POWER9 Summit node's
+    GPUs are bound to 21 of a socket's 22 cores, and still get the full socket.
+    """
+    touched = {layout.core_of(cpu) for cpu in parse_cpu_list(cpu_affinity)}
+    per_socket = layout.cores // layout.sockets
+    sockets = {core // per_socket for core in touched}
+    return format_cpu_list({core for socket in sockets for core in range(socket * per_socket, (socket + 1) * per_socket)})
 
 
 def links_value(graph: HardwareGraph, gpu: int) -> str:

@@ -29,11 +29,13 @@ def test_every_mock_node_is_idle_with_its_gpus(cluster):
     for name in cluster.nodes:
         cluster.wait_node(name, lambda state: state == {"IDLE"}, timeout=60, what="idle")
     sinfo = cluster.run("sinfo", "-h", "-N", "-o", "%N %t %G")
-    rows = {line.split()[0]: line.split()[1:] for line in sinfo.splitlines()}
+    # GRES prints as gpu:8, or gpu:8(S:0-1) when gres.conf gives Cores=.
+    rows = {name: [state, gres.split("(")[0]] for name, state, gres in map(str.split, sinfo.splitlines())}
     assert rows == {name: ["idle", f"gpu:{count}"] for name, (_, count) in cluster.nodes.items()}, sinfo
     for name, (_, count) in cluster.nodes.items():
         shown = cluster.run("scontrol", "show", "node", name)
-        assert f"Gres=gpu:{count}" in shown.split(), shown
+        gres = [word.split("(")[0] for word in shown.split() if word.startswith("Gres=")]
+        assert gres == [f"Gres=gpu:{count}"], shown
         node = cluster.node(name)
         assert f"gres/gpu={count}" in node["tres"].split(","), node["tres"]
 
