@@ -2,9 +2,11 @@
 # Entrypoint of the slurm-mapa cluster image; the first argument picks the role:
 #   mariadb | slurmdbd | slurmctld | slurmd      (init-db: used once at image build time)
 # Configuration is bind-mounted read-only under /etc/slurm-mapa (see compose.yml):
-#   config/     slurm.conf cgroup.conf slurmdbd.conf job_submit.lua
+#   config/     slurm.conf cgroup.conf slurmdbd.conf mapa.toml
 #   gres_conf/  <preset>.gres.conf, chosen by $MAPA_PRESET on compute nodes
-#   hooks/      prolog epilog taskprolog
+#   hooks/      prolog epilog (wrappers that run slurm-mapa's hooks from the source below)
+# and the repository's slurm_mapa/ package under /opt/slurm-mapa (job_submit.lua, the TaskProlog,
+# and the code the hooks run), so that a code change needs no image rebuild either.
 set -euo pipefail
 
 MAPA=/etc/slurm-mapa
@@ -16,9 +18,12 @@ log() { printf '[entrypoint %s] %s\n' "${ROLE:-?}" "$*" >&2; }
 # `scontrol reconfigure` or container restart with no image rebuild.
 link_config() {
     local f
-    for f in slurm.conf cgroup.conf job_submit.lua; do
+    for f in slurm.conf cgroup.conf; do
         ln -sfn "$MAPA/config/$f" "/etc/slurm/$f"
     done
+    ln -sfn /opt/slurm-mapa/slurm_mapa/data/slurm/job_submit.lua /etc/slurm/job_submit.lua
+    # A copy, not a link: fault tests change a node's hook config and put it back.
+    install -m 644 "$MAPA/config/mapa.toml" /etc/slurm/mapa.toml
 }
 
 start_munge() {
@@ -122,6 +127,8 @@ case $ROLE in
         [[ -f $gres ]] || { log "no $gres"; exit 1; }
         ln -sfn "$gres" /etc/slurm/gres.conf
         make_gpu_devices "$gres"
+        # The mock nvidia-smi prints this node's topology, so `mapa topo discover` works here.
+        ln -sfn /opt/slurm-mapa/scripts/mock-nvidia-smi /usr/local/bin/nvidia-smi
         start_munge
         shared_dirs
         exec /usr/sbin/slurmd -D "$@"

@@ -268,3 +268,47 @@ def test_a_failing_health_probe_never_stops_the_job(setup):
 
     decision = run_prolog(env_for("71", "0,1", "mapa:sensitive=yes"), config, slurm, logs.append, unhealthy_gpus=broken)
     assert decision.policy == "preserve" and any("health check failed" in line for line in logs)
+
+
+def test_a_lost_admin_comment_write_is_repeated(setup):
+    """Two Prologs of one job rewrite the AdminComment at once; the one that lost rewrites it merged."""
+    config, _, logs = setup
+    dropped = []
+
+    class Racing(FakeSlurm):
+        def __call__(self, argv):
+            if argv[1] == "update" and not dropped:
+                dropped.append(argv)
+                self.admin["80"] = "mapa:topology=ring sensitive=no # other=5 policy=preserve"  # the other node won
+                return ""
+            return super().__call__(argv)
+
+    racing = Racing()
+    racing.running = {"80"}
+    decision = run_prolog(env_for("80", "0", "mapa:"), config, racing, logs.append)
+    recorded = parse_decisions(racing.admin["80"])
+    assert set(recorded) == {"other", "dgx1"} and recorded["dgx1"].gpus == decision.gpus
+
+
+def test_a_killed_writer_never_leaves_a_torn_ledger(tmp_path):
+    """SIGKILL a process that rewrites the ledger in a loop, many times: the file always parses."""
+    import signal
+    import sys
+    import time
+
+    path = tmp_path / "ledger.json"
+    writer = (
+        "import sys, itertools\n"
+        "from slurm_mapa.slurm.ledger import Ledger, LedgerFile, Holding\n"
+        "f = LedgerFile(sys.argv[1], 8)\n"
+        "for i in itertools.count():\n"
+        "    f.write(Ledger({str(j): Holding((j,), 'preserve', float(i), 'x' * 5000) for j in range(i % 8)}))\n"
+    )
+    for round_ in range(15):
+        proc = subprocess.Popen([sys.executable, "-c", writer, str(path)])
+        time.sleep(0.15 + 0.02 * round_)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if path.exists():
+            LedgerFile(path, 8).read()  # raises LedgerCorrupt on a torn file
+    assert path.exists()

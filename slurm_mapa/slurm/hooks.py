@@ -15,6 +15,7 @@ A Prolog that exits non-zero would drain the node and hold the job.
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 import traceback
@@ -227,16 +228,33 @@ def run_prolog(
         write_job_file(config.jobs_dir, ctx.job_id, decision.gpus)
     log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; Slurm gave {','.join(map(str, ctx.slurm_gpus))})"
         + (f"; FALLBACK because {problem}" if decision.fallback else ""))
-    try:
-        admin = ""
-        try:
-            admin = parse_job_json(run(show_job_argv(config.scontrol, ctx.job_id))).get("admin_comment") or ""
-        except CommandFailed:
-            pass
-        run(admin_comment_argv(config.scontrol, ctx.job_id, with_decision(str(admin), directive, decision)))
-    except CommandFailed as error:
-        log(f"job {ctx.job_id}: could not record the decision in AdminComment ({error})")
+    record_decision(ctx.job_id, directive, decision, config, run, log)
     return decision
+
+
+def record_decision(
+    job_id: str, directive: Directive, decision: Decision, config: HookConfig, run: RunCommand, log: Callable[[str], None]
+) -> None:
+    """Add this node's decision to the job's AdminComment, so that sacct keeps it.
+
+    The Prologs of a multi-node job run at once and each rewrites the whole AdminComment, so a
+    write can drop another node's decision: read back, and write again (merged) until ours is
+    there, a few times at most.
+    """
+    for attempt in range(4):
+        try:
+            admin = str(parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or "")
+            recorded = parse_decisions(admin).get(decision.node)
+            if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy):
+                return
+            if attempt:
+                time.sleep(0.05 * attempt + random.random() * 0.1)
+                admin = str(parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or "")
+            run(admin_comment_argv(config.scontrol, job_id, with_decision(admin, directive, decision)))
+        except CommandFailed as error:
+            log(f"job {job_id}: could not record the decision in AdminComment ({error})")
+            return
+    log(f"job {job_id}: the AdminComment kept losing this node's decision; gave up after 4 tries")
 
 
 def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], None]) -> None:

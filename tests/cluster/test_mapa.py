@@ -1,0 +1,192 @@
+"""slurm-mapa in a real Slurm: the Lua plugin, the Prolog/TaskProlog/Epilog and the ledger on mock GPUs."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from slurm_mapa.core.patterns import make_pattern
+from slurm_mapa.core.policies import Request, select
+from slurm_mapa.hardware.presets import preset
+from slurm_mapa.slurm.decision import parse_decisions
+
+pytestmark = pytest.mark.cluster
+
+# Prints what the job sees, then waits (bounded) until the test releases it.
+HOLDING_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:{gpus}
+#MAPA topology=ring sensitive={sensitive}
+echo "cvd=$CUDA_VISIBLE_DEVICES"
+echo "slurm=$SLURM_JOB_GPUS"
+for _ in $(seq 1500); do [ -e /shared/jobs/release-$SLURM_JOB_ID ] && exit 0; sleep 0.2; done
+exit 3
+"""
+
+
+def _cvd(cluster, jobid: int, timeout: float = 60) -> tuple[int, ...]:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = cluster.exec("slurmctld", ["cat", f"{cluster.job_dir}/{jobid}.out"], check=False).stdout
+        match = re.search(r"^cvd=([0-9,]*)$", out, re.M)
+        if match:
+            return tuple(int(g) for g in match.group(1).split(",") if g)
+        if time.monotonic() > deadline:
+            raise cluster.Error(f"job {jobid} printed no CUDA_VISIBLE_DEVICES: {out!r}")
+        time.sleep(0.3)
+
+
+def _release(cluster, jobid: int) -> None:
+    cluster.run("touch", f"{cluster.job_dir}/release-{jobid}")
+    cluster.wait_state(jobid, "COMPLETED", timeout=60)
+
+
+def _admin_comment(cluster, jobid: int) -> str:
+    job = cluster.job(jobid)
+    return job.get("admin_comment", "") if job else cluster.sacct(jobid, ("AdminComment",))["AdminComment"]
+
+
+def _ledger(cluster, node: str) -> dict:
+    out = cluster.exec(node, ["cat", "/var/lib/slurm-mapa/ledger.json"], check=False).stdout
+    return json.loads(out)["jobs"] if out.strip() else {}
+
+
+def test_a_job_sequence_gets_exactly_what_mapa_select_gives(cluster):
+    """Jobs of mixed sizes and sensitivities on the mock DGX-1, some ending in between."""
+    graph = preset("dgx1-v100")
+    steps = [("A", 2, True), ("B", 1, False), ("C", 3, True), ("release", "A"), ("D", 2, False),
+             ("E", 2, True), ("release", "C"), ("F", 3, True), ("release", "B")]
+    held: dict[str, tuple[int, ...]] = {}
+    ids: dict[str, int] = {}
+    for step in steps:
+        if step[0] == "release":
+            _release(cluster, ids[step[1]])
+            del held[step[1]]
+            continue
+        name, gpus, sensitive = step
+        free = [g for g in range(graph.size) if g not in {x for hold in held.values() for x in hold}]
+        expected = select("preserve", graph, free, Request(make_pattern("ring", gpus), sensitive))
+        jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1")
+        ids[name] = jobid
+        cluster.wait_state(jobid, "RUNNING", timeout=60)
+        seen = _cvd(cluster, jobid)
+        assert seen == expected.gpus, (name, free, seen, expected.gpus)
+        decision = parse_decisions(_admin_comment(cluster, jobid))["dgx1"]
+        assert decision.gpus == expected.gpus and decision.policy == "preserve"
+        assert decision.free == tuple(free)
+        held[name] = seen
+    for name in held:
+        _release(cluster, ids[name])
+    for name, jobid in ids.items():
+        rec = cluster.wait_sacct(jobid, ("AdminComment",), AdminComment=lambda v: " # dgx1=" in v)
+        assert rec["AdminComment"].startswith("mapa:topology=ring sensitive=")
+    assert _ledger(cluster, "dgx1") == {}
+
+
+def test_a_bad_directive_is_rejected_at_submit_time(cluster):
+    bad = "#!/bin/bash\n#SBATCH --gres=gpu:1\n#MAPA topology=rnig\nhostname\n"
+    with pytest.raises(cluster.Error) as rejected:
+        cluster.sbatch(bad, "-w", "dgx1")
+    assert "MAPA: line 3: unknown topology 'rnig' (accepted: ring, chain, tree" in str(rejected.value)
+    proc = cluster.exec("slurmctld", ["srun", "-w", "dgx1", "--gres=gpu:1", "--comment=mapa:topology=rnig", "hostname"],
+                        user="alice", check=False)
+    assert proc.returncode != 0
+    assert "MAPA: unknown topology 'rnig'" in proc.stderr
+
+
+def test_srun_with_a_comment_directive_gets_mapa_gpus(cluster):
+    proc = cluster.exec("slurmctld", ["srun", "-w", "dgx1", "--gres=gpu:2", "--comment=mapa:topology=ring sensitive=yes",
+                                      "bash", "-c", "echo cvd=$CUDA_VISIBLE_DEVICES"], user="alice", timeout=90)
+    gpus = tuple(int(g) for g in re.search(r"cvd=([0-9,]+)", proc.stdout).group(1).split(","))
+    dgx = preset("dgx1-v100")
+    assert dgx.link(*gpus).token == "NV2"  # a sensitive pair on an idle DGX-1 gets a double NVLink
+
+
+CONCURRENT_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:{gpus}
+#MAPA topology=ring sensitive={sensitive}
+echo "start $(date +%s%N) $CUDA_VISIBLE_DEVICES"
+sleep 1
+echo "end $(date +%s%N)"
+"""
+
+
+def test_forty_jobs_at_once_never_share_a_gpu(cluster):
+    jobids = [cluster.sbatch(CONCURRENT_JOB.format(gpus=1 + i % 2, sensitive="yes" if i % 3 else "no"), "-w", "dgx1")
+              for i in range(40)]
+    intervals = []
+    for i, jobid in enumerate(jobids):
+        cluster.wait_state(jobid, "COMPLETED", timeout=240)
+        out = cluster.output(jobid)
+        start = re.search(r"^start (\d+) ([0-9,]+)$", out, re.M)
+        end = re.search(r"^end (\d+)$", out, re.M)
+        assert start and end, out
+        gpus = {int(g) for g in start.group(2).split(",")}
+        assert len(gpus) == 1 + i % 2
+        intervals.append((int(start.group(1)), int(end.group(1)), gpus, jobid))
+    for a in range(len(intervals)):
+        for b in range(a + 1, len(intervals)):
+            s1, e1, g1, j1 = intervals[a]
+            s2, e2, g2, j2 = intervals[b]
+            if s1 < e2 and s2 < e1:
+                assert not g1 & g2, f"jobs {j1} and {j2} ran at once on GPUs {g1 & g2}"
+    deadline = time.monotonic() + 30
+    while _ledger(cluster, "dgx1") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _ledger(cluster, "dgx1") == {}
+
+
+def test_a_corrupt_ledger_is_rebuilt_without_double_assignment(cluster):
+    first = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", "summit1")
+    cluster.wait_state(first, "RUNNING")
+    first_gpus = _cvd(cluster, first)
+    cluster.exec("summit1", ["sh", "-c", "printf '{ torn' > /var/lib/slurm-mapa/ledger.json"])
+    second = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", "summit1")
+    cluster.wait_state(second, "RUNNING")
+    second_gpus = _cvd(cluster, second)
+    assert len(second_gpus) == 2 and not set(first_gpus) & set(second_gpus)
+    log = cluster.exec("summit1", ["cat", "/var/log/slurm-mapa.log"]).stdout
+    assert f"job {second}: ledger /var/lib/slurm-mapa/ledger.json is corrupt" in log
+    _release(cluster, first)
+    _release(cluster, second)
+    assert _ledger(cluster, "summit1") == {}
+
+
+def test_a_node_without_topology_falls_back_to_slurms_gpus(cluster):
+    node = "summit1"
+    cluster.exec(node, ["sed", "-i", "/^\"summit1\"/d", "/etc/slurm/mapa.toml"])
+    try:
+        jobid = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
+        cluster.wait_state(jobid, "RUNNING")
+        seen = _cvd(cluster, jobid)
+        slurm = re.search(r"^slurm=([0-9,]+)$", cluster.output(jobid), re.M).group(1)
+        assert seen == tuple(int(g) for g in slurm.split(","))
+        decision = parse_decisions(_admin_comment(cluster, jobid))[node]
+        assert decision.policy == "fallback" and decision.fallback == "no-topology"
+        _release(cluster, jobid)
+    finally:
+        cluster.exec(node, ["install", "-m", "644", "/etc/slurm-mapa/config/mapa.toml", "/etc/slurm/mapa.toml"])
+    log = cluster.exec(node, ["cat", "/var/log/slurm-mapa.log"]).stdout
+    assert f"job {jobid} on {node}: {node}=" in log and "FALLBACK because no-topology" in log
+
+
+MULTI_NODE_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:2
+#MAPA topology=ring sensitive=yes
+srun --ntasks-per-node=1 bash -c 'echo "node=$(hostname) cvd=$CUDA_VISIBLE_DEVICES"'
+"""
+
+
+def test_a_multi_node_job_gets_a_mapa_choice_on_each_node(cluster):
+    jobid = cluster.sbatch(MULTI_NODE_JOB, "-N", "2", "-w", "dgx1,summit1")
+    cluster.wait_state(jobid, "COMPLETED", timeout=90)
+    seen = dict(re.findall(r"^node=(\S+) cvd=([0-9,]+)$", cluster.output(jobid), re.M))
+    decisions = parse_decisions(cluster.wait_sacct(jobid, ("AdminComment",), AdminComment=lambda v: v.count(" # ") == 2)["AdminComment"])
+    assert set(decisions) == {"dgx1", "summit1"}
+    for node, decision in decisions.items():
+        assert decision.policy == "preserve"
+        assert seen[node] == ",".join(map(str, decision.gpus))
+    assert preset("dgx1-v100").link(*decisions["dgx1"].gpus).token == "NV2"
+    assert preset("summit").link(*decisions["summit1"].gpus).token == "NV2"
