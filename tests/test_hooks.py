@@ -15,7 +15,9 @@ from slurm_mapa.core.policies import Request, select
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.slurm.commands import CommandFailed, parse_gpu_indices, parse_job_ids
 from slurm_mapa.slurm.config import HookConfig, config_from_text
-from slurm_mapa.slurm.hooks import Decision, parse_decisions, run_epilog, run_prolog, with_decision
+from slurm_mapa.slurm.decision import Decision, parse_decisions, with_decision
+from slurm_mapa.slurm.epilog import run_epilog
+from slurm_mapa.slurm.hooks import run_prolog
 from slurm_mapa.slurm.directive import parse_directive
 from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json
 from slurm_mapa.errors import InputError
@@ -285,7 +287,7 @@ def test_a_lost_admin_comment_write_is_repeated(setup):
 
     racing = Racing()
     racing.running = {"80"}
-    decision = run_prolog(env_for("80", "0", "mapa:"), config, racing, logs.append)
+    decision = run_prolog(env_for("80", "0", "mapa:") | {"SLURM_JOB_NUM_NODES": "2"}, config, racing, logs.append)
     recorded = parse_decisions(racing.admin["80"])
     assert set(recorded) == {"other", "dgx1"} and recorded["dgx1"].gpus == decision.gpus
 

@@ -13,7 +13,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from importlib import resources
+from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InputError
@@ -139,7 +139,8 @@ def load_model_text(text: str, *, source: str) -> EffectiveBandwidthModel:
 @lru_cache(maxsize=None)
 def paper_model() -> EffectiveBandwidthModel:
     """The MAPA paper's DGX-1 V100 model, shipped as package data."""
-    text = resources.files("slurm_mapa").joinpath("data/models/mapa-dgx1-v100.toml").read_text()
+    # A path next to the package, not importlib.resources: the Prolog pays for every import.
+    text = (Path(__file__).resolve().parent.parent / "data" / "models" / "mapa-dgx1-v100.toml").read_text()
     return load_model_text(text, source="mapa-dgx1-v100.toml")
 
 

@@ -26,9 +26,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from ..core.policies import all_policies
 from ..errors import InputError
-from .directive import parse_directive
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes"}
@@ -56,7 +54,18 @@ class HookConfig:
         return None
 
 
-def config_from_text(text: str, source: str = "mapa.toml") -> HookConfig:
+def _validate_with_engine(values: dict[str, Any], source: str) -> None:
+    from ..core.policies import all_policies
+    from .directive import parse_directive
+
+    if values.get("policy", "preserve") not in all_policies():
+        raise InputError(f"{source}: unknown policy {values['policy']!r} (accepted: {', '.join(all_policies())})")
+    if "default_directive" in values:
+        parse_directive(values["default_directive"])  # a bad default is the admin's error, found at load
+
+
+def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = True) -> HookConfig:
+    """Parse the config; ``validate=False`` skips the checks that need the engine (for the Epilog)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -70,12 +79,10 @@ def config_from_text(text: str, source: str = "mapa.toml") -> HookConfig:
             if not isinstance(data[key], str):
                 raise InputError(f"{source}: {key} must be a string, got {data[key]!r}")
             values[key] = data[key]
-    if values.get("policy", "preserve") not in all_policies():
-        raise InputError(f"{source}: unknown policy {values['policy']!r} (accepted: {', '.join(all_policies())})")
     if values.get("health", "auto") not in ("auto", "off"):
         raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {values['health']!r}")
-    if "default_directive" in values:
-        parse_directive(values["default_directive"])  # a bad default is the admin's error, found at load
+    if validate:
+        _validate_with_engine(values, source)
     for key in ("ledger", "jobs_dir", "log"):
         if key in data:
             if not isinstance(data[key], str) or not data[key].startswith("/"):

@@ -18,7 +18,6 @@ import os
 import random
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -57,6 +56,8 @@ class PrologContext:
     node: str
     slurm_gpus: tuple[int, ...]
     env_comment: str
+    nodes_in_job: int = 1
+    admin_comment: str | None = None  # as read while looking for the directive
 
 
 def context_from_env(env: Mapping[str, str]) -> PrologContext | None:
@@ -68,7 +69,14 @@ def context_from_env(env: Mapping[str, str]) -> PrologContext | None:
     gpus = parse_gpu_indices(env.get("SLURM_JOB_GPUS", ""))
     if not gpus:
         return None
-    return PrologContext(job_id=job_id, node=node, slurm_gpus=gpus, env_comment=env.get("SLURM_JOB_COMMENT", "")[:8192])
+    nodes = env.get("SLURM_JOB_NUM_NODES", "1")
+    return PrologContext(
+        job_id=job_id,
+        node=node,
+        slurm_gpus=gpus,
+        env_comment=env.get("SLURM_JOB_COMMENT", "")[:8192],
+        nodes_in_job=int(nodes) if nodes.isdigit() else 2,
+    )
 
 
 def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log: Callable[[str], None]) -> tuple[Directive, str]:
@@ -79,6 +87,7 @@ def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log:
     try:
         job = parse_job_json(run(show_job_argv(config.scontrol, ctx.job_id)))
         admin = job.get("admin_comment") or ""
+        ctx.admin_comment = admin if isinstance(admin, str) else ""
         parsed = parse_comment(admin.split("#")[0]) if isinstance(admin, str) else None
         if parsed is not None:
             return parsed, "admin_comment"
@@ -228,52 +237,38 @@ def run_prolog(
         write_job_file(config.jobs_dir, ctx.job_id, decision.gpus)
     log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; Slurm gave {','.join(map(str, ctx.slurm_gpus))})"
         + (f"; FALLBACK because {problem}" if decision.fallback else ""))
-    record_decision(ctx.job_id, directive, decision, config, run, log)
+    record_decision(ctx, directive, decision, config, run, log)
     return decision
 
 
 def record_decision(
-    job_id: str, directive: Directive, decision: Decision, config: HookConfig, run: RunCommand, log: Callable[[str], None]
+    ctx: PrologContext, directive: Directive, decision: Decision, config: HookConfig, run: RunCommand, log: Callable[[str], None]
 ) -> None:
     """Add this node's decision to the job's AdminComment, so that sacct keeps it.
 
     The Prologs of a multi-node job run at once and each rewrites the whole AdminComment, so a
-    write can drop another node's decision: read back, and write again (merged) until ours is
-    there, a few times at most.
+    write can drop another node's decision: for those jobs, read back and write again (merged)
+    until ours is there, a few times at most. A one-node job needs one read and one write.
     """
+    job_id = ctx.job_id
+    admin = ctx.admin_comment
     for attempt in range(4):
         try:
-            admin = str(parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or "")
+            if attempt:
+                time.sleep(0.05 * attempt + random.random() * 0.1)
+            if admin is None:
+                admin = str(parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or "")
             recorded = parse_decisions(admin).get(decision.node)
             if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy):
                 return
-            if attempt:
-                time.sleep(0.05 * attempt + random.random() * 0.1)
-                admin = str(parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or "")
             run(admin_comment_argv(config.scontrol, job_id, with_decision(admin, directive, decision)))
+            if ctx.nodes_in_job <= 1:
+                return
+            admin = None  # read back: another node's Prolog may have written at the same time
         except CommandFailed as error:
             log(f"job {job_id}: could not record the decision in AdminComment ({error})")
             return
     log(f"job {job_id}: the AdminComment kept losing this node's decision; gave up after 4 tries")
-
-
-def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], None]) -> None:
-    job_id = env.get("SLURM_JOB_ID", "")
-    if not is_job_id(job_id):
-        raise ValueError(f"SLURM_JOB_ID {job_id!r} is not what slurmd sets")
-    ledger_file = LedgerFile(config.ledger, 1 << 10)
-    with ledger_file.locked(timeout=config.command_timeout * 2):
-        try:
-            ledger = ledger_file.read()
-            if job_id in ledger.holdings:
-                ledger_file.write(ledger.without([job_id]))
-                log(f"job {job_id}: released GPUs {','.join(map(str, ledger.holdings[job_id].gpus))}")
-        except LedgerCorrupt as error:
-            log(f"job {job_id}: ledger corrupt ({error}); the next Prolog rebuilds it")
-        try:
-            (config.jobs_dir / job_id).unlink()
-        except FileNotFoundError:
-            pass
 
 
 # --- entry points ---------------------------------------------------------------------------
@@ -306,6 +301,8 @@ def prolog_main() -> int:
     try:
         run_prolog(os.environ, config, Runner(timeout=config.command_timeout), log, problem, nvml_health_probe(config))
     except Exception:  # noqa: BLE001 - fail open: never drain the node
+        import traceback
+
         log("prolog internal error, job runs on Slurm's GPUs:\n" + traceback.format_exc())
     return 0
 
@@ -335,13 +332,3 @@ def nvml_health_probe(config: HookConfig) -> Callable[[], dict[int, tuple[str, .
             return health(nvml, job_pids=_pid_in_a_job).problems
 
     return probe
-
-
-def epilog_main() -> int:
-    config, _ = _load_config(Path(os.environ.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH))))
-    log = _logger(config.log)
-    try:
-        run_epilog(os.environ, config, log)
-    except Exception:  # noqa: BLE001 - an Epilog error would drain the node
-        log("epilog internal error:\n" + traceback.format_exc())
-    return 0

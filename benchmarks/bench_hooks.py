@@ -1,0 +1,71 @@
+"""What the hooks add to a job's start, measured in the mini cluster (scripts/cluster up first).
+
+Usage: python benchmarks/bench_hooks.py [--runs N]
+
+On the mock DGX-1 node, with a real job running (so scontrol and squeue answer for real), it times
+side by side in one loop: the Prolog wrapper, the Epilog wrapper, an empty hook (/bin/true, what a
+job pays with hooks off), and the TaskProlog, each started as slurmd starts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+
+RUNNER = r"""
+import json, os, subprocess, sys, time
+job, gpus, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+env = {"SLURM_JOB_ID": job, "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": gpus, "SLURM_JOB_COMMENT": ""}
+task_env = {"SLURM_JOB_ID": job, "PATH": "/usr/bin:/bin"}
+hooks = {
+    "no hook (/bin/true)": (["/bin/true"], env),
+    "prolog": (["/etc/slurm-mapa/hooks/prolog"], env),
+    "epilog": (["/etc/slurm-mapa/hooks/epilog"], env),
+    "taskprolog": (["/opt/slurm-mapa/slurm_mapa/data/hooks/mapa-taskprolog"], task_env),
+}
+times = {name: [] for name in hooks}
+for _ in range(runs):
+    for name, (argv, e) in hooks.items():
+        start = time.perf_counter()
+        subprocess.run(argv, env=e, check=True, stdout=subprocess.DEVNULL)
+        times[name].append((time.perf_counter() - start) * 1000)
+print(json.dumps(times))
+"""
+
+
+def docker(*argv: str, input: str | None = None) -> str:
+    return subprocess.run(["docker", "exec", "-i", *argv], input=input, capture_output=True, text=True, check=True).stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=30)
+    args = parser.parse_args()
+    job = docker("mapa-slurmctld", "runuser", "-u", "alice", "--", "sbatch", "--parsable", "-w", "dgx1", "--gres=gpu:2",
+                 "--chdir=/shared/jobs", "--wrap", "sleep 600").strip()
+    try:
+        for _ in range(100):
+            state = json.loads(docker("mapa-slurmctld", "scontrol", "--json", "show", "job", job))["jobs"][0]["job_state"]
+            if "RUNNING" in state:
+                break
+            subprocess.run(["sleep", "0.2"], check=True)
+        gpus = json.loads(docker("mapa-slurmctld", "scontrol", "--json", "show", "job", job))["jobs"][0]
+        slurm_gpus = "0,1"
+        times = json.loads(docker("mapa-dgx1", "python3", "-c", RUNNER, job, slurm_gpus, str(args.runs)))
+    finally:
+        docker("mapa-slurmctld", "scancel", job)
+    del gpus
+    print(f"{args.runs} runs each, interleaved, on the mock DGX-1 node (container on this machine)\n")
+    print("| hook | median ms | p90 ms |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        values.sort()
+        print(f"| {name} | {statistics.median(values):.1f} | {values[int(0.9 * (len(values) - 1))]:.1f} |")
+    added = statistics.median(times["prolog"]) + statistics.median(times["epilog"]) - 2 * statistics.median(times["no hook (/bin/true)"])
+    print(f"\nadded per job (Prolog + Epilog over two empty hooks): {added:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
