@@ -190,3 +190,17 @@ def test_a_multi_node_job_gets_a_mapa_choice_on_each_node(cluster):
         assert seen[node] == ",".join(map(str, decision.gpus))
     assert preset("dgx1-v100").link(*decisions["dgx1"].gpus).token == "NV2"
     assert preset("summit").link(*decisions["summit1"].gpus).token == "NV2"
+
+
+DISCOVER = ("import sys; sys.path.insert(0, '/opt/slurm-mapa'); from slurm_mapa.cli import main; "
+            "sys.exit(main(['topo', 'discover', '--source', 'nvidia-smi', '--json']))")
+
+
+@pytest.mark.parametrize("node", ["dgx1", "torus1", "summit1"])
+def test_discovery_on_each_mock_node_reproduces_its_preset(cluster, node):
+    """`mapa topo discover` on the node reads its (mock) nvidia-smi and gets the node's server back."""
+    name, _ = cluster.nodes[node]
+    found = json.loads(cluster.exec(node, ["python3", "-I", "-c", DISCOVER]).stdout)
+    expected = preset(name)
+    assert found["gpus"] == expected.size
+    assert found["links"] == expected.link_tokens()
