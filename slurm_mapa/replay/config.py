@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -26,7 +27,8 @@ from typing import Any, Iterable
 from ..core.hardware import HardwareGraph
 from ..core.patterns import SHAPES
 from ..errors import InputError
-from ..hardware.presets import PRESETS, preset
+from ..hardware.load import load_topology
+from ..hardware.presets import PRESETS
 from .directives import SiteRule, make_rules
 from .simulate import Node
 
@@ -49,13 +51,16 @@ def parse_config(text: str, source: str = "config") -> Config:
 
 
 def _topology_name(value: Any, where: str) -> str:
-    if not isinstance(value, str) or value not in PRESETS:
-        raise InputError(f"{where}: unknown topology {value!r} (accepted presets: {', '.join(PRESETS)})")
+    """A preset name or a topology file (the hooks' /etc/slurm/mapa.toml may name either)."""
+    if not isinstance(value, str) or (value not in PRESETS and not os.path.isfile(value)):
+        raise InputError(f"{where}: unknown topology {value!r} (accepted: a topology file or a preset: {', '.join(PRESETS)})")
     return value
 
 
 def config_from_dict(data: dict, source: str = "config") -> Config:
-    unknown = set(data) - {"nodes", "cluster", "defaults", "rules"}
+    # The same file can configure the Slurm hooks (/etc/slurm/mapa.toml): their keys are theirs.
+    hook_keys = {"policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "health"}
+    unknown = set(data) - {"nodes", "cluster", "defaults", "rules"} - hook_keys
     if unknown:
         raise InputError(f"{source}: unknown section(s) {', '.join(sorted(unknown))} (accepted: nodes, cluster, defaults, rules)")
     config = Config()
@@ -107,7 +112,7 @@ _GRAPHS: dict[str, HardwareGraph] = {}
 
 def graph_of(name: str) -> HardwareGraph:
     if name not in _GRAPHS:
-        _GRAPHS[name] = preset(name)
+        _GRAPHS[name] = load_topology(name)
     return _GRAPHS[name]
 
 
