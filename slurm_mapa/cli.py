@@ -19,6 +19,7 @@ from .core.policies import Allocation, NoFit, Request, all_policies, select
 from .errors import InputError, MapaError
 from .hardware.load import load_topology
 from .slurm.admin import add_commands as add_admin_commands
+from .slurm.commands import parse_gpu_indices
 from .slurm.directive import parse_directive, to_request
 
 EXIT_NO_FIT = 1
@@ -27,21 +28,13 @@ EXIT_BAD_INPUT = 2
 
 def _parse_gpu_list(text: str) -> tuple[int, ...]:
     """`0,2,3` or ranges `0-3,6` into GPU indices."""
-    gpus: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise InputError(f"--free: {part!r} is not a GPU index or range (accepted: e.g. 0,2,3 or 0-3,6)")
-        start, end = int(low), int(high) if high else int(low)
-        if end < start:
-            raise InputError(f"--free: range {part!r} runs backwards")
-        gpus.extend(range(start, end + 1))
+    try:
+        gpus = parse_gpu_indices(text)
+    except ValueError:
+        raise InputError(f"--free: {text!r} is not a list of GPU indices or ranges (accepted: e.g. 0,2,3 or 0-3,6)") from None
     if len(set(gpus)) != len(gpus):
         raise InputError(f"--free: {text!r} names a GPU twice")
-    return tuple(gpus)
+    return gpus
 
 
 def _load_model(path: str | None) -> EffectiveBandwidthModel:

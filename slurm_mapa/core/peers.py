@@ -42,8 +42,7 @@ from typing import Callable, Sequence
 from ..errors import InputError
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
-from .policies import Allocation, NoFit, Policy, Request
-from .search import Placement, best_placement, preserved_bandwidth
+from .policies import Allocation, NoFit, Policy, Request, order_within
 
 PCIE_SCORES = {"SYS": 10, "NODE": 20, "PHB": 30, "PXB": 40, "PIX": 50}
 NVLINK_SCORE = 100
@@ -54,26 +53,6 @@ _NVLINK_PAIR_PCIE_CROSS_DOMAIN = 10
 # --------------------------------------------------------------------------------------------
 # shared helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _allocate(
-    name: str, graph: HardwareGraph, free: tuple[int, ...], chosen: Sequence[int], request: Request, model: EffectiveBandwidthModel
-) -> Allocation:
-    """The chosen set, ordered as the best placement of the pattern on it, scored against ``free``."""
-    chosen_sorted = tuple(sorted(chosen))
-    if len(set(chosen_sorted)) != request.gpus or not set(chosen_sorted) <= set(free):
-        raise InputError(f"{name} picked {chosen_sorted} from free {free} for {request.gpus} GPU(s)")  # pragma: no cover
-    objective = "effective" if request.sensitive and request.gpus > 1 else "aggregated"
-    inside = best_placement(graph, chosen_sorted, request.pattern, objective, model)
-    assert inside is not None
-    placement = Placement(
-        gpus=inside.gpus,
-        aggregated_bandwidth=inside.aggregated_bandwidth,
-        link_counts=inside.link_counts,
-        effective_bandwidth=inside.effective_bandwidth,
-        preserved_bandwidth=preserved_bandwidth(graph, set(free) - set(chosen_sorted)),
-    )
-    return Allocation(policy=name, placement=placement, objective=f"set by {name}, order by {objective}")
 
 
 @lru_cache(maxsize=64)
@@ -170,14 +149,14 @@ def slurm_native(graph: HardwareGraph, free: tuple[int, ...], request: Request, 
     picked = slurm_node_pick(slurm_links(graph), free, request.gpus)
     if picked is None:
         return NoFit("slurm-native", request, free)
-    return _allocate("slurm-native", graph, free, picked, request, model)
+    return order_within("slurm-native", graph, free, picked, request, model)
 
 
 def slurm_native_gpus(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
     picked = slurm_job_pick(slurm_links(graph), free, request.gpus)
     if picked is None:
         return NoFit("slurm-native-gpus", request, free)
-    return _allocate("slurm-native-gpus", graph, free, picked, request, model)
+    return order_within("slurm-native-gpus", graph, free, picked, request, model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,7 +286,7 @@ def nvidia_besteffort(graph: HardwareGraph, free: tuple[int, ...], request: Requ
     picked = besteffort_pick(pair_scores(graph, "deployed"), free, request.gpus)
     if len(picked) != request.gpus or None in picked:  # pragma: no cover - the padding fix prevents it
         return NoFit("nvidia-besteffort", request, free)
-    return _allocate("nvidia-besteffort", graph, free, [g for g in picked if g is not None], request, model)
+    return order_within("nvidia-besteffort", graph, free, [g for g in picked if g is not None], request, model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,7 +297,7 @@ def nvidia_besteffort(graph: HardwareGraph, free: tuple[int, ...], request: Requ
 def first_fit(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
     if request.gpus > len(free):
         return NoFit("first-fit", request, free)
-    return _allocate("first-fit", graph, free, sorted(free)[: request.gpus], request, model)
+    return order_within("first-fit", graph, free, sorted(free)[: request.gpus], request, model)
 
 
 def round_robin_pick(queue: Sequence[int], free: Sequence[int], need: int) -> tuple[list[int], tuple[int, ...]] | None:
@@ -348,7 +327,7 @@ def round_robin(graph: HardwareGraph, free: tuple[int, ...], request: Request, m
     result = round_robin_pick(default_queue(graph.size, free), free, request.gpus)
     if result is None:
         return NoFit("round-robin", request, free)
-    return _allocate("round-robin", graph, free, result[0], request, model)
+    return order_within("round-robin", graph, free, result[0], request, model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,7 +362,7 @@ def hami_topology(graph: HardwareGraph, free: tuple[int, ...], request: Request,
     picked = hami_pick(pair_scores(graph, "intended"), sorted(free, reverse=True), request.gpus)
     if picked is None:
         return NoFit("hami-topology", request, free)
-    return _allocate("hami-topology", graph, free, picked, request, model)
+    return order_within("hami-topology", graph, free, picked, request, model)
 
 
 PEER_POLICIES: dict[str, Policy] = {

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..errors import InputError
+from ..errors import InputError, InternalError
 from .effbw import EffectiveBandwidthModel, paper_model
 from .hardware import HardwareGraph
 from .patterns import Pattern
@@ -66,11 +66,13 @@ class NoFit:
 Policy = Callable[[HardwareGraph, tuple[int, ...], Request, EffectiveBandwidthModel], "Allocation | NoFit"]
 
 
-def _order_within(
+def order_within(
     name: str, graph: HardwareGraph, free: tuple[int, ...], chosen: Iterable[int], request: Request, model: EffectiveBandwidthModel
 ) -> Allocation:
-    """The chosen set, ordered as the best placement of the pattern on it, scored against ``free``."""
+    """A set some policy chose, ordered as the best placement of the pattern on it, scored against ``free``."""
     chosen = tuple(sorted(chosen))
+    if len(set(chosen)) != request.gpus or not set(chosen) <= set(free):
+        raise InternalError(f"{name} picked {chosen} from free {free} for {request.gpus} GPU(s)")
     objective = "effective" if request.sensitive and request.gpus > 1 else "aggregated"
     inside = best_placement(graph, chosen, request.pattern, objective, model)
     assert inside is not None
@@ -87,7 +89,7 @@ def _order_within(
 def baseline(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
     if request.gpus > len(free):
         return NoFit("baseline", request, free)
-    return _order_within("baseline", graph, free, free[: request.gpus], request, model)
+    return order_within("baseline", graph, free, free[: request.gpus], request, model)
 
 
 def topo_aware(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
@@ -97,8 +99,8 @@ def topo_aware(graph: HardwareGraph, free: tuple[int, ...], request: Request, mo
     for gpu in free:
         same_domain = [g for g in free if graph.domains[g] == graph.domains[gpu]]
         if len(same_domain) >= request.gpus:
-            return _order_within("topo-aware", graph, free, same_domain[: request.gpus], request, model)
-    return _order_within("topo-aware", graph, free, free[: request.gpus], request, model)
+            return order_within("topo-aware", graph, free, same_domain[: request.gpus], request, model)
+    return order_within("topo-aware", graph, free, free[: request.gpus], request, model)
 
 
 def greedy(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:

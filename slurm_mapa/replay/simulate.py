@@ -23,7 +23,7 @@ from ..core import peers
 from ..core.effbw import EffectiveBandwidthModel, paper_model
 from ..core.hardware import HardwareGraph
 from ..core.peers import PEER_POLICIES
-from ..core.policies import POLICIES, Allocation, Request
+from ..core.policies import POLICIES, Allocation, Request, order_within
 from ..errors import InputError
 from .directives import request_for
 from .jobs import Job
@@ -114,7 +114,7 @@ class Decider:
                 self.searches += 1
                 graph = self.graphs[gid]
                 free = tuple(i for i in range(graph.size) if mask >> i & 1)
-                result = peers._allocate(policy, graph, free, picked[0], self._request_list[rid], self.model)
+                result = order_within(policy, graph, free, picked[0], self._request_list[rid], self.model)
                 p = result.placement
                 found = Decision(p.gpus, chosen, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth)
                 self._store(key, found)

@@ -79,7 +79,7 @@ def parse_gpu_indices(text: str) -> tuple[int, ...]:
         if not part:
             continue
         low, dash, high = part.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
             raise ValueError(f"not a GPU index list: {text[:60]!r}")
         gpus.extend(range(int(low), int(high) + 1) if dash else [int(low)])
     return tuple(gpus)
