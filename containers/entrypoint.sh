@@ -131,7 +131,15 @@ case $ROLE in
         ln -sfn /opt/slurm-mapa/scripts/mock-nvidia-smi /usr/local/bin/nvidia-smi
         start_munge
         shared_dirs
-        exec /usr/sbin/slurmd -D "$@"
+        # A slurmd that dies or is killed by hand comes back, as systemd would restart it; its jobs
+        # (slurmstepd) keep running meanwhile. The container stops on SIGTERM as before.
+        trap 'kill -TERM "$slurmd_pid" 2>/dev/null; wait "$slurmd_pid"; exit 0' TERM INT
+        while true; do
+            /usr/sbin/slurmd -D "$@" &
+            slurmd_pid=$!
+            wait "$slurmd_pid" || log "slurmd exited ($?); restarting it"
+            sleep 1
+        done
         ;;
     *)
         exec "$ROLE" "$@"

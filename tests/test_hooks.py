@@ -35,6 +35,7 @@ class FakeSlurm:
         self.scripts: dict[str, str] = {}
         self.calls: list[list[str]] = []
         self.broken: set[str] = set()
+        self.gres: dict[str, list[str]] = {}
 
     def __call__(self, argv):
         self.calls.append(list(argv))
@@ -45,7 +46,9 @@ class FakeSlurm:
             return "".join(f"{job}\n" for job in sorted(self.running))
         if program == "scontrol" and argv[1:4] == ["--json", "show", "job"]:
             job = argv[4]
-            return json.dumps({"jobs": [{"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts}]})
+            record = {"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts,
+                      "gres_detail": self.gres.get(job, [])}
+            return json.dumps({"jobs": [record]})
         if program == "scontrol" and argv[1:3] == ["write", "batch_script"]:
             if argv[3] not in self.scripts:
                 raise CommandFailed("scontrol write batch_script exited 1: no script")
@@ -314,3 +317,31 @@ def test_a_killed_writer_never_leaves_a_torn_ledger(tmp_path):
         if path.exists():
             LedgerFile(path, 8).read()  # raises LedgerCorrupt on a torn file
     assert path.exists()
+
+
+def test_jobs_running_without_a_ledger_entry_are_adopted_with_slurms_gpus(setup):
+    """A job whose Prolog was killed runs on Slurm's indices; the next Prolog must not hand them out."""
+    config, slurm, logs = setup
+    slurm.running = {"90", "91", "92"}
+    slurm.gres = {"90": ["gpu:2(IDX:0,3)"], "91": []}  # 90: a killed Prolog; 91: a CPU-only job
+    decision = run_prolog(env_for("92", "1,2", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert not {0, 3} & set(decision.gpus)
+    holdings = LedgerFile(config.ledger, 8).read().holdings
+    assert holdings["90"].gpus == (0, 3) and holdings["90"].policy == "slurm" and holdings["91"].gpus == ()
+    assert any("adopted job 90 with Slurm's GPUs 0,3" in line for line in logs)
+    slurm.calls.clear()
+    slurm.running.add("93")
+    run_prolog(env_for("93", "4", "mapa:"), config, slurm, logs.append)
+    asked_about = {call[4] for call in slurm.calls if call[1:4] == ["--json", "show", "job"]}
+    assert asked_about == {"93"}  # adopted jobs, the CPU-only one included, are known from now on
+
+
+def test_gres_detail_parsing():
+    from slurm_mapa.slurm.commands import slurm_gpus_on_only_node
+
+    assert slurm_gpus_on_only_node({"gres_detail": ["gpu:2(IDX:0-1)"]}) == (0, 1)
+    assert slurm_gpus_on_only_node({"gres_detail": ["gpu:a100:3(IDX:0-1,3)"]}) == (0, 1, 3)
+    assert slurm_gpus_on_only_node({"gres_detail": ["gpu:islA:2(IDX:0-1),gpu:islB:0(IDX:)"]}) == (0, 1)
+    assert slurm_gpus_on_only_node({"gres_detail": []}) == ()
+    assert slurm_gpus_on_only_node({"gres_detail": ["gpu:1(IDX:0)", "gpu:1(IDX:2)"]}) is None
+    assert slurm_gpus_on_only_node({"gres_detail": ["gpu(CNT:2)"]}) is None

@@ -99,3 +99,26 @@ def running_jobs_argv(squeue: str, node: str) -> list[str]:
 
 def admin_comment_argv(scontrol: str, job_id: str, text: str) -> list[str]:
     return [scontrol, "update", f"job={job_id}", f"AdminComment={text}"]
+
+
+_GRES_IDX = re.compile(r"^gpu(?::[^:(]+)?:[0-9]+\(IDX:([0-9,\-]*)\)$")
+
+
+def slurm_gpus_on_only_node(job: dict) -> tuple[int, ...] | None:
+    """The GPU indices Slurm gave a one-node job, from `gres_detail` (e.g. ``gpu:2(IDX:0-1)``).
+
+    None when the job spans several nodes (its per-node list would need the host list expanded)
+    or the record has no readable detail; an empty tuple for a job without GPUs.
+    """
+    detail = job.get("gres_detail")
+    if not isinstance(detail, list) or len(detail) > 1:
+        return None
+    if not detail:
+        return ()
+    gpus: list[int] = []
+    for part in re.split(r",(?=gpu)", str(detail[0])):
+        match = _GRES_IDX.match(part.strip())
+        if match is None:
+            return None
+        gpus.extend(parse_gpu_indices(match.group(1)))
+    return tuple(sorted(set(gpus)))

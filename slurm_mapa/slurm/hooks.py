@@ -37,6 +37,7 @@ from .commands import (
     parse_job_json,
     running_jobs_argv,
     show_job_argv,
+    slurm_gpus_on_only_node,
 )
 from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
 from .decision import Decision, parse_decisions, with_decision
@@ -229,6 +230,7 @@ def run_prolog(
             ledger, dead = ledger.reaped(running | {ctx.job_id})
             if dead:
                 log(f"job {ctx.job_id}: reaped ledger entries of finished jobs {','.join(dead)}")
+            ledger = adopt_unknown_jobs(ctx, ledger, running, size, config, run, log)
         except CommandFailed as error:
             log(f"job {ctx.job_id}: squeue failed ({error}); keeping every ledger entry")
         decision = choose(ctx, config, graph, directive, ledger, size, problem, unhealthy)
@@ -239,6 +241,37 @@ def run_prolog(
         + (f"; FALLBACK because {problem}" if decision.fallback else ""))
     record_decision(ctx, directive, decision, config, run, log)
     return decision
+
+
+MAX_ADOPTED_PER_PROLOG = 16
+
+
+def adopt_unknown_jobs(
+    ctx: PrologContext, ledger: Ledger, running: set[str], size: int, config: HookConfig, run: RunCommand, log: Callable[[str], None]
+) -> Ledger:
+    """Enter jobs that run here but are not in the ledger, with the GPUs Slurm gave them.
+
+    That happens when a job's Prolog was killed before it recorded anything, or for jobs that
+    started before MAPA was enabled: they use Slurm's indices, so those are not free.
+    """
+    unknown = sorted(running - set(ledger.holdings) - {ctx.job_id}, key=int)
+    for job_id in unknown[:MAX_ADOPTED_PER_PROLOG]:
+        try:
+            gpus = slurm_gpus_on_only_node(parse_job_json(run(show_job_argv(config.scontrol, job_id))))
+        except (CommandFailed, ValueError) as error:
+            log(f"job {ctx.job_id}: cannot read job {job_id}, which runs here without a ledger entry ({error})")
+            continue
+        if gpus is None:
+            log(f"job {ctx.job_id}: job {job_id} runs here without a ledger entry and spans several nodes; not adopted")
+            continue
+        held = ledger.held()
+        usable = tuple(g for g in gpus if 0 <= g < size and g not in held)
+        if usable != gpus:
+            log(f"job {ctx.job_id}: job {job_id} has Slurm GPUs {gpus} of which {sorted(set(gpus) - set(usable))} are already held")
+        ledger = ledger.with_job(job_id, Holding(usable, "slurm", time.time(), "adopted: ran without a MAPA choice"))
+        if usable:
+            log(f"job {ctx.job_id}: adopted job {job_id} with Slurm's GPUs {','.join(map(str, usable))} (it ran without a MAPA choice)")
+    return ledger
 
 
 def record_decision(

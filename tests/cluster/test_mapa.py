@@ -84,7 +84,7 @@ def test_a_job_sequence_gets_exactly_what_mapa_select_gives(cluster):
     for name, jobid in ids.items():
         rec = cluster.wait_sacct(jobid, ("AdminComment",), AdminComment=lambda v: " # dgx1=" in v)
         assert rec["AdminComment"].startswith("mapa:topology=ring sensitive=")
-    assert _ledger(cluster, "dgx1") == {}
+    _assert_ledger_empties(cluster, "dgx1")
 
 
 def test_a_bad_directive_is_rejected_at_submit_time(cluster):
@@ -134,10 +134,7 @@ def test_forty_jobs_at_once_never_share_a_gpu(cluster):
             s2, e2, g2, j2 = intervals[b]
             if s1 < e2 and s2 < e1:
                 assert not g1 & g2, f"jobs {j1} and {j2} ran at once on GPUs {g1 & g2}"
-    deadline = time.monotonic() + 30
-    while _ledger(cluster, "dgx1") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _ledger(cluster, "dgx1") == {}
+    _assert_ledger_empties(cluster, "dgx1", timeout=30)
 
 
 def test_a_corrupt_ledger_is_rebuilt_without_double_assignment(cluster):
@@ -153,7 +150,7 @@ def test_a_corrupt_ledger_is_rebuilt_without_double_assignment(cluster):
     assert f"job {second}: ledger /var/lib/slurm-mapa/ledger.json is corrupt" in log
     _release(cluster, first)
     _release(cluster, second)
-    assert _ledger(cluster, "summit1") == {}
+    _assert_ledger_empties(cluster, "summit1")
 
 
 def test_a_node_without_topology_falls_back_to_slurms_gpus(cluster):
@@ -236,3 +233,99 @@ def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisi
     audit = json.loads(buffer.getvalue())["recorded_decisions"]
     assert audit["compared"] == len(ids), audit
     assert audit["policies"]["preserve"]["same_set"] == len(ids), audit
+
+
+def _set_node_config(cluster, node: str, extra: str) -> None:
+    """The node's hook config with ``extra`` top-level keys put first."""
+    base = cluster.exec(node, ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
+    cluster.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=extra + "\n" + base)
+
+
+def _restore_node_config(cluster, node: str) -> None:
+    cluster.exec(node, ["install", "-m", "644", "/etc/slurm-mapa/config/mapa.toml", "/etc/slurm/mapa.toml"])
+
+
+def test_a_prolog_killed_midway_loses_no_gpu(cluster):
+    """The Prolog is SIGKILLed while it waits for squeue: the job runs on Slurm's GPUs, and the next
+    Prolog adopts them instead of handing them out again."""
+    node = "summit1"
+    cluster.exec(node, ["sh", "-c", "printf '#!/bin/sh\\nsleep 4\\nexec /usr/bin/squeue \"$@\"\\n' > /usr/local/bin/slow-squeue"
+                                    " && chmod 755 /usr/local/bin/slow-squeue"])
+    _set_node_config(cluster, node, 'squeue = "/usr/local/bin/slow-squeue"')  # within command_timeout (5 s)
+    try:
+        first = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
+        deadline = time.monotonic() + 60
+        while cluster.exec(node, ["pgrep", "-f", "slow-squeue"], check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise cluster.Error("the Prolog never reached squeue")
+            time.sleep(0.2)
+        cluster.exec(node, ["pkill", "-KILL", "-f", "prolog_main"])
+    finally:
+        _restore_node_config(cluster, node)
+    cluster.wait_state(first, "RUNNING")
+    first_gpus = _cvd(cluster, first)
+    slurm = re.search(r"^slurm=([0-9,]+)$", cluster.output(first), re.M).group(1)
+    assert first_gpus == tuple(int(g) for g in slurm.split(",")) and len(first_gpus) == 2
+    assert cluster.node(node)["state"] != ["DRAIN"] and "DRAIN" not in cluster.node(node)["state"]
+    second = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
+    cluster.wait_state(second, "RUNNING")
+    second_gpus = _cvd(cluster, second)
+    assert not set(first_gpus) & set(second_gpus)
+    log = cluster.exec(node, ["cat", "/var/log/slurm-mapa.log"]).stdout
+    assert f"adopted job {first} with Slurm's GPUs {','.join(map(str, first_gpus))}" in log
+    _release(cluster, first)
+    _release(cluster, second)
+    _assert_ledger_empties(cluster, node)
+
+
+def _assert_ledger_empties(cluster, node: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while _ledger(cluster, node) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _ledger(cluster, node)
+    log = cluster.exec(node, ["tail", "-n", "15", "/var/log/slurm-mapa.log"], check=False).stdout
+    assert left == {}, f"ledger of {node} still holds {left}; log:\n{log}"
+
+
+def test_slurmd_restarted_during_a_job(cluster):
+    node = "torus1"
+    first = cluster.sbatch(HOLDING_JOB.format(gpus=4, sensitive="yes"), "-w", node)
+    cluster.wait_state(first, "RUNNING")
+    first_gpus = _cvd(cluster, first)
+    old_pid = cluster.exec(node, ["pgrep", "-x", "slurmd"]).stdout.split()
+    cluster.exec(node, ["pkill", "-x", "slurmd"])
+    deadline = time.monotonic() + 60
+    while True:
+        pid = cluster.exec(node, ["pgrep", "-x", "slurmd"], check=False).stdout.split()
+        if pid and pid != old_pid:
+            break
+        if time.monotonic() > deadline:
+            raise cluster.Error("slurmd did not come back")
+        time.sleep(0.5)
+    cluster.wait_node(node, lambda state: "NOT_RESPONDING" not in state and state & {"MIXED", "ALLOCATED"}, timeout=60,
+                      what="responding with the job")
+    assert cluster.state(first) == "RUNNING"
+    second = cluster.sbatch(HOLDING_JOB.format(gpus=4, sensitive="yes"), "-w", node)
+    cluster.wait_state(second, "RUNNING")
+    second_gpus = _cvd(cluster, second)
+    assert len(second_gpus) == 4 and not set(first_gpus) & set(second_gpus)
+    _release(cluster, first)
+    _release(cluster, second)
+    _assert_ledger_empties(cluster, node)
+
+
+STEP_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:4
+#MAPA topology=ring sensitive=yes
+echo "job=$MAPA_GPUS"
+srun -n1 --gres=gpu:2 bash -c 'echo "step=$CUDA_VISIBLE_DEVICES"'
+"""
+
+
+def test_a_step_asking_for_fewer_gpus_gets_the_first_in_pattern_order(cluster):
+    jobid = cluster.sbatch(STEP_JOB, "-w", "dgx1")
+    cluster.wait_state(jobid, "COMPLETED", timeout=90)
+    out = cluster.output(jobid)
+    job = re.search(r"^job=([0-9,]+)$", out, re.M).group(1).split(",")
+    step = re.search(r"^step=([0-9,]+)$", out, re.M).group(1).split(",")
+    assert len(job) == 4 and step == job[:2], out
