@@ -1,17 +1,21 @@
 """The exact candidate search: the best placement of a pattern on the free GPUs of a node.
 
 The hardware graph is complete, so every injective map of pattern vertices to free GPUs is a
-match. The search is a depth-first branch and bound over those maps:
+match. The search walks those maps depth first:
 
 * GPUs are tried in ascending order at every depth, so placements are met in lexicographic
   order of the GPU sequence (in pattern order). A candidate replaces the incumbent only when its
   score is strictly higher, so among equal scores the lexicographically smallest wins: that is
-  the documented tie-break, and it lets the search drop any branch whose bound merely ties.
+  the documented tie-break, and it lets the search drop any branch that can at best tie.
 * Pattern automorphisms are pruned: only the lexicographically smallest of equivalent
   placements (the lex leader) is visited (see :class:`~.patterns.PatternSymmetry`).
-* Bounds: the aggregated bandwidth still to come is at most, per pending edge, the widest link
-  its placed endpoint has to a free GPU; the effective bandwidth is bounded by the best value the
-  model reaches with the pending edges (:func:`~.effbw.best_completion`).
+* With unit edge weights both the effective and the aggregated objective depend only on how
+  many pattern edges use each link class. So the count vectors are ranked by objective first, and
+  the walk looks for the lex-first placement with exactly the counts of the best vector that has
+  one (``_by_class_budgets``); a degree bound discards impossible vectors without walking.
+* Weighted patterns fall back to branch and bound: per pending edge, the widest link its placed
+  endpoint has to a free GPU; for the model, the best value reachable with the pending edges
+  (:func:`~.effbw.best_completion`).
 
 Objectives (each a tuple compared lexicographically, floats rounded to 1e-9):
 
