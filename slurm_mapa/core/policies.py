@@ -128,9 +128,10 @@ POLICIES: dict[str, Policy] = {
 
 def all_policies() -> dict[str, Policy]:
     """The engine's policies and the peers it is compared with (slurm-native, nvidia-besteffort, ...)."""
+    from .ahead import AHEAD_POLICIES  # builds on this module too
     from .peers import PEER_POLICIES  # the peers build on this module
 
-    return {**POLICIES, **PEER_POLICIES}
+    return {**POLICIES, **PEER_POLICIES, **AHEAD_POLICIES}
 
 
 def select(

@@ -321,9 +321,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_policies(args) -> int:
-    from ..core import peers, policies
-
-    rows = {name: ((policies if name in policies.POLICIES else peers).__name__) for name in ALL_POLICIES}
+    rows = {name: ALL_POLICIES[name].__module__ for name in ALL_POLICIES}
     if args.json:
         print(json.dumps({"policies": list(ALL_POLICIES)}))
     else:

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from ..core import peers
 from ..core.effbw import EffectiveBandwidthModel, paper_model
 from ..core.hardware import HardwareGraph
+from ..core.ahead import AHEAD_POLICIES
 from ..core.peers import PEER_POLICIES
 from ..core.policies import POLICIES, Allocation, Request, order_within
 from ..errors import InputError
@@ -30,7 +31,7 @@ from .jobs import Job
 from .stats import Dist, Series
 from .timemodel import TimeModel
 
-ALL_POLICIES = {**POLICIES, **PEER_POLICIES}
+ALL_POLICIES = {**POLICIES, **PEER_POLICIES, **AHEAD_POLICIES}
 
 
 def policy_names() -> list[str]:

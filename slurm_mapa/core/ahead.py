@@ -1,0 +1,236 @@
+"""``preserve-ahead``: MAPA Preserve with a look-ahead at the jobs likely to come next.
+
+The paper's Preserve gives an insensitive job the GPUs that leave the largest *sum* of link
+bandwidth free (Eq. 3). What the next sensitive job needs is one good ring of its own size, so
+this policy scores a free set by what the likely next sensitive jobs could get on it:
+
+    future(F) = sum over sizes k (2..) of  w_k * best_k(F)
+
+where ``best_k(F)`` is the best predicted effective bandwidth (the paper's model, Eq. 2) of a
+k-GPU ring on the GPUs of F (0 when k > |F|) and ``w_k`` the probability of size k. By default the
+sizes are the paper's uniform 1..5, so w_2..w_5 = 1/5 (a 1-GPU job has no ring: it adds nothing).
+
+* Insensitive jobs and every 1-GPU job: the k-subset S of the free GPUs that maximises
+  ``future(free - S)``; ties go to the higher preserved bandwidth (Eq. 3) of ``free - S``, then to
+  the lexicographically smallest S.
+* Sensitive jobs of 2+ GPUs: the sets whose best placement of the job's pattern is within
+  ``tolerance`` (a fraction, 0 by default: only the sets that tie) of the best predicted effective
+  bandwidth; among them the highest ``future(free - S)``, then the higher (effective, aggregated)
+  key of the job, then the lexicographically smallest S.
+
+The chosen set is ordered with :func:`~.policies.order_within`, as the engine does for every set.
+
+Everything is exact: ``best_k`` comes from :func:`~.search.best_placement` on each k-set, and
+``best_k(F) = max(best_k(F - {g}) for g in F)`` for |F| > k. The values are memoised per
+(graph, model, size distribution) across decisions: a node has at most 2^n free sets, so a
+long-running process (the replay, a warm daemon) pays each set once.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Mapping
+
+from ..errors import InputError
+from .effbw import EffectiveBandwidthModel
+from .hardware import HardwareGraph
+from .patterns import Pattern, make_pattern
+from .policies import Allocation, NoFit, Policy, Request, order_within
+from .search import best_placement, preserved_bandwidth
+
+_DIGITS = 9
+PAPER_SIZES: dict[int, float] = {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2, 5: 0.2}
+_MAX_CACHED_GRAPHS = 16
+_MAX_ENTRIES = 4_000_000  # per (graph, model, sizes): 2^16 masks x 4 sizes fit many times over
+
+
+def _normalised(sizes: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
+    """The size distribution as sorted (size, probability) pairs for the sizes 2+ (a key for caches)."""
+    sizes = dict(PAPER_SIZES if sizes is None else sizes)
+    if not sizes:
+        raise InputError("the size distribution of preserve-ahead is empty")
+    total = 0.0
+    for size, weight in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise InputError(f"preserve-ahead: job size {size!r} must be a whole number of GPUs, 1 or more")
+        if weight < 0:
+            raise InputError(f"preserve-ahead: the weight of size {size} is negative ({weight})")
+        total += weight
+    if total <= 0:
+        raise InputError("preserve-ahead: the size distribution has no weight")
+    return tuple((k, w / total) for k, w in sorted(sizes.items()) if k >= 2 and w > 0)
+
+
+class _Tables:
+    """Memoised values for one (graph, model, size distribution)."""
+
+    def __init__(self, graph: HardwareGraph, model: EffectiveBandwidthModel, sizes: tuple[tuple[int, float], ...]) -> None:
+        self.graph = graph
+        self.model = model
+        self.sizes = sizes
+        self.rings = {k: make_pattern("ring", k) for k, _ in sizes}
+        self.best: dict[int, dict[int, float]] = {k: {} for k, _ in sizes}  # k -> mask -> best_k
+        self.future_memo: dict[int, float] = {}
+        self.job_memo: dict[tuple[Pattern, int], tuple[float, float]] = {}  # (pattern, mask) -> (eff, agg)
+        self.preserved_memo: dict[int, float] = {}
+        self.entries = 0
+
+    def _count(self) -> None:
+        self.entries += 1
+        if self.entries > _MAX_ENTRIES:
+            for k in self.best:
+                self.best[k].clear()
+            self.future_memo.clear()
+            self.job_memo.clear()
+            self.preserved_memo.clear()
+            self.entries = 0
+
+    def best_ring(self, k: int, mask: int) -> float:
+        """Best predicted effective bandwidth of a k-ring on the GPUs of ``mask`` (0 if it does not fit)."""
+        memo = self.best[k]
+        found = memo.get(mask)
+        if found is not None:
+            return found
+        n = mask.bit_count()
+        if n < k:
+            value = 0.0
+        elif n == k:
+            gpus = [g for g in range(self.graph.size) if mask >> g & 1]
+            placed = best_placement(self.graph, gpus, self.rings[k], "effective", self.model)
+            assert placed is not None and placed.effective_bandwidth is not None
+            value = round(placed.effective_bandwidth, _DIGITS)
+        else:
+            value = 0.0
+            rest = mask
+            while rest:
+                bit = rest & -rest
+                rest ^= bit
+                sub = self.best_ring(k, mask ^ bit)
+                if sub > value:
+                    value = sub
+        memo[mask] = value
+        self._count()
+        return value
+
+    def future(self, mask: int) -> float:
+        """The look-ahead score of a free set: the size-weighted best ring bandwidth on it."""
+        found = self.future_memo.get(mask)
+        if found is not None:
+            return found
+        value = round(sum(w * self.best_ring(k, mask) for k, w in self.sizes), _DIGITS)
+        self.future_memo[mask] = value
+        self._count()
+        return value
+
+    def preserved(self, mask: int) -> float:
+        found = self.preserved_memo.get(mask)
+        if found is None:
+            found = round(preserved_bandwidth(self.graph, [g for g in range(self.graph.size) if mask >> g & 1]), _DIGITS)
+            self.preserved_memo[mask] = found
+            self._count()
+        return found
+
+    def job_key(self, pattern: Pattern, mask: int) -> tuple[float, float]:
+        """(effective, aggregated) of the best placement of ``pattern`` on exactly the GPUs of ``mask``."""
+        key = (pattern, mask)
+        found = self.job_memo.get(key)
+        if found is None:
+            gpus = [g for g in range(self.graph.size) if mask >> g & 1]
+            placed = best_placement(self.graph, gpus, pattern, "effective", self.model)
+            assert placed is not None
+            eff = placed.effective_bandwidth if placed.effective_bandwidth is not None else 0.0
+            found = (round(eff, _DIGITS), round(placed.aggregated_bandwidth, _DIGITS))
+            self.job_memo[key] = found
+            self._count()
+        return found
+
+
+_TABLES: dict[tuple, _Tables] = {}
+
+
+def tables_for(graph: HardwareGraph, model: EffectiveBandwidthModel, sizes: tuple[tuple[int, float], ...]) -> _Tables:
+    key = (graph, model, sizes)
+    found = _TABLES.get(key)
+    if found is None:
+        if len(_TABLES) >= _MAX_CACHED_GRAPHS:
+            _TABLES.clear()
+        found = _TABLES[key] = _Tables(graph, model, sizes)
+    return found
+
+
+def clear_cache() -> None:
+    """Forget every memoised score (for cold-start timings and tests)."""
+    _TABLES.clear()
+
+
+def choose_set(
+    graph: HardwareGraph,
+    free: tuple[int, ...],
+    request: Request,
+    model: EffectiveBandwidthModel,
+    sizes: Mapping[int, float] | None = None,
+    tolerance: float = 0.0,
+) -> tuple[int, ...] | None:
+    """The GPU set preserve-ahead gives ``request`` on ``free`` (sorted), or None if it does not fit."""
+    free = tuple(sorted(set(free)))
+    k = request.gpus
+    if k > len(free):
+        return None
+    if tolerance < 0:
+        raise InputError(f"preserve-ahead: tolerance must be 0 or more, got {tolerance}")
+    tables = tables_for(graph, model, _normalised(sizes))
+    free_mask = 0
+    for g in free:
+        free_mask |= 1 << g
+    best_key = None
+    best_set: tuple[int, ...] | None = None
+    if request.sensitive and k > 1:
+        scored = []
+        top = None
+        for subset in combinations(free, k):
+            mask = 0
+            for g in subset:
+                mask |= 1 << g
+            job = tables.job_key(request.pattern, mask)
+            scored.append((subset, mask, job))
+            if top is None or job[0] > top:
+                top = job[0]
+        assert top is not None
+        floor = round(top - tolerance * abs(top), _DIGITS)
+        for subset, mask, job in scored:  # lex order: a later set must be strictly better
+            if job[0] < floor:
+                continue
+            key = (tables.future(free_mask ^ mask), job)
+            if best_key is None or key > best_key:
+                best_key, best_set = key, subset
+        return best_set
+    for subset in combinations(free, k):
+        mask = 0
+        for g in subset:
+            mask |= 1 << g
+        rest = free_mask ^ mask
+        key = (tables.future(rest), tables.preserved(rest))
+        if best_key is None or key > best_key:
+            best_key, best_set = key, subset
+    return best_set
+
+
+def make_preserve_ahead(sizes: Mapping[int, float] | None = None, tolerance: float = 0.0, name: str = "preserve-ahead") -> Policy:
+    """A preserve-ahead policy for a size distribution ({gpus: weight}, default uniform 1..5) and tolerance."""
+    _normalised(sizes)  # validate now, not at the first decision
+    if tolerance < 0:
+        raise InputError(f"preserve-ahead: tolerance must be 0 or more, got {tolerance}")
+
+    def policy(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+        chosen = choose_set(graph, free, request, model, sizes, tolerance)
+        if chosen is None:
+            return NoFit(name, request, free)
+        return order_within(name, graph, free, chosen, request, model)
+
+    policy.__name__ = name.replace("-", "_")
+    return policy
+
+
+preserve_ahead = make_preserve_ahead()
+
+AHEAD_POLICIES: dict[str, Policy] = {"preserve-ahead": preserve_ahead}

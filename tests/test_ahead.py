@@ -1,0 +1,184 @@
+"""preserve-ahead: exact for its own objective (brute force with itertools), deterministic, never refuses a fit."""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from itertools import combinations, permutations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slurm_mapa.core import ahead
+from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.patterns import make_pattern
+from slurm_mapa.core.policies import Allocation, NoFit, Request, all_policies, select
+from slurm_mapa.errors import InputError
+from slurm_mapa.hardware.presets import preset
+
+MODEL = paper_model()
+D = 9
+
+
+def request(k: int, sensitive: bool) -> Request:
+    return Request(make_pattern("ring", k), sensitive)
+
+
+# --- the brute-force reference: every placement by itertools.permutations, no search code --------
+
+
+@lru_cache(maxsize=None)
+def _graph(name):
+    return preset(name)
+
+
+@lru_cache(maxsize=None)
+def job_key(name: str, k: int, gpus: frozenset) -> tuple[float, float]:
+    """max over every order of a k-ring on exactly ``gpus`` of (effective, aggregated)."""
+    graph = _graph(name)
+    pattern = make_pattern("ring", k)
+    best = None
+    for perm in permutations(sorted(gpus)):
+        counts = [0] * len(MODEL.class_names)
+        agg = 0.0
+        for (a, b), w in zip(pattern.edges, pattern.weights):
+            link = graph.link(perm[a], perm[b])
+            counts[MODEL.classify(link)] += 1
+            agg += w * graph.bandwidths.of(link)
+        key = (round(MODEL.predict(tuple(counts)), D), round(agg, D))
+        if best is None or key > best:
+            best = key
+    return best
+
+
+@lru_cache(maxsize=None)
+def best_ring(name: str, k: int, free: frozenset) -> float:
+    if len(free) < k:
+        return 0.0
+    return max(job_key(name, k, frozenset(s))[0] for s in combinations(sorted(free), k))
+
+
+def future(name: str, free: frozenset, sizes: dict[int, float]) -> float:
+    total = sum(sizes.values())
+    return round(sum(w / total * best_ring(name, k, free) for k, w in sorted(sizes.items()) if k >= 2 and w > 0), D)
+
+
+def preserved(name: str, free: frozenset) -> float:
+    graph = _graph(name)
+    left = sorted(free)
+    return round(sum(graph.bandwidth(a, b) for i, a in enumerate(left) for b in left[i + 1 :]), D)
+
+
+def brute_choice(name, free, k, sensitive, sizes=None, tolerance=0.0):
+    """(best key, lex-first set among the sets with that key): the objective written out again."""
+    sizes = sizes or {1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
+    free = sorted(free)
+    subsets = [tuple(s) for s in combinations(free, k)]
+    if sensitive and k > 1:
+        top = max(job_key(name, k, frozenset(s))[0] for s in subsets)
+        allowed = [s for s in subsets if job_key(name, k, frozenset(s))[0] >= round(top - tolerance * abs(top), D)]
+        keyed = [((future(name, frozenset(free) - set(s), sizes), job_key(name, k, frozenset(s))), s) for s in allowed]
+    else:
+        keyed = [((future(name, frozenset(free) - set(s), sizes), preserved(name, frozenset(free) - set(s))), s) for s in subsets]
+    best = max(key for key, _ in keyed)
+    return best, min(s for key, s in keyed if key == best)
+
+
+def cases(name, count, seed):
+    rng = random.Random(seed)
+    n = _graph(name).size
+    out = []
+    while len(out) < count:
+        free = tuple(g for g in range(n) if rng.random() < 0.75)
+        k = rng.randint(1, 5)
+        if k <= len(free):
+            out.append((free, k, rng.random() < 0.6))
+    return out
+
+
+@pytest.mark.parametrize("name", ["dgx1-v100", "pcie-8", "dgx1-p100"])
+def test_matches_brute_force_objective_and_tie_break(name):
+    graph = _graph(name)
+    for free, k, sensitive in cases(name, 40, seed=hash(name) % 1000) + [(tuple(range(8)), k, s) for k in range(1, 6) for s in (True, False)]:
+        key, expected = brute_choice(name, free, k, sensitive)
+        got = ahead.choose_set(graph, free, request(k, sensitive), MODEL)
+        assert got == expected, (name, free, k, sensitive, key)
+        alloc = ahead.preserve_ahead(graph, free, request(k, sensitive), MODEL)
+        assert isinstance(alloc, Allocation) and tuple(sorted(alloc.gpus)) == expected
+        if sensitive and k > 1:
+            # the order inside the set is the best ring on it
+            assert round(alloc.placement.effective_bandwidth, D) == job_key(name, k, frozenset(expected))[0]
+
+
+def test_sensitive_jobs_get_the_best_effective_bandwidth():
+    graph = _graph("dgx1-v100")
+    for free, k, _ in cases("dgx1-v100", 30, seed=5):
+        if k < 2:
+            continue
+        alloc = select("preserve-ahead", graph, free, request(k, True))
+        paper = select("preserve", graph, free, request(k, True))
+        assert round(alloc.placement.effective_bandwidth, D) == round(paper.placement.effective_bandwidth, D)
+
+
+@pytest.mark.parametrize("sizes,tolerance", [({4: 1.0}, 0.0), ({2: 3.0, 5: 1.0}, 0.0), (None, 0.05), ({3: 1.0, 4: 2.0}, 0.15)])
+def test_configured_sizes_and_tolerance_match_brute_force(sizes, tolerance):
+    graph = _graph("dgx1-v100")
+    policy = ahead.make_preserve_ahead(sizes, tolerance)
+    for free, k, sensitive in cases("dgx1-v100", 25, seed=11):
+        _, expected = brute_choice("dgx1-v100", free, k, sensitive, sizes, tolerance)
+        assert ahead.choose_set(graph, free, request(k, sensitive), MODEL, sizes, tolerance) == expected
+        assert tuple(sorted(policy(graph, free, request(k, sensitive), MODEL).gpus)) == expected
+
+
+def test_keeps_a_quad_free_for_four_gpu_jobs():
+    graph = _graph("dgx1-v100")
+    alloc = ahead.make_preserve_ahead({4: 1.0})(graph, tuple(range(8)), request(2, False), MODEL)
+    rest = frozenset(range(8)) - set(alloc.gpus)
+    assert best_ring("dgx1-v100", 4, rest) == best_ring("dgx1-v100", 4, frozenset(range(8)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    topo=st.sampled_from(["dgx1-v100", "torus2d-16", "cubemesh-16"]),
+    gpus=st.sets(st.integers(min_value=0, max_value=15), max_size=10),
+    k=st.integers(min_value=1, max_value=5),
+    sensitive=st.booleans(),
+)
+def test_never_refuses_a_placement_that_fits(topo, gpus, k, sensitive):
+    # up to 10 free GPUs on the 16-GPU nodes keeps a cold memo cheap (2^10 free sets)
+    graph = _graph(topo)
+    free = tuple(sorted(g for g in gpus if g < graph.size))
+    result = select("preserve-ahead", graph, free, request(k, sensitive))
+    if k <= len(free):
+        assert isinstance(result, Allocation)
+        assert len(set(result.gpus)) == k and set(result.gpus) <= set(free)
+    else:
+        assert isinstance(result, NoFit)
+
+
+def test_deterministic_whatever_the_cache_holds():
+    graph = _graph("dgx1-v100")
+    work = cases("dgx1-v100", 30, seed=3)
+    ahead.clear_cache()
+    first = [ahead.preserve_ahead(graph, f, request(k, s), MODEL).gpus for f, k, s in work]
+    ahead.clear_cache()
+    second = [ahead.preserve_ahead(graph, f, request(k, s), MODEL).gpus for f, k, s in reversed(work)]
+    assert first == list(reversed(second))
+    assert first == [ahead.preserve_ahead(graph, f, request(k, s), MODEL).gpus for f, k, s in work]
+
+
+def test_registered_everywhere_a_policy_is():
+    assert "preserve-ahead" in all_policies()
+    from slurm_mapa.replay.simulate import ALL_POLICIES, Node, simulate
+    from slurm_mapa.replay.generate import generate
+
+    assert "preserve-ahead" in ALL_POLICIES
+    result = simulate(list(generate("paper", 40, seed=2)), [Node("n0", _graph("dgx1-v100"))], "preserve-ahead")
+    assert result.jobs == 40
+
+
+@pytest.mark.parametrize("sizes,tolerance", [({}, 0.0), ({0: 1.0}, 0.0), ({2: -1.0}, 0.0), ({2: 0.0}, 0.0), (None, -0.1)])
+def test_bad_configuration_is_an_input_error(sizes, tolerance):
+    with pytest.raises(InputError):
+        ahead.make_preserve_ahead(sizes, tolerance)
