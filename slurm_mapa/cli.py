@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     sel.set_defaults(handler=cmd_select)
 
     add_admin_commands(commands)
+    from .calibrate.commands import add_commands as add_calibrate_commands
+    add_calibrate_commands(commands)
     _add_plugin_commands(commands, topo_commands)
     return parser
 

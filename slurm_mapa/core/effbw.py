@@ -5,6 +5,15 @@ each a list of selectors such as ``NV1``, ``NV>=2``, ``NVS``, ``PCIE`` or a PCIe
 coefficient per term. Terms are products of counts (``x1``, ``x1*x2``) or their inverses
 (``1/(x1*x2+1)``), which covers the paper's 14-term model (Eq. 2, Table 2) and the
 generalisations a site may fit for its own servers.
+
+A second kind, ``kind = "bottleneck"``, is the default for servers nobody has measured: each
+class carries a bandwidth (``[bandwidths]``) and the prediction is the bandwidth of the slowest
+class the pattern's edges use. A ring all-reduce moves every byte over every ring edge, so its
+bus bandwidth is bounded by its slowest link; NCCL's tree pipelines the data through every tree
+edge, up and down, so the same bound holds, and so for any pattern whose edges all carry a share
+of the traffic at the same time (mesh, torus, hypercube, all-to-all). It is still a function of
+the per-class edge counts only, which the exact search needs. :func:`bottleneck_model` derives
+one from a hardware graph (see docs/calibration.md for the numbers and why).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from .links import PCIE_LEVELS, Link
 
 _PRODUCT = r"x[0-9]+(?:\*x[0-9]+)*"
 _TERM = re.compile(rf"^(?:(?P<product>{_PRODUCT})|1/\((?P<inverse>{_PRODUCT})\+1\))$")
+MODEL_KINDS = ("regression", "bottleneck")
 _SELECTOR = re.compile(r"^(?:NV(?P<ge>>=)?(?P<n>[1-9][0-9]?)|NVS(?:>=(?P<sn>[1-9][0-9]?))?|PCIE|PIX|PXB|PHB|NODE|SYS)$")
 
 
@@ -44,6 +54,8 @@ class EffectiveBandwidthModel:
     selectors: tuple[tuple[str, ...], ...]
     terms: tuple[Term, ...]
     description: str = ""
+    kind: str = "regression"  # or "bottleneck"
+    class_bandwidths: tuple[float, ...] = ()  # GB/s per class, bottleneck models only
 
     def classify(self, link: Link) -> int:
         """The index of the class that counts ``link``; the first class that matches wins."""
@@ -56,11 +68,14 @@ class EffectiveBandwidthModel:
         )
 
     def predict(self, counts: tuple[float, ...]) -> float:
+        if self.kind == "bottleneck":
+            used = [bw for bw, count in zip(self.class_bandwidths, counts) if count > 0]
+            return min(used) if used else 0.0
         return sum(term.value(counts) for term in self.terms)
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.name, self.class_names, self.selectors, self.terms))
+        return hash((self.name, self.class_names, self.selectors, self.terms, self.kind, self.class_bandwidths))
 
     def __hash__(self) -> int:
         # Models key the search's caches: hash the terms once, not on every lookup.
@@ -87,25 +102,16 @@ def model_from_dict(data: Mapping[str, Any], *, source: str = "model") -> Effect
     """Build a model from the parsed TOML of a model file, with errors that name ``source``."""
     classes = data.get("classes")
     terms = data.get("terms")
+    kind = data.get("kind", "regression")
+    if kind not in MODEL_KINDS:
+        raise InputError(f"{source}: unknown model kind {kind!r} (accepted: {', '.join(MODEL_KINDS)})")
     if not isinstance(classes, Mapping) or not classes:
         raise InputError(f"{source}: needs a [classes] table, e.g. x1 = [\"NV>=2\", \"NVS\"]")
+    if kind == "bottleneck":
+        return _bottleneck_from_dict(data, classes, source=source)
     if not isinstance(terms, Mapping) or not terms:
         raise InputError(f"{source}: needs a [terms] table of term = coefficient, e.g. \"x1*x2\" = -7.97")
-    names = tuple(classes)
-    expected = tuple(f"x{i + 1}" for i in range(len(names)))
-    if names != expected:
-        raise InputError(f"{source}: classes must be named {', '.join(expected)} in that order, got {', '.join(names)}")
-    selectors: list[tuple[str, ...]] = []
-    for name, values in classes.items():
-        if not isinstance(values, list) or not values:
-            raise InputError(f"{source}: class {name} must be a non-empty list of link selectors")
-        for value in values:
-            if not isinstance(value, str) or not _SELECTOR.match(value):
-                raise InputError(
-                    f"{source}: class {name}: unknown link selector {value!r} "
-                    f"(accepted: NV<n>, NV>=<n>, NVS, NVS>=<n>, PCIE, {', '.join(PCIE_LEVELS)})"
-                )
-        selectors.append(tuple(values))
+    names, selectors = _parse_classes(classes, source=source)
     parsed: list[Term] = []
     for text, coefficient in terms.items():
         match = _TERM.match(text.replace(" ", ""))
@@ -122,10 +128,130 @@ def model_from_dict(data: Mapping[str, Any], *, source: str = "model") -> Effect
     return EffectiveBandwidthModel(
         name=str(data.get("name", source)),
         class_names=names,
-        selectors=tuple(selectors),
+        selectors=selectors,
         terms=tuple(parsed),
         description=str(data.get("description", "")),
     )
+
+
+def _parse_classes(classes: Mapping[str, Any], *, source: str) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    names = tuple(classes)
+    expected = tuple(f"x{i + 1}" for i in range(len(names)))
+    if names != expected:
+        raise InputError(f"{source}: classes must be named {', '.join(expected)} in that order, got {', '.join(names)}")
+    selectors: list[tuple[str, ...]] = []
+    for name, values in classes.items():
+        if not isinstance(values, list) or not values:
+            raise InputError(f"{source}: class {name} must be a non-empty list of link selectors")
+        for value in values:
+            if not isinstance(value, str) or not _SELECTOR.match(value):
+                raise InputError(
+                    f"{source}: class {name}: unknown link selector {value!r} "
+                    f"(accepted: NV<n>, NV>=<n>, NVS, NVS>=<n>, PCIE, {', '.join(PCIE_LEVELS)})"
+                )
+        selectors.append(tuple(values))
+    return names, tuple(selectors)
+
+
+def _bottleneck_from_dict(data: Mapping[str, Any], classes: Mapping[str, Any], *, source: str) -> EffectiveBandwidthModel:
+    names, selectors = _parse_classes(classes, source=source)
+    bandwidths = data.get("bandwidths")
+    if not isinstance(bandwidths, Mapping) or set(bandwidths) != set(names):
+        raise InputError(f"{source}: a bottleneck model needs a [bandwidths] table with one GB/s value per class ({', '.join(names)})")
+    if data.get("terms"):
+        raise InputError(f"{source}: a bottleneck model has no [terms] (it predicts the slowest used class's bandwidth)")
+    values: list[float] = []
+    for name in names:
+        value = bandwidths[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise InputError(f"{source}: bandwidth of {name} must be a positive number of GB/s, got {value!r}")
+        values.append(float(value))
+    return EffectiveBandwidthModel(
+        name=str(data.get("name", source)),
+        class_names=names,
+        selectors=selectors,
+        terms=(),
+        description=str(data.get("description", "")),
+        kind="bottleneck",
+        class_bandwidths=tuple(values),
+    )
+
+
+# How much of a PCIe link's nominal bandwidth a GPU-to-GPU transfer gets, by path. Applied by
+# bottleneck_model() only when the graph gives every PCIe level the same bandwidth (the default):
+# a site that configured per-level bandwidths has already said what each path delivers.
+#   PIX/PXB: peer-to-peer through PCIe switches only, full link rate.
+#   PHB: through the CPU's root complex; P2P still works but the root port is shared (~0.8).
+#   NODE: between host bridges of one socket; P2P often crosses the CPU's internal fabric (~0.6).
+#   SYS: across the socket interconnect (QPI/UPI/xGMI); NCCL disables P2P there by default and
+#        stages through host memory, roughly halving the rate again (~0.35).
+DEFAULT_PCIE_PATH_FACTORS: dict[str, float] = {"PIX": 1.0, "PXB": 0.9, "PHB": 0.8, "NODE": 0.6, "SYS": 0.35}
+
+
+def bottleneck_model(graph: Any, *, pcie_factors: Mapping[str, float] | None = None, name: str | None = None) -> EffectiveBandwidthModel:
+    """The default model for ``graph``: one class per link class present, with its bandwidth.
+
+    NVLink and NVSwitch classes take the graph's bandwidth (``graph.bandwidths``); PCIe levels
+    take it times :data:`DEFAULT_PCIE_PATH_FACTORS` when the graph does not tell the levels apart.
+    """
+    factors = dict(DEFAULT_PCIE_PATH_FACTORS if pcie_factors is None else pcie_factors)
+    links = {graph.links[a][b] for a, b in graph.pairs()}
+    pcie_values = {graph.bandwidths.pcie[level] for level in PCIE_LEVELS}
+    scale_pcie = len(pcie_values) == 1
+
+    def bandwidth(link: Link) -> float:
+        value = graph.bandwidths.of(link)
+        if link.kind == "pcie" and scale_pcie:
+            value *= factors.get(link.level, 1.0)
+        return round(value, 6)
+
+    # Widest first: with first-match classification NVS>=n then stands for exactly NVS<n>.
+    ordered = sorted(links, key=lambda link: (-bandwidth(link), link.kind, -link.links, link.level))
+    selectors = []
+    for link in ordered:
+        if link.kind == "nvswitch":
+            selectors.append((f"NVS>={link.links}",))
+        else:
+            selectors.append((link.token,))
+    return EffectiveBandwidthModel(
+        name=name or f"bottleneck-{graph.name}",
+        class_names=tuple(f"x{i + 1}" for i in range(len(ordered))),
+        selectors=tuple(selectors),
+        terms=(),
+        description=f"default bottleneck model of {graph.name}: predicted bus bandwidth = the slowest link class the pattern uses",
+        kind="bottleneck",
+        class_bandwidths=tuple(bandwidth(link) for link in ordered),
+    )
+
+
+def model_to_toml(model: EffectiveBandwidthModel, *, comments: tuple[str, ...] = ()) -> str:
+    """The model file text for ``model`` (loads back to an equal model)."""
+    lines = [f"# {line}" if line else "#" for line in comments]
+    lines.append(f"name = {_toml_string(model.name)}")
+    if model.description:
+        lines.append(f"description = {_toml_string(model.description)}")
+    if model.kind != "regression":
+        lines.append(f"kind = {_toml_string(model.kind)}")
+    lines += ["", "[classes]"]
+    for name, selectors in zip(model.class_names, model.selectors):
+        lines.append(f"{name} = [{', '.join(_toml_string(s) for s in selectors)}]")
+    if model.kind == "bottleneck":
+        lines += ["", "[bandwidths]"]
+        lines += [f"{name} = {value!r}" for name, value in zip(model.class_names, model.class_bandwidths)]
+    else:
+        lines += ["", "[terms]"]
+        for term in model.terms:
+            lines.append(f"{_toml_string(term_text(term))} = {term.coefficient!r}")
+    return "\n".join(lines) + "\n"
+
+
+def term_text(term: Term) -> str:
+    product = "*".join(f"x{index + 1}" for index in term.variables)
+    return f"1/({product}+1)" if term.inverse else product
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def load_model_text(text: str, *, source: str) -> EffectiveBandwidthModel:
