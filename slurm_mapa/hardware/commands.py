@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,8 +18,9 @@ from pathlib import Path
 from ..errors import InputError
 from .gres import PRESET_CPU_LAYOUTS, CpuLayout, gres_conf_text
 from .nvidia_smi import format_topo_matrix, parse_discovery
+from .load import load_topology_file
 from .presets import PRESETS, preset
-from .topofile import Topology, topology_from_toml_text, topology_to_dict, topology_to_toml
+from .topofile import Topology, topology_to_dict, topology_to_toml
 
 
 def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argparse._SubParsersAction | None = None) -> None:
@@ -117,20 +117,6 @@ def _run_nvidia_smi(executable: str, *arguments: str) -> str:
     return done.stdout
 
 
-def load_topology(spec: str) -> Topology:
-    """A preset name or the path of a topology file."""
-    if spec in PRESETS:
-        return Topology(graph=preset(spec))
-    if not os.path.exists(spec):
-        raise InputError(f"topology {spec!r}: neither a preset ({', '.join(PRESETS)}) nor an existing file")
-    text = _read(spec)
-    if spec.endswith(".toml"):
-        return topology_from_toml_text(text, source=spec)
-    from .nvidia_smi import parse_topo_matrix
-
-    return Topology(graph=parse_topo_matrix(text, source=spec).graph)
-
-
 def discover_topology(source: str, *, name: str, nvidia_smi: str = "nvidia-smi", file: str | None = None,
                       gpu_list: str | None = None) -> Topology:
     if source == "nvml":
@@ -208,7 +194,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     spec = args.topology_option or args.topology
     if not spec:
         raise InputError(f"mapa topo show needs a preset ({', '.join(PRESETS)}) or a topology file")
-    topology = load_topology(spec)
+    topology = load_topology_file(spec)
     if args.json:
         sys.stdout.write(json.dumps(topology_to_dict(topology), indent=2) + "\n")
     elif args.nvidia_smi_format:
@@ -258,7 +244,7 @@ def cmd_gres_conf(args: argparse.Namespace) -> int:
             print(path)
         return 0
     if args.topology:
-        topology = load_topology(args.topology)
+        topology = load_topology_file(args.topology)
         preset_name = args.topology if args.topology in PRESETS else None
         origin = f"mapa gres-conf --topology {args.topology}"
     else:
