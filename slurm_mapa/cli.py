@@ -12,7 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from . import __version__
-from .core.effbw import EffectiveBandwidthModel, load_model_text, paper_model
+from .core.effbw import EffectiveBandwidthModel, load_model_file, paper_model
 from .core.explain import alternatives
 from .core.hardware import HardwareGraph
 from .core.policies import Allocation, NoFit, Request, all_policies, select
@@ -38,13 +38,7 @@ def _parse_gpu_list(text: str) -> tuple[int, ...]:
 
 
 def _load_model(path: str | None) -> EffectiveBandwidthModel:
-    if path is None:
-        return paper_model()
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return load_model_text(handle.read(), source=path)
-    except OSError as error:
-        raise InputError(f"cannot read model file {path!r}: {error.strerror}") from None
+    return paper_model() if path is None else load_model_file(path)
 
 
 # --- topo show ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from ..core.effbw import EffectiveBandwidthModel, bottleneck_model, load_model_text, model_to_toml
+from ..core.effbw import bottleneck_model, load_model_file, model_to_toml
 from ..errors import InputError
 from .fit import fit_model, format_report, measurements_from_files
 from .nccl import parse_size
@@ -53,14 +53,6 @@ def _graph(spec: str):
     return load_topology(spec)
 
 
-def _model_file(path: str) -> EffectiveBandwidthModel:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return load_model_text(handle.read(), source=path)
-    except OSError as error:
-        raise InputError(f"cannot read model file {path!r}: {error.strerror}") from None
-
-
 def _write(path: str, text: str, *, executable: bool = False) -> None:
     try:
         with open(path, "w", encoding="utf-8") as handle:
@@ -73,7 +65,7 @@ def _write(path: str, text: str, *, executable: bool = False) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     graph = _graph(args.topology)
-    model = _model_file(args.model) if args.model else bottleneck_model(graph)
+    model = load_model_file(args.model) if args.model else bottleneck_model(graph)
     plan = make_plan(graph, model, max_gpus=args.max_gpus, min_gpus=args.min_gpus, orders=args.orders)
     data = plan.as_dict()
     if args.output_dir:

@@ -262,6 +262,15 @@ def load_model_text(text: str, *, source: str) -> EffectiveBandwidthModel:
     return model_from_dict(data, source=source)
 
 
+def load_model_file(path: str) -> EffectiveBandwidthModel:
+    """A model file named by an admin (``--model``, the hooks' ``model`` key)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return load_model_text(handle.read(), source=path)
+    except OSError as error:
+        raise InputError(f"cannot read model file {path!r}: {error.strerror}") from None
+
+
 @lru_cache(maxsize=None)
 def paper_model() -> EffectiveBandwidthModel:
     """The MAPA paper's DGX-1 V100 model, shipped as package data."""

@@ -300,7 +300,6 @@ def simulate(
     queue: deque = deque()
     running: list = []
     seq = 0
-    now = 0.0
     last_t: float | None = None
     releases = 0
     head_failed_at = -1  # ``releases`` when the current head last failed
@@ -394,7 +393,6 @@ def simulate(
             result.stuck = len(queue)
             break
         account(t)
-        now = t
         while running and running[0][0] <= t:
             end, _, job, picks, start = heapq.heappop(running)
             for i, decision, _ in picks:

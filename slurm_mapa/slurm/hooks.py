@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from ..core.effbw import load_model_text, paper_model
+from ..core.effbw import load_model_file, paper_model
 from ..core.hardware import HardwareGraph
-from ..core.policies import Allocation, Request, select
+from ..core.policies import Allocation, select
 from ..errors import MapaError
 from .commands import (
     CommandFailed,
@@ -138,7 +138,7 @@ def choose(
     if graph is not None and not problem:
         try:
             request = to_request(directive, len(ctx.slurm_gpus))
-            model = paper_model() if not config.model else load_model_text(Path(config.model).read_text(), source=config.model)
+            model = load_model_file(config.model) if config.model else paper_model()
             result = select(config.policy, graph, free, request, model)
             if isinstance(result, Allocation):
                 p = result.placement
