@@ -345,3 +345,18 @@ def test_gres_detail_parsing():
     assert slurm_gpus_on_only_node({"gres_detail": []}) == ()
     assert slurm_gpus_on_only_node({"gres_detail": ["gpu:1(IDX:0)", "gpu:1(IDX:2)"]}) is None
     assert slurm_gpus_on_only_node({"gres_detail": ["gpu(CNT:2)"]}) is None
+
+
+def test_an_unreadable_config_makes_the_hooks_fall_back_not_fail(tmp_path):
+    from slurm_mapa.slurm.config import load_hook_config
+
+    bad = tmp_path / "mapa.toml"
+    bad.write_bytes(b"policy = \xff\n")
+    config, problem = load_hook_config({"MAPA_CONFIG": str(bad)})
+    assert config == HookConfig() and problem.startswith("bad-config:")
+    config, problem = load_hook_config({"MAPA_CONFIG": str(tmp_path / "missing.toml")})
+    assert problem.startswith("bad-config:")
+    good = tmp_path / "good.toml"
+    good.write_text('policy = "best"\nlog = "/tmp/x.log"\n')
+    assert load_hook_config({"MAPA_CONFIG": str(good)})[1].startswith("bad-config:")  # validated for the Prolog
+    assert load_hook_config({"MAPA_CONFIG": str(good)}, validate=False)[0].log == Path("/tmp/x.log")  # the Epilog's paths

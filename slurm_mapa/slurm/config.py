@@ -20,13 +20,16 @@ The first matching [nodes] entry wins. Other sections (used by mapa-replay) are 
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 import tomllib
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
-from ..errors import InputError
+from ..errors import InputError, MapaError
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes"}
@@ -98,3 +101,30 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
         raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')
     values["nodes"] = tuple(nodes.items())
     return HookConfig(**values)
+
+
+def load_hook_config(env: Mapping[str, str], *, validate: bool = True) -> tuple[HookConfig, str]:
+    """The hooks' config (``$MAPA_CONFIG`` or /etc/slurm/mapa.toml) and, if it is unusable, why.
+
+    An unusable config never stops a hook: the defaults still find the ledger, and the Prolog
+    falls back for every job, saying so.
+    """
+    path = Path(env.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH)))
+    try:
+        return config_from_text(path.read_text(encoding="utf-8"), source=str(path), validate=validate), ""
+    except (OSError, UnicodeDecodeError, MapaError) as error:
+        return HookConfig(), f"bad-config: {error}"
+
+
+def hook_logger(path: Path) -> Callable[[str], None]:
+    """Appends timestamped lines to the hooks' log file (stderr if it cannot be written)."""
+
+    def log(message: str) -> None:
+        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mapa[{os.getpid()}] {message}\n"
+        try:
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(line)
+        except OSError:
+            sys.stderr.write(line)
+
+    return log

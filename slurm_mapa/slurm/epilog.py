@@ -6,13 +6,10 @@ It runs at the end of every job, so it stays light: the ledger and the config, n
 from __future__ import annotations
 
 import os
-import sys
-import time
-from pathlib import Path
 from typing import Callable, Mapping
 
 from .commands import is_job_id
-from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
+from .config import HookConfig, hook_logger, load_hook_config
 from .ledger import LedgerCorrupt, LedgerFile
 
 
@@ -36,20 +33,8 @@ def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], 
 
 
 def epilog_main() -> int:
-    path = Path(os.environ.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH)))
-    try:
-        config = config_from_text(path.read_text(), source=str(path), validate=False)
-    except Exception:  # noqa: BLE001 - the defaults still find the ledger
-        config = HookConfig()
-
-    def log(message: str) -> None:
-        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mapa[{os.getpid()}] {message}\n"
-        try:
-            with open(config.log, "a", encoding="utf-8") as handle:
-                handle.write(line)
-        except OSError:
-            sys.stderr.write(line)
-
+    config, _ = load_hook_config(os.environ, validate=False)  # the Epilog only needs the paths
+    log = hook_logger(config.log)
     try:
         run_epilog(os.environ, config, log)
     except Exception:  # noqa: BLE001 - an Epilog error would drain the node

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from .commands import (
     show_job_argv,
     slurm_gpus_on_only_node,
 )
-from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
+from .config import HookConfig, hook_logger, load_hook_config
 from .decision import Decision, parse_decisions, with_decision
 from .directive import Directive, parse_comment, parse_directive, parse_directive_lines, to_request
 from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile
@@ -307,28 +306,9 @@ def record_decision(
 # --- entry points ---------------------------------------------------------------------------
 
 
-def _logger(path: Path) -> Callable[[str], None]:
-    def log(message: str) -> None:
-        line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mapa[{os.getpid()}] {message}\n"
-        try:
-            with open(path, "a", encoding="utf-8") as handle:
-                handle.write(line)
-        except OSError:
-            sys.stderr.write(line)
-
-    return log
-
-
-def _load_config(path: Path) -> tuple[HookConfig, str]:
-    try:
-        return config_from_text(path.read_text(), source=str(path)), ""
-    except (OSError, MapaError) as error:
-        return HookConfig(), f"bad-config: {error}"
-
-
 def prolog_main() -> int:
-    config, problem = _load_config(Path(os.environ.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH))))
-    log = _logger(config.log)
+    config, problem = load_hook_config(os.environ)
+    log = hook_logger(config.log)
     if problem:
         log(f"config problem, every job falls back: {problem}")
     try:
