@@ -58,6 +58,7 @@ def _ledger(cluster, node: str) -> dict:
 def test_a_job_sequence_gets_exactly_what_mapa_select_gives(cluster):
     """Jobs of mixed sizes and sensitivities on the mock DGX-1, some ending in between."""
     graph = preset("dgx1-v100")
+    _assert_ledger_empties(cluster, "dgx1", timeout=60)  # the expected choices assume an idle node
     steps = [("A", 2, True), ("B", 1, False), ("C", 3, True), ("release", "A"), ("D", 2, False),
              ("E", 2, True), ("release", "C"), ("F", 3, True), ("release", "B")]
     held: dict[str, tuple[int, ...]] = {}
@@ -211,12 +212,18 @@ SACCT_FIELDS = "JobID,JobName,User,Account,Partition,Submit,Start,End,Elapsed,El
 def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisions(cluster, tmp_path):
     from slurm_mapa.replay.cli import main as replay_main
 
+    # The replay assumes an idle node at the first job: wait until earlier tests' jobs (a
+    # multi-node job may still be completing) have left dgx1's ledger.
+    _assert_ledger_empties(cluster, "dgx1", timeout=60)
     ids = []
     for gpus, sensitive in [(2, True), (1, False), (3, True)]:
         ids.append(cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1"))
         cluster.wait_state(ids[-1], "RUNNING")
         _cvd(cluster, ids[-1])
     _release(cluster, ids[1])
+    # sacct keeps whole seconds: let the released job's End fall in an earlier second than the
+    # next job's Start, so the replay cannot take the two as simultaneous or reversed.
+    time.sleep(1.5)
     ids.append(cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", "dgx1"))
     cluster.wait_state(ids[-1], "RUNNING")
     _cvd(cluster, ids[-1])
@@ -231,8 +238,8 @@ def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisi
     with contextlib.redirect_stdout(buffer):
         assert replay_main(["run", str(path), "--cluster", "dgx1:dgx1-v100", "--policies", "preserve,baseline", "--json"]) == 0
     audit = json.loads(buffer.getvalue())["recorded_decisions"]
-    assert audit["compared"] == len(ids), audit
-    assert audit["policies"]["preserve"]["same_set"] == len(ids), audit
+    assert audit["compared"] == len(ids), (audit, log)
+    assert audit["policies"]["preserve"]["same_set"] == len(ids), (audit, log)
 
 
 def _set_node_config(cluster, node: str, extra: str) -> None:
