@@ -141,3 +141,17 @@ def test_generators_are_seeded_and_follow_the_paper():
     assert 7 < sum(gaps) / len(gaps) < 13 and {j.gpus for j in amaral} <= {1, 2, 3}
     with pytest.raises(InputError, match="accepted: paper, amaral"):
         list(generate("nope", 1))
+
+
+def test_recorded_decision_brings_its_free_set_and_policy():
+    header = FACTS.splitlines()[0]
+    line = ("41|ring|alice|research|gpu|2026-11-22T05:40:00|2026-11-22T05:40:01|2026-11-22T05:40:09|00:00:08|8|COMPLETED|0:0|dgx1|"
+            "billing=2,cpu=2,gres/gpu=2,node=1||mapa:topology=ring sensitive=yes # dgx1=0,3 policy=preserve free=0-3,6 "
+            "eff=68.707 agg=175.000 pres=216.000|")
+    (job,) = read_sacct_text([header, line])
+    assert (job.node, job.recorded, job.recorded_free, job.recorded_policy) == ("dgx1", (0, 3), (0, 1, 2, 3, 6), "preserve")
+    # A free set that does not contain the chosen GPUs is not trusted; the decision still is.
+    (job,) = read_sacct_text([header, line.replace("free=0-3,6", "free=1,2")])
+    assert job.recorded == (0, 3) and job.recorded_free is None
+    (job,) = read_sacct_text([header, line.replace("policy=preserve free=0-3,6", "policy=fallback fallback=no-topology")])
+    assert job.recorded_policy == "fallback" and job.recorded_free is None

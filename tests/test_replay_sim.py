@@ -136,17 +136,53 @@ def test_dist_quantiles_exact_and_bounded():
     assert len(s.points) <= 11
 
 
+def _preserve_choice(free, gpus, sensitive):
+    from slurm_mapa.core.policies import select
+    from slurm_mapa.replay.directives import request_for
+
+    return tuple(sorted(select("preserve", preset("dgx1-v100"), list(free), request_for("ring", gpus, sensitive)).gpus))
+
+
 def test_audit_recorded_decisions_match_preserve():
-    graph = preset("dgx1-v100")
     jobs = [
         Job("1", 0, 100, 2, sensitive=True, node="n1", recorded=(0, 3), start=0),
-        Job("2", 0, 100, 1, sensitive=False, node="n1", recorded=(1,), start=5),
+        Job("2", 0, 100, 1, sensitive=False, node="n1", recorded=_preserve_choice([1, 2, 4, 5, 6, 7], 1, False), start=5),
     ]
     decider = Decider()
-    from slurm_mapa.core.policies import select
-    want = select("preserve", graph, [1, 2, 4, 5, 6, 7], jobs[1] and __import__("slurm_mapa.replay.directives", fromlist=["x"]).request_for("ring", 1, False))
-    jobs[1].recorded = tuple(sorted(want.gpus))
     result = audit(jobs, DGX, ["preserve", "baseline"], decider)
     assert result["compared"] == 2 and result["policies"]["preserve"]["same_set"] == 2
+    assert result["free_sets"] == {"recorded": 0, "rebuilt": 2, "rebuilt_differs_from_recorded": 0}
     overlapping = [Job("1", 0, 100, 2, node="n1", recorded=(0, 3), start=0), Job("2", 0, 100, 1, node="n1", recorded=(3,), start=5)]
     assert audit(overlapping, DGX, ["preserve"], decider)["skipped"] == 1
+
+
+def test_audit_uses_the_free_set_the_prolog_recorded():
+    # Job 1 ended and job 2 started in the same whole second; sacct ordered them wrong, so the
+    # times say GPUs 0 and 3 were still held. The recorded free set says they were free.
+    free = (0, 1, 2, 3, 4, 5, 6, 7)
+    chosen = _preserve_choice(free, 2, True)
+    jobs = [
+        Job("1", 0, 10, 2, sensitive=True, node="n1", recorded=(0, 3), start=0, recorded_free=free),
+        Job("2", 9, 100, 2, sensitive=True, node="n1", recorded=chosen, start=9, recorded_free=free),
+    ]
+    result = audit(jobs, DGX, ["preserve"], Decider())
+    assert result["compared"] == 2 and result["skipped"] == 0
+    assert result["free_sets"] == {"recorded": 2, "rebuilt": 0, "rebuilt_differs_from_recorded": 1}
+    assert result["policies"]["preserve"]["as_good"] == 2
+    assert "1 recorded set(s) differ" in report.audit_text(result)
+    # Without the recorded sets, the same log is only as good as its times.
+    for job in jobs:
+        job.recorded_free = None
+    assert audit(jobs, DGX, ["preserve"], Decider())["free_sets"]["rebuilt"] == 1
+
+
+def test_audit_skips_fallback_decisions_but_keeps_their_gpus_busy():
+    jobs = [
+        Job("1", 0, 100, 2, node="n1", recorded=(0, 1), start=0, recorded_policy="fallback", recorded_free=tuple(range(8))),
+        Job("2", 5, 100, 1, node="n1", recorded=(0,), start=5),
+    ]
+    result = audit(jobs, DGX, ["preserve"], Decider())
+    assert result["skipped_reasons"] == {
+        "the Prolog fell back (no policy decision)": 1,
+        "recorded GPUs overlap a running job's": 1,
+    }

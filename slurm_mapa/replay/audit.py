@@ -1,10 +1,12 @@
 """Recorded MAPA decisions against what every policy would have chosen in the same state.
 
-The real history is rebuilt from the log: each job holds the GPUs MAPA recorded for it from its
-real start to its real end, on its real node. At each recorded job's start, the node's free GPUs
-are known (if every job running there recorded its GPUs), and every policy is asked what it would
-choose there. "same GPUs" counts identical sets; "as good" counts sets that score as high on the
-job's Preserve objective (effective bandwidth for sensitive multi-GPU jobs, else preserved bandwidth).
+The Prolog records, next to its choice, the free GPUs it chose from (``free=`` in the
+AdminComment). That set is the state each policy is asked about. For older records without it,
+the state is rebuilt from the log: each job holds the GPUs MAPA recorded for it from its real
+start to its real end, on its real node, which works only when every job running there recorded
+its GPUs, and only as well as sacct's whole-second times order the events. "same GPUs" counts
+identical sets; "as good" counts sets that score as high on the job's Preserve objective
+(effective bandwidth for sensitive multi-GPU jobs, else preserved bandwidth).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
     busy: dict[str, int] = {}
     unknown: dict[str, int] = {}
     skipped: dict[str, int] = {}
+    free_sets = {"recorded": 0, "rebuilt": 0, "rebuilt_differs_from_recorded": 0}
     rows = {p: {"same_set": 0, "as_good": 0, "bw_rec": 0.0, "bw_pol": 0.0, "n_bw": 0} for p in policies}
     compared = 0
     for _, kind, job in events:
@@ -46,21 +49,33 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
             unknown[node] = unknown.get(node, 0) + 1
             continue
         mask = sum(1 << g for g in job.recorded)
-        reason = None
         graph_node = by_name.get(node)
+        size = graph_node.graph.size if graph_node is not None else 0
+        # The free set the start/end times suggest (None when jobs without a record share the node).
+        rebuilt_mask = ((1 << size) - 1) & ~busy.get(node, 0) if unknown.get(node, 0) <= 0 else None
+        free_mask = None
+        reason = None
         if graph_node is None:
             reason = "node not in the cluster"
-        elif unknown.get(node, 0) > 0:
-            reason = "node shared with jobs without a recorded decision"
-        elif busy.get(node, 0) & mask:
-            reason = "recorded GPUs overlap a running job's"
-        elif max(job.recorded) >= graph_node.graph.size:
+        elif max(job.recorded) >= size or (job.recorded_free and max(job.recorded_free) >= size):
             reason = "recorded GPU beyond the node's GPUs"
+        elif job.recorded_policy == "fallback":
+            reason = "the Prolog fell back (no policy decision)"
+        elif job.recorded_free:
+            free_mask = sum(1 << g for g in job.recorded_free)
+            free_sets["recorded"] += 1
+            if rebuilt_mask is not None and rebuilt_mask != free_mask:
+                free_sets["rebuilt_differs_from_recorded"] += 1
+        elif rebuilt_mask is None:
+            reason = "node shared with jobs without a recorded decision"
+        elif mask & ~rebuilt_mask:
+            reason = "recorded GPUs overlap a running job's"
+        else:
+            free_mask = rebuilt_mask
+            free_sets["rebuilt"] += 1
         if reason is None:
             graph = graph_node.graph
-            full = (1 << graph.size) - 1
-            free_mask = full & ~busy.get(node, 0)
-            free = tuple(i for i in range(graph.size) if free_mask >> i & 1)
+            free = tuple(i for i in range(size) if free_mask >> i & 1)
             request = request_for(job.shape, job.gpus, job.sensitive)
             rid = decider.request_id(request)
             gid = decider.graph_id(graph)
@@ -68,7 +83,7 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
             objective = "effective" if job.sensitive and job.gpus > 1 else "preserved"
             compared += 1
             for policy in policies:
-                found = decider.decide(policy, gid, free_mask, rid, tuple(range(graph.size)) if policy == "round-robin" else None)
+                found = decider.decide(policy, gid, free_mask, rid, tuple(range(size)) if policy == "round-robin" else None)
                 if found is None:
                     continue
                 decision = found[0]
@@ -91,6 +106,7 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
         "compared": compared,
         "skipped": sum(skipped.values()),
         "skipped_reasons": skipped,
+        "free_sets": free_sets,
         "policies": {
             p: {
                 "same_set": r["same_set"],

@@ -29,6 +29,8 @@ class Intent:
     sensitive: bool | None
     recorded: tuple[int, ...] | None = None
     node: str | None = None
+    recorded_free: tuple[int, ...] | None = None  # the free GPUs the Prolog saw (``free=``)
+    recorded_policy: str | None = None
 
 
 @lru_cache(maxsize=4096)
@@ -39,12 +41,18 @@ def read_intent(text: str) -> Intent | None:
         return None
     directive = parse_comment(text.split("#")[0])
     decisions = parse_decisions(text)
-    node, recorded = None, None
-    if decisions:
-        first = next(iter(decisions.values()))
-        node, recorded = first.node, first.gpus
     assert directive is not None
-    return Intent(shape=directive.topology, sensitive=directive.sensitive, recorded=recorded, node=node)
+    if not decisions:
+        return Intent(shape=directive.topology, sensitive=directive.sensitive)
+    first = next(iter(decisions.values()))
+    return Intent(
+        shape=directive.topology,
+        sensitive=directive.sensitive,
+        recorded=first.gpus,
+        node=first.node,
+        recorded_free=first.free or None,
+        recorded_policy=first.policy or None,
+    )
 
 
 @dataclass(frozen=True)

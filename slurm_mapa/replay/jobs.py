@@ -23,6 +23,8 @@ class Job:
     node: str | None = None  # the node it ran on (sacct), first of NodeList
     recorded: tuple[int, ...] | None = None  # the GPUs MAPA recorded in the AdminComment
     start: float | None = None  # the recorded start (sacct), for the decision audit
+    recorded_free: tuple[int, ...] | None = None  # the free GPUs the Prolog chose from, if recorded
+    recorded_policy: str | None = None  # the policy of the recorded decision ("fallback" when it fell back)
     recorded_bw: float | None = None  # effective bandwidth of the recorded decision (filled by the audit)
 
 

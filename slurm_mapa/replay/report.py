@@ -122,8 +122,14 @@ def audit_text(audit: dict) -> str:
     lines = [
         f"recorded MAPA decisions: {audit['compared']} compared"
         + (f", {audit['skipped']} skipped ({', '.join(f'{n} {r}' for r, n in audit['skipped_reasons'].items())})" if audit["skipped"] else ""),
-        f"{'policy':<18} {'same GPUs':>9} {'as good':>8} {'mean eff. BW (recorded vs policy)':>34}",
     ]
+    free_sets = audit.get("free_sets")
+    if free_sets:
+        line = f"free sets: {free_sets['recorded']} as the Prolog recorded them, {free_sets['rebuilt']} rebuilt from start/end times"
+        if free_sets["rebuilt_differs_from_recorded"]:
+            line += f" ({free_sets['rebuilt_differs_from_recorded']} recorded set(s) differ from what the times suggest)"
+        lines.append(line)
+    lines.append(f"{'policy':<18} {'same GPUs':>9} {'as good':>8} {'mean eff. BW (recorded vs policy)':>34}")
     for name, row in audit["policies"].items():
         lines.append(
             f"{name:<18} {row['same_set']:>9} {row['as_good']:>8} "

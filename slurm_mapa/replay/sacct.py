@@ -165,6 +165,8 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
     shape = default_shape
     sensitive = default_sensitive
     recorded = None
+    recorded_free = None
+    recorded_policy = None
     node = first_node(values.get("nodelist", ""))
     if intent is not None:
         shape = intent.shape or shape
@@ -173,6 +175,10 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
         if recorded is not None and len(recorded) != per_node:
             stats.bad("recorded GPUs do not match the GPU count", where)
             recorded = None
+        if recorded is not None:
+            recorded_policy = intent.recorded_policy
+            if intent.recorded_free is not None and set(recorded) <= set(intent.recorded_free):
+                recorded_free = intent.recorded_free
         node = intent.node or node
     stats.jobs += 1
     return Job(
@@ -187,6 +193,8 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
         source=source,
         node=node,
         recorded=recorded,
+        recorded_free=recorded_free,
+        recorded_policy=recorded_policy,
         start=start,
     )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import time
@@ -202,6 +204,39 @@ def test_discovery_on_each_mock_node_reproduces_its_preset(cluster, node):
     expected = preset(name)
     assert found["gpus"] == expected.size
     assert found["links"] == expected.link_tokens()
+
+
+SACCT_FIELDS = "JobID,JobName,User,Account,Partition,Submit,Start,End,Elapsed,ElapsedRaw,State,ExitCode,NodeList,AllocTRES,Comment,AdminComment"
+
+
+def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisions(cluster, tmp_path):
+    from slurm_mapa.replay.cli import main as replay_main
+
+    # No waiting for an idle node or for distinct seconds: the audit takes each decision's free set
+    # from its record, not from sacct's whole-second times.
+    ids = []
+    for gpus, sensitive in [(2, True), (1, False), (3, True)]:
+        ids.append(cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1"))
+        cluster.wait_state(ids[-1], "RUNNING")
+        _cvd(cluster, ids[-1])
+    _release(cluster, ids[1])
+    ids.append(cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", "dgx1"))
+    cluster.wait_state(ids[-1], "RUNNING")
+    _cvd(cluster, ids[-1])
+    for jobid in (ids[0], ids[2], ids[3]):
+        _release(cluster, jobid)
+    for jobid in ids:
+        cluster.wait_sacct(jobid, ("AdminComment", "State"), State="COMPLETED", AdminComment=lambda v: " # dgx1=" in v)
+    log = cluster.run("sacct", "-a", "-P", "-o", SACCT_FIELDS, "-j", ",".join(map(str, ids)))
+    path = tmp_path / "cluster-sacct.txt"
+    path.write_text(log)
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert replay_main(["run", str(path), "--cluster", "dgx1:dgx1-v100", "--policies", "preserve,baseline", "--json"]) == 0
+    audit = json.loads(buffer.getvalue())["recorded_decisions"]
+    # Each decision is compared on the free set its Prolog recorded, not one rebuilt from times.
+    assert audit["compared"] == len(ids) and audit["free_sets"]["recorded"] == len(ids), (audit, log)
+    assert audit["policies"]["preserve"]["same_set"] == len(ids), (audit, log)
 
 
 def _set_node_config(cluster, node: str, extra: str) -> None:
