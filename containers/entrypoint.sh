@@ -40,6 +40,20 @@ start_munge() {
     exit 1
 }
 
+# mapa-agent runs the Prolog and Epilog for the hook wrappers (see hooks/prolog); like slurmd, it
+# comes back when it dies or is killed. Without it the hooks run in-process, only slower.
+start_agent() {
+    (
+        while true; do
+            /usr/bin/python3 -I -X pycache_prefix=/var/cache/slurm-mapa/pycache -c \
+                'import sys; sys.path.insert(0, "/opt/slurm-mapa"); from slurm_mapa.slurm.agent import main; sys.exit(main())' \
+                --config /etc/slurm/mapa.toml
+            log "mapa-agent exited ($?); restarting it"
+            sleep 1
+        done
+    ) &
+}
+
 shared_dirs() {
     mkdir -p /shared/jobs
     chmod 1777 /shared/jobs
@@ -131,6 +145,7 @@ case $ROLE in
         ln -sfn /opt/slurm-mapa/scripts/mock-nvidia-smi /usr/local/bin/nvidia-smi
         start_munge
         shared_dirs
+        start_agent
         # A slurmd that dies or is killed by hand comes back, as systemd would restart it; its jobs
         # (slurmstepd) keep running meanwhile. The container stops on SIGTERM as before.
         trap 'kill -TERM "$slurmd_pid" 2>/dev/null; wait "$slurmd_pid"; exit 0' TERM INT

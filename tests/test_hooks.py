@@ -360,3 +360,10 @@ def test_an_unreadable_config_makes_the_hooks_fall_back_not_fail(tmp_path):
     good.write_text('policy = "best"\nlog = "/tmp/x.log"\n')
     assert load_hook_config({"MAPA_CONFIG": str(good)})[1].startswith("bad-config:")  # validated for the Prolog
     assert load_hook_config({"MAPA_CONFIG": str(good)}, validate=False)[0].log == Path("/tmp/x.log")  # the Epilog's paths
+
+
+def test_reaping_keeps_entries_written_after_the_job_list_was_asked_for():
+    ledger = Ledger({"1": Holding((0,), "preserve", 100.0), "2": Holding((1,), "preserve", 200.0)})
+    kept, dead = ledger.reaped(set(), listed_at=150.0)
+    assert dead == ["1"] and set(kept.holdings) == {"2"}  # job 2's Prolog wrote after squeue started
+    assert ledger.reaped(set())[1] == ["1", "2"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,10 +191,20 @@ def run_prolog(
     log: Callable[[str], None],
     config_problem: str = "",
     unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None = None,
+    still_wanted: Callable[[], bool] | None = None,
+    defer: Callable[[Callable[[], None]], None] | None = None,
 ) -> Decision | None:
+    """Choose, record and write the job's GPUs.
+
+    ``still_wanted`` (the agent's) says whether the Prolog that asked is still waiting; if not,
+    nothing is written (the next Prolog adopts the job, see adopt_unknown_jobs). ``defer`` (the
+    agent's) takes the AdminComment write off the job's start: the agent answers first.
+    """
     ctx = context_from_env(env)
     if ctx is None:
         return None
+    # squeue runs while the directive is read; reaping keeps entries written after it started.
+    listing = RunningJobs(run, config.squeue, ctx.node)
     unhealthy: frozenset[int] = frozenset()
     if unhealthy_gpus is not None:
         try:
@@ -225,21 +236,52 @@ def run_prolog(
             ledger = read_job_files(config.jobs_dir, size)
         ledger = ledger.without([ctx.job_id])  # a requeued or re-run Prolog chooses afresh
         try:
-            running = parse_job_ids(run(running_jobs_argv(config.squeue, ctx.node)))
-            ledger, dead = ledger.reaped(running | {ctx.job_id})
+            running, listed_at = listing.result()
+            ledger, dead = ledger.reaped(running | {ctx.job_id}, listed_at)
             if dead:
                 log(f"job {ctx.job_id}: reaped ledger entries of finished jobs {','.join(dead)}")
             ledger = adopt_unknown_jobs(ctx, ledger, running, size, config, run, log)
         except CommandFailed as error:
             log(f"job {ctx.job_id}: squeue failed ({error}); keeping every ledger entry")
         decision = choose(ctx, config, graph, directive, ledger, size, problem, unhealthy)
+        if still_wanted is not None and not still_wanted():
+            log(f"job {ctx.job_id}: its Prolog went away before the decision was written; nothing written, the job keeps Slurm's GPUs")
+            return None
         note = f"directive from {source}" + (f"; {problem}" if problem else "")
         ledger_file.write(ledger.with_job(ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note)))
         write_job_file(config.jobs_dir, ctx.job_id, decision.gpus)
     log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; Slurm gave {','.join(map(str, ctx.slurm_gpus))})"
         + (f"; FALLBACK because {problem}" if decision.fallback else ""))
-    record_decision(ctx, directive, decision, config, run, log)
+    if defer is not None:
+        defer(lambda: record_decision(ctx, directive, decision, config, run, log))
+    else:
+        record_decision(ctx, directive, decision, config, run, log)
     return decision
+
+
+class RunningJobs:
+    """``squeue`` for the jobs on a node, run in a thread from the moment it is created."""
+
+    def __init__(self, run: RunCommand, squeue: str, node: str) -> None:
+        self._outcome: tuple[set[str], float] | CommandFailed = CommandFailed("squeue did not finish")
+        self._thread = threading.Thread(target=self._list, args=(run, squeue, node), daemon=True)
+        self._thread.start()
+
+    def _list(self, run: RunCommand, squeue: str, node: str) -> None:
+        listed_at = time.time()
+        try:
+            self._outcome = (parse_job_ids(run(running_jobs_argv(squeue, node))), listed_at)
+        except CommandFailed as error:
+            self._outcome = error
+        except Exception as error:  # noqa: BLE001 - reported like a failed squeue, never lost in the thread
+            self._outcome = CommandFailed(f"squeue: {error}")
+
+    def result(self) -> tuple[set[str], float]:
+        """The running job ids and when they were asked for; raises CommandFailed."""
+        self._thread.join()
+        if isinstance(self._outcome, CommandFailed):
+            raise self._outcome
+        return self._outcome
 
 
 MAX_ADOPTED_PER_PROLOG = 16

@@ -58,10 +58,14 @@ class Ledger:
         gone = set(job_ids)
         return Ledger({j: h for j, h in self.holdings.items() if j not in gone})
 
-    def reaped(self, running: Iterable[str]) -> tuple["Ledger", list[str]]:
-        """Drop the entries of jobs that no longer run here; returns the new ledger and the dropped ids."""
+    def reaped(self, running: Iterable[str], listed_at: float | None = None) -> tuple["Ledger", list[str]]:
+        """Drop the entries of jobs that no longer run here; returns the new ledger and the dropped ids.
+
+        ``listed_at``: when the list of running jobs was asked for. An entry written after that
+        belongs to a job the list may not know yet, so it is kept.
+        """
         alive = set(running)
-        dead = sorted(j for j in self.holdings if j not in alive)
+        dead = sorted(j for j, h in self.holdings.items() if j not in alive and (listed_at is None or h.since < listed_at))
         return self.without(dead), dead
 
 

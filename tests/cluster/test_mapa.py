@@ -249,20 +249,33 @@ def _restore_node_config(cluster, node: str) -> None:
     cluster.exec(node, ["install", "-m", "644", "/etc/slurm-mapa/config/mapa.toml", "/etc/slurm/mapa.toml"])
 
 
+AGENT = "slurm_mapa.slurm.agent import main"
+
+
+def _wait_for(cluster, node: str, argv: list[str], what: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while (found := cluster.exec(node, argv, check=False)).returncode != 0:
+        if time.monotonic() > deadline:
+            raise cluster.Error(what)
+        time.sleep(0.1)
+    return found.stdout
+
+
 def test_a_prolog_killed_midway_loses_no_gpu(cluster):
-    """The Prolog is SIGKILLed while it waits for squeue: the job runs on Slurm's GPUs, and the next
-    Prolog adopts them instead of handing them out again."""
+    """Both Prolog paths are SIGKILLed while they wait for squeue: first mapa-agent (the wrapper
+    then runs the Prolog in-process), then that in-process Prolog. The job runs on Slurm's GPUs,
+    and the next Prolog (the restarted agent's) adopts them instead of handing them out again."""
     node = "summit1"
     cluster.exec(node, ["sh", "-c", "printf '#!/bin/sh\\nsleep 4\\nexec /usr/bin/squeue \"$@\"\\n' > /usr/local/bin/slow-squeue"
                                     " && chmod 755 /usr/local/bin/slow-squeue"])
     _set_node_config(cluster, node, 'squeue = "/usr/local/bin/slow-squeue"')  # within command_timeout (5 s)
     try:
         first = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
-        deadline = time.monotonic() + 60
-        while cluster.exec(node, ["pgrep", "-f", "slow-squeue"], check=False).returncode != 0:
-            if time.monotonic() > deadline:
-                raise cluster.Error("the Prolog never reached squeue")
-            time.sleep(0.2)
+        agent = _wait_for(cluster, node, ["pgrep", "-f", AGENT], "no mapa-agent runs").split()
+        _wait_for(cluster, node, ["pgrep", "-P", ",".join(agent), "-f", "slow-squeue"], "the agent never reached squeue")
+        cluster.exec(node, ["pkill", "-KILL", "-f", AGENT])
+        in_process = _wait_for(cluster, node, ["pgrep", "-f", "prolog_main"], "the wrapper did not run the Prolog in-process").split()
+        _wait_for(cluster, node, ["pgrep", "-P", ",".join(in_process), "-f", "slow-squeue"], "the in-process Prolog never reached squeue")
         cluster.exec(node, ["pkill", "-KILL", "-f", "prolog_main"])
     finally:
         _restore_node_config(cluster, node)
@@ -271,6 +284,7 @@ def test_a_prolog_killed_midway_loses_no_gpu(cluster):
     slurm = re.search(r"^slurm=([0-9,]+)$", cluster.output(first), re.M).group(1)
     assert first_gpus == tuple(int(g) for g in slurm.split(",")) and len(first_gpus) == 2
     assert cluster.node(node)["state"] != ["DRAIN"] and "DRAIN" not in cluster.node(node)["state"]
+    _wait_for(cluster, node, ["test", "-S", "/run/slurm-mapa-agent/agent.sock"], "mapa-agent did not come back")
     second = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
     cluster.wait_state(second, "RUNNING")
     second_gpus = _cvd(cluster, second)

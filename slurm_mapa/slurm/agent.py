@@ -1,0 +1,245 @@
+"""``mapa-agent``: a resident process per node that runs the Prolog and Epilog for the hooks.
+
+A Prolog started cold pays for Python and the engine's imports on every job (about 0.2 s on a
+small machine); the agent pays once and keeps topologies and search tables warm. The hook
+wrapper asks it through :mod:`slurm_mapa.slurm.agent_client` and runs the hook in-process when
+there is no agent, so the agent only makes things faster: the decision, the ledger, the log and
+the AdminComment are the same code and the same files either way.
+
+Only root may ask (the socket lives in a root-only directory and the peer's uid is checked), a
+request carries only the few SLURM_* variables the hooks read, and it is parsed strictly and
+bounded in size. A client that goes away before the decision is written (slurmd killed the
+Prolog) gets nothing written: its job keeps Slurm's GPUs and the next Prolog adopts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import socket
+import socketserver
+import stat
+import struct
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Mapping
+
+from ..errors import InputError
+from .agent_client import DEFAULT_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES, MAX_REQUEST_BYTES, MAX_VALUE_BYTES
+from .commands import Runner
+from .config import hook_logger, load_hook_config
+from .epilog import run_epilog
+from .hooks import nvml_health_probe, run_prolog
+
+REQUEST_READ_TIMEOUT_S = 5.0
+
+
+def parse_header(line: bytes) -> tuple[str, int]:
+    """``MAPA1 <kind> <length>`` -> (kind, length). Raises InputError naming what was wrong."""
+    parts = line.rstrip(b"\n").split(b" ")
+    if len(parts) != 3 or parts[0] != b"MAPA1":
+        raise InputError(f"request header {line[:MAX_HEADER_BYTES]!r} is not 'MAPA1 <kind> <length>'")
+    kind = parts[1].decode("ascii", "replace")
+    if kind not in KINDS:
+        raise InputError(f"unknown hook kind {kind!r} (accepted: {', '.join(KINDS)})")
+    if not parts[2].isdigit() or int(parts[2]) > MAX_REQUEST_BYTES:
+        raise InputError(f"request length {parts[2][:20]!r} is not a number up to {MAX_REQUEST_BYTES}")
+    return kind, int(parts[2])
+
+
+def parse_payload(payload: bytes) -> dict[str, str]:
+    """NUL-separated ``KEY=VALUE`` pairs -> an environment holding only the accepted keys."""
+    env: dict[str, str] = {}
+    if not payload:
+        return env
+    for pair in payload.split(b"\0"):
+        key, eq, value = pair.partition(b"=")
+        name = key.decode("ascii", "replace")
+        if not eq or name not in KEYS:
+            raise InputError(f"request variable {name[:40]!r} is not accepted (accepted: {', '.join(KEYS)})")
+        if name in env:
+            raise InputError(f"request variable {name} given twice")
+        if len(value) > MAX_VALUE_BYTES:
+            raise InputError(f"request variable {name} is longer than {MAX_VALUE_BYTES} bytes")
+        env[name] = value.decode("utf-8", "surrogateescape")
+    return env
+
+
+def peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def client_still_there(conn: socket.socket) -> bool:
+    """False once the client has closed its end (it was killed, or gave up and runs the hook itself)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+    if not poller.poll(0):
+        return True
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def read_request(conn: socket.socket) -> tuple[str, dict[str, str]]:
+    conn.settimeout(REQUEST_READ_TIMEOUT_S)
+    header = b""
+    while not header.endswith(b"\n"):
+        chunk = conn.recv(1)
+        if not chunk or len(header) >= MAX_HEADER_BYTES:
+            raise InputError("request header missing or too long")
+        header += chunk
+    kind, length = parse_header(header)
+    payload = b""
+    while len(payload) < length:
+        chunk = conn.recv(min(65536, length - len(payload)))
+        if not chunk:
+            raise InputError(f"request ended after {len(payload)} of {length} bytes")
+        payload += chunk
+    return kind, parse_payload(payload)
+
+
+class Agent:
+    """Runs hooks for requests; the config is read again for each, so an edit applies at once."""
+
+    def __init__(
+        self,
+        config_path: str,
+        log_errors: Callable[[str], None] | None = None,
+        run: Callable[[float], Callable[[list[str]], str]] = lambda timeout: Runner(timeout=timeout),
+    ) -> None:
+        self.config_path = config_path
+        self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.make_runner = run  # tests give a fake Slurm here
+
+    def run_hook(
+        self, kind: str, env: Mapping[str, str], still_wanted: Callable[[], bool], defer: Callable[[Callable[[], None]], None] | None = None
+    ) -> None:
+        config, problem = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=kind == "prolog")
+        log = hook_logger(config.log)
+        try:
+            if kind == "prolog":
+                if problem:
+                    log(f"config problem, every job falls back: {problem}")
+                run_prolog(env, config, self.make_runner(config.command_timeout), log, problem, nvml_health_probe(config),
+                           still_wanted=still_wanted, defer=defer)
+            else:
+                run_epilog(env, config, log)
+        except Exception:  # noqa: BLE001 - fail open, exactly as the in-process hooks do
+            import traceback
+
+            log(f"{kind} internal error (in mapa-agent), job runs on Slurm's GPUs:\n" + traceback.format_exc())
+
+    def warm_up(self, node: str) -> None:
+        """Load this node's topology and search tables once, so the first job is as fast as the rest."""
+        from ..core.effbw import load_model_file, paper_model
+        from ..core.policies import select
+        from .directive import parse_directive, to_request
+        from .hooks import load_graph
+
+        config, problem = load_hook_config({"MAPA_CONFIG": self.config_path})
+        if problem:
+            return
+        graph = load_graph(config, node)
+        model = load_model_file(config.model) if config.model else paper_model()
+        for text in ("topology=ring sensitive=no", "topology=ring sensitive=yes"):
+            for size in range(1, min(graph.size, 3) + 1):
+                select(config.policy, graph, range(graph.size), to_request(parse_directive(text), size), model)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: "AgentServer"
+
+    def handle(self) -> None:
+        conn: socket.socket = self.request
+        try:
+            if peer_uid(conn) != 0:
+                conn.sendall(b"error only root may ask mapa-agent\n")
+                return
+            kind, env = read_request(conn)
+        except (InputError, OSError) as error:
+            self.server.agent.log_errors(f"mapa-agent: refused a request: {error}")
+            try:
+                conn.sendall(f"error {error}\n".encode()[:1024])
+            except OSError:
+                pass
+            return
+        later: list[Callable[[], None]] = []
+        self.server.agent.run_hook(kind, env, lambda: client_still_there(conn), later.append)
+        try:
+            conn.sendall(b"done\n")
+        except OSError:
+            pass  # the client is gone; what was written stays consistent
+        # After the answer, so the job starts without waiting: the AdminComment record.
+        for action in later:
+            try:
+                action()
+            except Exception as error:  # noqa: BLE001 - the decision is in the ledger and the log already
+                self.server.agent.log_errors(f"mapa-agent: deferred work failed: {error}")
+
+
+class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, agent: Agent) -> None:
+        self.agent = agent
+        super().__init__(path, _Handler)
+
+
+def prepare_socket_dir(path: Path) -> None:
+    """The socket's directory exists, belongs to root and is closed to everyone else."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.parent.stat()
+    if info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path.parent, 0o700)
+        if path.parent.stat().st_uid != os.geteuid():
+            raise InputError(f"{path.parent} belongs to another user; mapa-agent needs a directory of its own")
+    if path.is_socket() or path.exists():
+        path.unlink()
+
+
+def serve(socket_path: str, agent: Agent, ready: threading.Event | None = None) -> AgentServer:
+    path = Path(socket_path)
+    prepare_socket_dir(path)
+    old_umask = os.umask(0o077)
+    try:
+        server = AgentServer(str(path), agent)
+    finally:
+        os.umask(old_umask)
+    if ready is not None:
+        ready.set()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mapa-agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=os.environ.get("MAPA_CONFIG", "/etc/slurm/mapa.toml"), help="the hooks' config (default %(default)s)")
+    parser.add_argument("--socket", default=DEFAULT_SOCKET, help="where to listen (default %(default)s)")
+    parser.add_argument("--node", default=os.uname().nodename.split(".")[0], help="this node's Slurm name, for the warm-up (default: the host name)")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("mapa-agent: must run as root, like the Prolog it replaces", file=sys.stderr)
+        return 2
+    agent = Agent(args.config)
+    try:
+        agent.warm_up(args.node)
+    except Exception as error:  # noqa: BLE001 - a cold cache is only slower
+        print(f"mapa-agent: warm-up for node {args.node} failed ({error}); continuing cold", file=sys.stderr)
+    try:
+        server = serve(args.socket, agent)
+    except (InputError, OSError) as error:
+        print(f"mapa-agent: cannot listen on {args.socket}: {error}", file=sys.stderr)
+        return 2
+    print(f"mapa-agent: listening on {args.socket} (config {args.config})", file=sys.stderr, flush=True)
+    with server:
+        server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

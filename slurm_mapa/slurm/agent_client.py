@@ -1,0 +1,87 @@
+"""The hooks' fast path: hand the Prolog or Epilog to the node's resident ``mapa-agent``.
+
+Slurm starts the Prolog for every job, and starting Python with the engine costs more than the
+decision itself. So the hook wrapper first runs this file,
+
+    /usr/bin/python3 -I -S .../slurm_mapa/slurm/agent_client.py prolog   (or epilog)
+
+which imports nothing but built-in modules (about 15 ms), sends the job's few SLURM_* variables
+to the agent over a root-only Unix socket and waits for it to finish the hook. Exit status 0: the
+agent did the hook. Exit status 3: there is no agent, it refused or it failed: the wrapper then
+runs the hook in-process (the slow path, same code). Nothing here may import the package.
+
+The protocol (version 1): the client sends ``MAPA1 <kind> <length>\\n`` and then ``length`` bytes of
+``KEY=VALUE`` pairs separated by NUL bytes (environment values cannot hold NUL); the agent answers
+one line, ``done`` or ``error <why>``. The client keeps its end open until it has the answer, so
+the agent can tell that a killed client no longer wants its decision.
+"""
+
+import os
+import sys
+
+import _socket
+
+# Not under /run/slurm-mapa: that holds the per-job files the TaskProlog reads as the job's user.
+DEFAULT_SOCKET = "/run/slurm-mapa-agent/agent.sock"
+KINDS = ("prolog", "epilog")
+# Only what the hooks read from slurmd's environment travels; everything else stays out.
+KEYS = ("SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_JOB_GPUS", "SLURM_JOB_COMMENT", "SLURM_JOB_NUM_NODES")
+MAX_VALUE_BYTES = 8192
+MAX_REQUEST_BYTES = len(KEYS) * (MAX_VALUE_BYTES + 64)
+MAX_HEADER_BYTES = 64
+# The agent bounds its own work (a lock wait and a few Slurm calls, each with a timeout); past
+# this the client gives up and the hook runs in-process.
+ANSWER_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 2.0
+FALL_BACK = 3
+
+
+def request_bytes(kind, env):
+    """The request for hook ``kind`` carrying the whitelisted variables of ``env``."""
+    if kind not in KINDS:
+        raise ValueError("hook kind must be one of " + ", ".join(KINDS))
+    pairs = []
+    for key in KEYS:
+        value = env.get(key)
+        if value is None:
+            continue
+        encoded = value.encode("utf-8", "surrogateescape")[:MAX_VALUE_BYTES]
+        pairs.append(key.encode() + b"=" + encoded.replace(b"\0", b""))
+    payload = b"\0".join(pairs)
+    return ("MAPA1 %s %d\n" % (kind, len(payload))).encode() + payload
+
+
+def ask_agent(kind, env, path=DEFAULT_SOCKET, timeout=ANSWER_TIMEOUT_S):
+    """The agent's answer line, or None when it could not be asked or did not answer."""
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(path)
+        sock.sendall(request_bytes(kind, env))
+        sock.settimeout(timeout)
+        answer = b""
+        while b"\n" not in answer and len(answer) < 4096:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    if b"\n" not in answer:
+        return None
+    return answer.split(b"\n", 1)[0].decode("utf-8", "replace")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] not in KINDS:
+        sys.stderr.write("usage: agent_client.py prolog|epilog\n")
+        return FALL_BACK
+    answer = ask_agent(argv[0], os.environ, os.environ.get("MAPA_AGENT_SOCKET") or DEFAULT_SOCKET)
+    return 0 if answer == "done" else FALL_BACK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""mapa-agent and its client: the strict protocol, and a live agent on a socket running the hooks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_hooks import FakeSlurm, env_for
+
+from slurm_mapa.core.patterns import make_pattern
+from slurm_mapa.core.policies import Request, select
+from slurm_mapa.errors import InputError
+from slurm_mapa.hardware.presets import preset
+from slurm_mapa.slurm import agent_client
+from slurm_mapa.slurm.agent import Agent, parse_header, parse_payload, serve
+from slurm_mapa.slurm.config import config_from_text
+from slurm_mapa.slurm.hooks import run_prolog
+from slurm_mapa.slurm.ledger import LedgerFile
+
+CLIENT = Path(agent_client.__file__)
+
+
+def _split(request: bytes) -> tuple[str, dict[str, str]]:
+    header, _, payload = request.partition(b"\n")
+    kind, length = parse_header(header + b"\n")
+    assert length == len(payload)
+    return kind, parse_payload(payload)
+
+
+def test_request_round_trip_carries_only_the_hooks_variables():
+    env = {**env_for("42", "0,1", "mapa:topology=ring # with spaces\nand a newline"), "LD_PRELOAD": "/tmp/evil.so", "PATH": "/x"}
+    kind, parsed = _split(agent_client.request_bytes("prolog", env))
+    assert kind == "prolog" and parsed == env_for("42", "0,1", "mapa:topology=ring # with spaces\nand a newline")
+    assert _split(agent_client.request_bytes("epilog", {}))[1] == {}
+    long = agent_client.request_bytes("prolog", {"SLURM_JOB_COMMENT": "x" * 100_000})
+    assert len(_split(long)[1]["SLURM_JOB_COMMENT"]) == agent_client.MAX_VALUE_BYTES
+    with pytest.raises(ValueError, match="prolog, epilog"):
+        agent_client.request_bytes("taskprolog", {})
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b"MAPA2 prolog 0\n", "is not 'MAPA1 <kind> <length>'"),
+        (b"MAPA1 prolog\n", "is not 'MAPA1 <kind> <length>'"),
+        (b"MAPA1 taskprolog 0\n", "unknown hook kind 'taskprolog' \\(accepted: prolog, epilog\\)"),
+        (b"MAPA1 prolog -1\n", "is not a number up to"),
+        (b"MAPA1 prolog 99999999\n", "is not a number up to"),
+    ],
+)
+def test_bad_headers_are_refused_with_what_is_accepted(header, message):
+    with pytest.raises(InputError, match=message):
+        parse_header(header)
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"PATH=/bin", "'PATH' is not accepted \\(accepted: SLURM_JOB_ID"),
+        (b"SLURM_JOB_ID", "'SLURM_JOB_ID' is not accepted"),
+        (b"SLURM_JOB_ID=1\0SLURM_JOB_ID=2", "given twice"),
+        (b"SLURM_JOB_COMMENT=" + b"x" * (agent_client.MAX_VALUE_BYTES + 1), "longer than"),
+    ],
+)
+def test_bad_payloads_are_refused(payload, message):
+    with pytest.raises(InputError, match=message):
+        parse_payload(payload)
+
+
+def test_without_an_agent_the_client_says_fall_back(tmp_path):
+    assert agent_client.ask_agent("prolog", env_for("1", "0"), str(tmp_path / "none.sock")) is None
+    done = subprocess.run([sys.executable, "-I", "-S", str(CLIENT), "prolog"], env={"MAPA_AGENT_SOCKET": str(tmp_path / "none.sock")},
+                          capture_output=True, check=False)
+    assert done.returncode == agent_client.FALL_BACK
+    usage = subprocess.run([sys.executable, "-I", "-S", str(CLIENT)], capture_output=True, text=True, check=False)
+    assert usage.returncode == agent_client.FALL_BACK and "usage" in usage.stderr
+
+
+def test_the_client_imports_nothing_but_built_in_modules():
+    # Its speed is the point: no package module and no stdlib module read from disk except _socket.
+    probe = ("import sys; before = set(sys.modules); "
+             f"sys.path.insert(0, {str(CLIENT.parent)!r}); import agent_client; "
+             "print(sorted(name for name in set(sys.modules) - before - {'agent_client'} "
+             "if getattr(sys.modules[name].__spec__, 'origin', None) not in ('built-in', 'frozen')))")
+    added = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert set(eval(added)) <= {"_socket"}, added
+
+
+@pytest.fixture
+def live_agent(tmp_path):
+    config_path = tmp_path / "mapa.toml"
+    config_path.write_text(
+        f'ledger = "{tmp_path}/ledger.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\nhealth = "off"\n'
+        '[nodes]\n"dgx*" = "dgx1-v100"\n'
+    )
+    slurm = FakeSlurm()
+    errors: list[str] = []
+    agent = Agent(str(config_path), errors.append, run=lambda timeout: slurm)
+    agent.warm_up("dgx1")
+    server = serve(str(tmp_path / "agent" / "agent.sock"), agent)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, slurm, config_from_text(config_path.read_text(), str(config_path)), errors
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_live_agent_runs_the_prolog_and_epilog_like_the_in_process_hooks(live_agent, tmp_path):
+    server, slurm, config, errors = live_agent
+    socket_path = server.server_address
+    assert (os.stat(Path(socket_path).parent).st_mode & 0o777) == 0o700
+    slurm.running = {"11"}
+    slurm.admin["11"] = "mapa:topology=ring sensitive=yes"
+    assert agent_client.ask_agent("prolog", env_for("11", "0,1,2,3"), socket_path) == "done"
+    expected = select("preserve", preset("dgx1-v100"), range(8), Request(make_pattern("ring", 4), True)).gpus
+    assert LedgerFile(config.ledger, 8).read().holdings["11"].gpus == expected
+    assert (config.jobs_dir / "11").read_text() == f"MAPA_GPUS={','.join(map(str, expected))}\n"
+    # The AdminComment is written just after the answer (off the job's start).
+    _eventually(lambda: f"dgx1={','.join(map(str, expected))} policy=preserve" in slurm.admin.get("11", ""))
+    # The real client, as the hook wrapper runs it.
+    slurm.running.add("12")
+    done = subprocess.run([sys.executable, "-I", "-S", str(CLIENT), "prolog"], check=False,
+                          env={"MAPA_AGENT_SOCKET": socket_path, **env_for("12", "4", "mapa:topology=ring sensitive=no")})
+    assert done.returncode == 0 and "12" in LedgerFile(config.ledger, 8).read().holdings
+    assert agent_client.ask_agent("epilog", {"SLURM_JOB_ID": "11"}, socket_path) == "done"
+    assert agent_client.ask_agent("epilog", {"SLURM_JOB_ID": "11"}, socket_path) == "done"  # idempotent
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"12"} and not (config.jobs_dir / "11").exists()
+    assert errors == []
+
+
+def _eventually(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_concurrent_requests_to_the_agent_never_share_a_gpu(live_agent):
+    server, slurm, config, errors = live_agent
+    jobs = [str(100 + i) for i in range(8)]
+    slurm.running = set(jobs)
+    answers: list[str | None] = []
+    threads = [threading.Thread(target=lambda j=j: answers.append(agent_client.ask_agent("prolog", env_for(j, "0"), server.server_address)))
+               for j in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == ["done"] * 8
+    held = [g for h in LedgerFile(config.ledger, 8).read().holdings.values() for g in h.gpus]
+    assert sorted(held) == list(range(8))
+
+
+def test_the_agent_refuses_bad_requests_and_writes_nothing(live_agent):
+    server, slurm, config, errors = live_agent
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(server.server_address)
+        sock.sendall(b"MAPA1 prolog 9\nPATH=/bin")
+        answer = sock.recv(1024)
+    assert answer.startswith(b"error request variable 'PATH' is not accepted")
+    assert errors and "refused a request" in errors[0]
+    assert not config.ledger.exists() and slurm.calls == []
+
+
+def test_a_prolog_whose_client_went_away_writes_nothing(tmp_path):
+    config = config_from_text(f'ledger = "{tmp_path}/l.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\n[nodes]\n"dgx*" = "dgx1-v100"\n', "t")
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"7"}
+    assert run_prolog(env_for("7", "0,1"), config, slurm, logs.append, still_wanted=lambda: False) is None
+    assert not (config.jobs_dir / "7").exists() and "7" not in LedgerFile(config.ledger, 8).read().holdings
+    assert any("went away" in line for line in logs)
+    # The next Prolog sees job 7 running without an entry and adopts Slurm's GPUs for it.
+    slurm.gres["7"] = ["gpu:2(IDX:0-1)"]
+    slurm.running.add("8")
+    decision = run_prolog(env_for("8", "2,3"), config, slurm, logs.append)
+    assert not {0, 1} & set(decision.gpus)
