@@ -31,7 +31,7 @@ POLICIES = ("baseline", "topo-aware", "greedy", "preserve", "slurm-native", "slu
 
 
 def speed(jobs: int, topologies: list[str], nodes: int) -> None:
-    print(f"| topology | policy | jobs | cold s | warm s | warm jobs/s | searches |")
+    print("| topology | policy | jobs | cold s | warm s | warm jobs/s | searches |")
     print("|---|---|---|---|---|---|---|")
     for topo in topologies:
         cluster = [Node(f"n{i}", preset(topo)) for i in range(nodes)]

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.core.links import Bandwidths
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.gres import PRESET_CPU_LAYOUTS, gres_conf_text
 from slurm_mapa.hardware.presets import PRESETS, preset
