@@ -1,6 +1,7 @@
 """preserve-ahead against preserve, greedy and baseline: the lower tail of sensitive jobs, and decision time.
 
     .venv/bin/python benchmarks/bench_ahead.py tail [--seeds 30] [--seeds16 30] [--timemodel] [--topologies a,b] [--out FILE]
+    .venv/bin/python benchmarks/bench_ahead.py ceiling [--seeds 30]
     .venv/bin/python benchmarks/bench_ahead.py timing [--decisions 300]
 
 ``tail`` replays the paper workload (300 jobs, 1-5 GPUs uniform, 4 of 6 networks sensitive, rings)
@@ -14,6 +15,10 @@ on one node of each topology, per seed and arrival mode:
 Per run it takes min, p10, p25 and median of the sensitive jobs' predicted effective bandwidth,
 and prints the mean over seeds as a markdown table. With ``--timemodel`` the runtimes follow the
 replay's execution-time model (slower rings run longer) and the mean makespan is added.
+
+``ceiling`` bounds what any policy can reach: each sensitive job gets the best placement of its
+ring on an *empty* node (no policy can do better for it), and the same statistics are taken over
+those values, per seed, as ``tail`` does for the real schedules.
 
 ``timing`` times single decisions (the policy function, as the Prolog calls it) on random free
 sets and paper requests, preserve and preserve-ahead side by side: preserve-ahead warm (its
@@ -91,6 +96,36 @@ def tail(seeds: int, seeds16: int, timemodel: bool, topologies=TOPOLOGIES) -> st
     return "\n".join(lines)
 
 
+def ceiling(seeds: int, topologies=TOPOLOGIES) -> str:
+    """Per topology and arrival mode: the mean over seeds of each statistic if every sensitive job got its empty-node best."""
+    from slurm_mapa.core.policies import select
+    from slurm_mapa.replay.stats import Dist
+
+    model = paper_model()
+    lines = ["| topology | arrivals | seeds | min | p10 | p25 | median | best ring on an empty node, by size |", "|---|---|---|---|---|---|---|---|"]
+    for topo in topologies:
+        graph = preset(topo)
+        best: dict[tuple[str, int], float] = {}
+        for mode in ("packed", "poisson"):
+            rows: dict[str, list[float]] = {name: [] for name, _ in STATS}
+            for seed in range(1, seeds + 1):
+                dist = Dist()
+                for job in workload(seed, mode):
+                    if not job.sensitive or job.gpus < 2:
+                        continue  # a 1-GPU job has no effective bandwidth, as in the replay
+                    key = (job.shape, job.gpus)
+                    if key not in best:
+                        placed = select("preserve", graph, range(graph.size), request_for(job.shape, job.gpus, True), model)
+                        best[key] = placed.placement.effective_bandwidth
+                    dist.add(best[key])
+                for name, q in STATS:
+                    rows[name].append(dist.quantile(q))
+            sizes = ", ".join(f"{k}: {v:.2f}" for (_, k), v in sorted(best.items(), key=lambda item: item[0][1]))
+            lines.append(f"| {topo} | {mode} | {seeds} | " + " | ".join(f"{statistics.fmean(rows[name]):.2f}" for name, _ in STATS) + f" | {sizes} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def timing(decisions: int) -> str:
     policies = all_policies()
     model = paper_model()
@@ -138,11 +173,20 @@ def main() -> None:
     t.add_argument("--timemodel", action="store_true")
     t.add_argument("--topologies", default=",".join(TOPOLOGIES))
     t.add_argument("--out")
+    c = sub.add_parser("ceiling")
+    c.add_argument("--seeds", type=int, default=30)
+    c.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    c.add_argument("--out")
     m = sub.add_parser("timing")
     m.add_argument("--decisions", type=int, default=300)
     m.add_argument("--out")
     args = parser.parse_args()
-    text = tail(args.seeds, args.seeds16, args.timemodel, args.topologies.split(",")) if args.cmd == "tail" else timing(args.decisions)
+    if args.cmd == "tail":
+        text = tail(args.seeds, args.seeds16, args.timemodel, args.topologies.split(","))
+    elif args.cmd == "ceiling":
+        text = ceiling(args.seeds, args.topologies.split(","))
+    else:
+        text = timing(args.decisions)
     print(text)
     if args.out:
         with open(args.out, "w") as handle:

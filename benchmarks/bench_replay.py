@@ -30,12 +30,12 @@ POLICIES = ("baseline", "topo-aware", "greedy", "preserve", "slurm-native", "slu
             "nvidia-besteffort", "first-fit", "round-robin", "hami-topology")
 
 
-def speed(jobs: int, topologies: list[str], nodes: int) -> None:
+def speed(jobs: int, topologies: list[str], nodes: int, policies: tuple[str, ...] = POLICIES) -> None:
     print("| topology | policy | jobs | cold s | warm s | warm jobs/s | searches |")
     print("|---|---|---|---|---|---|---|")
     for topo in topologies:
         cluster = [Node(f"n{i}", preset(topo)) for i in range(nodes)]
-        for policy in POLICIES:
+        for policy in policies:
             decider = Decider()
             t0 = time.perf_counter()
             simulate(generate("paper", jobs, seed=1, load=4 * nodes), cluster, policy, decider=decider)
@@ -119,11 +119,12 @@ def main() -> None:
     parser.add_argument("--policy", default="preserve")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--topologies", default="dgx1-v100,torus2d-16")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="for speed (default: all)")
     args = parser.parse_args()
     if args.what == "figures":
         figures(args.seeds, args.out)
     elif args.what == "speed":
-        speed(args.jobs or 20_000, args.topologies.split(","), args.nodes)
+        speed(args.jobs or 20_000, args.topologies.split(","), args.nodes, tuple(args.policies.split(",")))
     else:
         memory(args.jobs or 1_000_000, args.policy, args.topologies.split(",")[0], args.nodes)
 
