@@ -367,3 +367,27 @@ def test_reaping_keeps_entries_written_after_the_job_list_was_asked_for():
     kept, dead = ledger.reaped(set(), listed_at=150.0)
     assert dead == ["1"] and set(kept.holdings) == {"2"}  # job 2's Prolog wrote after squeue started
     assert ledger.reaped(set())[1] == ["1", "2"]
+
+
+def test_a_job_that_ended_after_squeue_listed_it_is_not_adopted(setup):
+    from slurm_mapa.slurm.hooks import still_running
+
+    assert still_running({"job_state": ["RUNNING"]}) and still_running({"job_state": "SUSPENDED"}) and still_running({})
+    assert not still_running({"job_state": ["COMPLETED", "COMPLETING"]}) and not still_running({"job_state": ["RUNNING", "COMPLETING"]})
+    assert not still_running({"job_state": ["CANCELLED"]})
+    config, slurm, logs = setup
+    slurm.running = {"5", "6"}  # squeue still lists 5, whose Epilog has already emptied its entry
+    slurm.gres["5"] = ["gpu:2(IDX:0-1)"]
+    real_call = slurm.__call__
+
+    def with_state(argv):
+        out = real_call(argv)
+        if argv[1:4] == ["--json", "show", "job"] and argv[4] == "5":
+            record = json.loads(out)
+            record["jobs"][0]["job_state"] = ["COMPLETED", "COMPLETING"]
+            return json.dumps(record)
+        return out
+
+    decision = run_prolog(env_for("6", "0"), config, with_state, logs.append)
+    assert "5" not in LedgerFile(config.ledger, 8).read().holdings
+    assert decision.policy == "preserve" and not any("adopted job 5" in line for line in logs)

@@ -285,6 +285,16 @@ class RunningJobs:
 
 
 MAX_ADOPTED_PER_PROLOG = 16
+_RUNNING_STATES = {"RUNNING", "CONFIGURING", "SUSPENDED"}
+
+
+def still_running(record: dict) -> bool:
+    """Whether a `scontrol --json show job` record is of a job still using its GPUs (no state: assume so)."""
+    state = record.get("job_state")
+    if state is None:
+        return True
+    states = {state} if isinstance(state, str) else set(map(str, state)) if isinstance(state, list) else set()
+    return bool(states & _RUNNING_STATES) and "COMPLETING" not in states
 
 
 def adopt_unknown_jobs(
@@ -298,10 +308,13 @@ def adopt_unknown_jobs(
     unknown = sorted(running - set(ledger.holdings) - {ctx.job_id}, key=int)
     for job_id in unknown[:MAX_ADOPTED_PER_PROLOG]:
         try:
-            gpus = slurm_gpus_on_only_node(parse_job_json(run(show_job_argv(config.scontrol, job_id))))
+            record = parse_job_json(run(show_job_argv(config.scontrol, job_id)))
+            gpus = slurm_gpus_on_only_node(record)
         except (CommandFailed, ValueError) as error:
             log(f"job {ctx.job_id}: cannot read job {job_id}, which runs here without a ledger entry ({error})")
             continue
+        if not still_running(record):
+            continue  # it ended after squeue listed it; its Epilog already freed its entry
         if gpus is None:
             log(f"job {ctx.job_id}: job {job_id} runs here without a ledger entry and spans several nodes; not adopted")
             continue
