@@ -111,6 +111,18 @@ def allocation_as_dict(result: Allocation | NoFit, graph: HardwareGraph, free: S
     }
 
 
+def _configured(args: argparse.Namespace) -> dict:
+    """preserve-ahead built with --ahead-sizes / --ahead-tolerance, when given."""
+    if args.ahead_sizes is None and not args.ahead_tolerance:
+        return {}
+    from .core.ahead import make_preserve_ahead, parse_sizes
+
+    if args.policy != "preserve-ahead":
+        raise InputError("--ahead-sizes and --ahead-tolerance are settings of --policy preserve-ahead")
+    sizes = parse_sizes(args.ahead_sizes) if args.ahead_sizes is not None else None
+    return {"preserve-ahead": make_preserve_ahead(sizes, args.ahead_tolerance)}
+
+
 def cmd_select(args: argparse.Namespace) -> int:
     graph = load_topology(args.topology)
     model = _load_model(args.model)
@@ -120,7 +132,7 @@ def cmd_select(args: argparse.Namespace) -> int:
     if gpus is None:
         raise InputError("how many GPUs? give --gpus K or gpus=K in the directive")
     request = to_request(directive, gpus)
-    result = select(args.policy, graph, free, request, model)
+    result = select(args.policy, graph, free, request, model, _configured(args))
     out = allocation_as_dict(result, graph, free, request, model)
     if args.explain and isinstance(result, Allocation):
         out["alternatives"] = [
@@ -186,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument("--gpus", type=int, help="GPUs the job needs on this node (or gpus= in the directive)")
     sel.add_argument("--directive", default="", help='the job\'s MAPA directive, e.g. "topology=ring sensitive=yes"')
     sel.add_argument("--policy", default="preserve", choices=list(all_policies()), help="allocation policy (default: preserve)")
+    sel.add_argument("--ahead-sizes", metavar="GPUS:WEIGHT,...",
+                     help="preserve-ahead: the likely job sizes, e.g. 1:0.5,2:0.3,4:0.2 (default: uniform 1..5)")
+    sel.add_argument("--ahead-tolerance", type=float, default=0.0, metavar="FRACTION",
+                     help="preserve-ahead: how much of a sensitive job's best it may give up for the future (default 0)")
     sel.add_argument("--model", help="an effective-bandwidth model file (default: the MAPA paper's DGX-1 V100 model)")
     sel.add_argument("--explain", action="store_true", help="also show the best alternatives and why they lost")
     sel.add_argument("--json", action="store_true", help="machine-readable output")

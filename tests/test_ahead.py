@@ -182,3 +182,60 @@ def test_registered_everywhere_a_policy_is():
 def test_bad_configuration_is_an_input_error(sizes, tolerance):
     with pytest.raises(InputError):
         ahead.make_preserve_ahead(sizes, tolerance)
+
+
+def test_size_distributions_parse_strictly_and_learn_from_history():
+    assert ahead.parse_sizes("1:0.5, 2:0.3,4:0.2") == {1: 0.5, 2: 0.3, 4: 0.2}
+    assert ahead.parse_sizes({"4": 1, "2": 3}) == {4: 1.0, 2: 3.0}  # a TOML table: keys are strings
+    for bad, message in [("2", "is not GPUS:WEIGHT"), ("x:1", "whole number of GPUs"), ("0:1", "whole number"),
+                         ("2:-1", "0 or more"), ("2:nan", "0 or more"), ("2:inf", "0 or more"), ("", "empty"),
+                         ({"2": True}, "must be a number"), ("2:0", "no weight")]:
+        with pytest.raises(InputError, match=message):
+            ahead.parse_sizes(bad)
+    assert ahead.sizes_from_jobs([1, 1, 2, 4]) == {1: 0.5, 2: 0.25, 4: 0.25}
+    with pytest.raises(InputError, match="no GPU jobs"):
+        ahead.sizes_from_jobs([])
+
+
+def test_configured_sizes_reach_select_the_prolog_the_cli_and_the_replay(tmp_path, capsys):
+    import json
+
+    from slurm_mapa.cli import main as mapa_main
+    from slurm_mapa.replay.cli import main as replay_main
+    from slurm_mapa.slurm.config import config_from_text
+
+    graph = _graph("dgx1-v100")
+    free, req = (0, 1, 2, 4, 5, 7), request(2, False)
+    sized = ahead.make_preserve_ahead({4: 1.0})
+    want = tuple(sorted(sized(graph, free, req, MODEL).gpus))
+    default = tuple(sorted(ahead.preserve_ahead(graph, free, req, MODEL).gpus))
+    assert want != default  # otherwise this test could not tell the settings were used
+    got = select("preserve-ahead", graph, free, req, MODEL, {"preserve-ahead": sized})
+    assert tuple(sorted(got.gpus)) == want
+    # The Prolog's config.
+    config = config_from_text('policy = "preserve-ahead"\n[preserve_ahead]\nsizes = { 4 = 1.0 }\ntolerance = 0.0\n')
+    assert config.ahead_sizes == ((4, 1.0),)
+    assert tuple(sorted(select(config.policy, graph, free, req, MODEL, config.configured_policies()).gpus)) == want
+    assert config_from_text('policy = "preserve"\n[preserve_ahead]\nsizes = { 4 = 1.0 }\n').configured_policies() == {}
+    for bad, message in [('[preserve_ahead]\nsizes = "4:1"\n', "table of GPUs to weight"), ('[preserve_ahead]\nsize = {}\n', "takes sizes"),
+                         ('[preserve_ahead]\ntolerance = 2\n', "fraction from 0 to 1"), ('[preserve_ahead]\nsizes = { 0 = 1 }\n', "whole number")]:
+        with pytest.raises(InputError, match=message):
+            config_from_text(bad)
+    # mapa select.
+    assert mapa_main(["select", "--topology", "dgx1-v100", "--free", "0-2,4,5,7", "--gpus", "2", "--policy", "preserve-ahead",
+                      "--ahead-sizes", "4:1", "--json"]) == 0
+    assert tuple(sorted(json.loads(capsys.readouterr().out)["gpus"])) == want
+    assert mapa_main(["select", "--topology", "dgx1-v100", "--gpus", "1", "--ahead-sizes", "4:1"]) == 2
+    assert "settings of --policy preserve-ahead" in capsys.readouterr().err
+    # mapa-replay: sizes from the command line, learnt from the input, or from the config.
+    jobs = tmp_path / "jobs.csv"
+    assert replay_main(["generate", "paper", "--jobs", "30", "--seed", "3", "-o", str(jobs)]) == 0
+    capsys.readouterr()
+    assert replay_main(["run", str(jobs), "--topology", "dgx1-v100", "--policies", "preserve-ahead", "--ahead-sizes", "log", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "sizes learnt from the input" in captured.err and json.loads(captured.out)["policies"][0]["jobs"] == 30
+    site = tmp_path / "site.toml"
+    site.write_text("[preserve_ahead]\nsizes = { 2 = 1, 4 = 1 }\ntolerance = 0.1\n")
+    assert replay_main(["run", str(jobs), "--topology", "dgx1-v100", "--policies", "preserve-ahead", "--config", str(site), "--json"]) == 0
+    site.write_text("[preserve_ahead]\ntolerance = 3\n")
+    assert replay_main(["run", str(jobs), "--topology", "dgx1-v100", "--config", str(site)]) == 2

@@ -391,3 +391,19 @@ def test_a_job_that_ended_after_squeue_listed_it_is_not_adopted(setup):
     decision = run_prolog(env_for("6", "0"), config, with_state, logs.append)
     assert "5" not in LedgerFile(config.ledger, 8).read().holdings
     assert decision.policy == "preserve" and not any("adopted job 5" in line for line in logs)
+
+
+def test_the_prolog_uses_preserve_aheads_configured_sizes(tmp_path):
+    from slurm_mapa.core.ahead import make_preserve_ahead
+    from slurm_mapa.core.effbw import paper_model
+
+    config = HookConfig(ledger=tmp_path / "l.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),),
+                        policy="preserve-ahead", ahead_sizes=((4, 1.0),))
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"1", "2"}
+    LedgerFile(config.ledger, 8).write(Ledger({"1": Holding((3, 6), "preserve-ahead", 1.0)}))  # free: 0,1,2,4,5,7
+    slurm.admin["2"] = "mapa:topology=ring sensitive=no"
+    decision = run_prolog(env_for("2", "0,1"), config, slurm, logs.append)
+    graph = preset("dgx1-v100")
+    want = make_preserve_ahead({4: 1.0})(graph, (0, 1, 2, 4, 5, 7), Request(make_pattern("ring", 2), False), paper_model())
+    assert decision.policy == "preserve-ahead" and sorted(decision.gpus) == sorted(want.gpus) == [2, 7]

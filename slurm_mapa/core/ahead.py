@@ -29,7 +29,7 @@ long-running process (the replay, a warm daemon) pays each set once.
 from __future__ import annotations
 
 from itertools import combinations
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from ..errors import InputError
 from .effbw import EffectiveBandwidthModel
@@ -213,6 +213,47 @@ def choose_set(
         if best_key is None or key > best_key:
             best_key, best_set = key, subset
     return best_set
+
+
+def parse_sizes(spec: str | Mapping) -> dict[int, float]:
+    """A size distribution from ``"1:0.2,2:0.2,4:1"`` (GPUs:weight) or a TOML table ``{"1" = 0.2, ...}``.
+
+    Weights need not sum to 1 (they are normalised). Raises InputError naming what is wrong.
+    """
+    if isinstance(spec, Mapping):
+        items = [(str(k), v) for k, v in spec.items()]
+    else:
+        items = []
+        for part in str(spec).split(","):
+            if part.strip():
+                size, colon, weight = part.partition(":")
+                if not colon:
+                    raise InputError(f"preserve-ahead sizes: {part.strip()!r} is not GPUS:WEIGHT (e.g. 1:0.2,2:0.2,4:0.6)")
+                items.append((size.strip(), weight.strip()))
+    sizes: dict[int, float] = {}
+    for size, weight in items:
+        if not size.isdigit() or int(size) < 1 or int(size) > 64:
+            raise InputError(f"preserve-ahead sizes: job size {size!r} must be a whole number of GPUs from 1 to 64")
+        try:
+            value = float(weight) if not isinstance(weight, bool) else float("nan")
+        except (TypeError, ValueError):
+            value = float("nan")
+        if not value >= 0 or value == float("inf"):
+            raise InputError(f"preserve-ahead sizes: the weight of size {size} must be a number, 0 or more, got {weight!r}")
+        sizes[int(size)] = value
+    _normalised(sizes)  # an empty or weightless distribution is refused here
+    return sizes
+
+
+def sizes_from_jobs(gpus_per_job: Iterable[int]) -> dict[int, float]:
+    """The size distribution of a job history (GPUs per node of each job), e.g. from a sacct log."""
+    counts: dict[int, float] = {}
+    for gpus in gpus_per_job:
+        counts[gpus] = counts.get(gpus, 0.0) + 1.0
+    if not counts:
+        raise InputError("preserve-ahead sizes: the history has no GPU jobs to learn sizes from")
+    total = sum(counts.values())
+    return {k: round(v / total, 6) for k, v in sorted(counts.items())}
 
 
 def make_preserve_ahead(sizes: Mapping[int, float] | None = None, tolerance: float = 0.0, name: str = "preserve-ahead") -> Policy:

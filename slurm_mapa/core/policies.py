@@ -15,7 +15,7 @@ it gets. So baseline and topo-aware are scored fairly, on their best ring over t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from ..errors import InputError, InternalError
 from .effbw import EffectiveBandwidthModel, paper_model
@@ -140,9 +140,14 @@ def select(
     free: Iterable[int],
     request: Request,
     model: EffectiveBandwidthModel | None = None,
+    configured: Mapping[str, Policy] | None = None,
 ) -> Allocation | NoFit:
-    """Run ``policy`` on ``free`` GPUs of ``graph``; the one entry point the Prolog, replay and CLI share."""
-    chosen_policy = POLICIES.get(policy) or all_policies().get(policy)
+    """Run ``policy`` on ``free`` GPUs of ``graph``; the one entry point the Prolog, replay and CLI share.
+
+    ``configured``: policies built with site settings (preserve-ahead's size distribution), used
+    instead of the default instance of the same name.
+    """
+    chosen_policy = (configured or {}).get(policy) or POLICIES.get(policy) or all_policies().get(policy)
     if chosen_policy is None:
         raise InputError(f"unknown policy {policy!r} (accepted: {', '.join(all_policies())})")
     free_tuple = tuple(sorted(set(free)))

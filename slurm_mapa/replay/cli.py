@@ -123,7 +123,7 @@ def _progress(policy: str, enabled: bool) -> Callable[[int], None] | None:
 
 def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options: Options, *, csv_path: str | None,
              progress: bool) -> list[RunResult]:
-    decider = Decider(options.model)
+    decider = Decider(options.model, configured=options.configured)
     results = []
     csv_handle = open(csv_path, "w", encoding="utf-8") if csv_path else None
     try:
@@ -198,6 +198,25 @@ def _plots(args, label: str, results: list[RunResult], out: dict, notes: list[st
     notes.append("plots written: " + ", ".join(files))
 
 
+def _configured_ahead(args, source: Source, config: Config) -> dict | None:
+    """preserve-ahead with --ahead-sizes (GPUS:WEIGHT,... or 'log': learnt from the input) and
+    --ahead-tolerance, else the config's [preserve_ahead]; None when all are defaults."""
+    tolerance = args.ahead_tolerance if args.ahead_tolerance is not None else config.ahead_tolerance
+    if args.ahead_sizes is None and config.ahead_sizes is None and not tolerance:
+        return None
+    from ..core.ahead import make_preserve_ahead, parse_sizes, sizes_from_jobs
+
+    if not 0 <= tolerance <= 1:
+        raise InputError(f"--ahead-tolerance must be a fraction from 0 to 1, got {tolerance}")
+    sizes = config.ahead_sizes
+    if args.ahead_sizes == "log":
+        sizes = sizes_from_jobs(job.gpus for job in source.jobs(ReadStats()))
+        print(f"preserve-ahead sizes learnt from the input: {', '.join(f'{k}:{v:g}' for k, v in sizes.items())}", file=sys.stderr)
+    elif args.ahead_sizes is not None:
+        sizes = parse_sizes(args.ahead_sizes)
+    return {"preserve-ahead": make_preserve_ahead(sizes, tolerance)}
+
+
 def _replay(args, source: Source, config: Config, label: str) -> int:
     policies = _policies(args.policies)
     nodes = _build_nodes(args, source, config)
@@ -206,6 +225,7 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
         time_model=parse_curve(args.time_model) if args.time_model is not None else None,
         pin_nodes=not args.no_pin,
         model=paper_model(),
+        configured=_configured_ahead(args, source, config),
     )
     progress = args.progress or (args.progress is None and sys.stderr.isatty() and not args.json)
     results = _run_all(source, nodes, policies, options, csv_path=args.csv, progress=bool(progress and source.fmt != "json"))
@@ -230,7 +250,7 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
     if source.fmt in ("sacct", "json"):
         jobs = [j for j in source.jobs(ReadStats()) if j.recorded is not None or j.start is not None]
         if any(j.recorded is not None for j in jobs):
-            result = audit(jobs, nodes, policies, Decider(options.model))
+            result = audit(jobs, nodes, policies, Decider(options.model, configured=options.configured))
             out["recorded_decisions"] = result
             parts.append(report.audit_text(result))
     notes: list[str] = []
@@ -339,6 +359,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-model", nargs="?", const="default", default=None, metavar="CURVE",
                    help="run times depend on effective bandwidth (BW:SLOWDOWN points, default: the paper's curve)")
     p.add_argument("--backfill", action="store_true", help="let later jobs start when the queue head does not fit")
+    p.add_argument("--ahead-sizes", metavar="GPUS:WEIGHT,...|log",
+                   help="preserve-ahead's likely job sizes, e.g. 1:0.5,2:0.3,4:0.2, or 'log' to learn them from the input (default: uniform 1..5)")
+    p.add_argument("--ahead-tolerance", type=float, default=None, metavar="FRACTION",
+                   help="preserve-ahead: how much of a sensitive job's best it may give up for the future (default 0)")
     p.add_argument("--no-pin", action="store_true", help="do not keep sacct jobs on their recorded node")
     p.add_argument("--csv", help="write one CSV row per job and policy to this file")
     p.add_argument("--plot", metavar="DIR", help="write PNG box plots to DIR (needs matplotlib)")

@@ -14,6 +14,10 @@
     [[rules]]                    # site rules, first match wins: name, account, partition or user
     name = "^train-"             # (a regular expression) -> a directive
     directive = "topology=ring sensitive=yes"
+
+    [preserve_ahead]             # as for the Prolog: the likely job sizes and the tolerance
+    sizes = { 1 = 0.4, 2 = 0.3, 4 = 0.3 }
+    tolerance = 0.0
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Config:
     node_topologies: list[tuple[str, str]] = field(default_factory=list)
     cluster: list[tuple[str, str]] = field(default_factory=list)
     rules: list[SiteRule] = field(default_factory=list)
+    ahead_sizes: dict[int, float] | None = None
+    ahead_tolerance: float = 0.0
     default_shape: str = "ring"
     default_sensitive: bool = False
 
@@ -60,9 +66,9 @@ def _topology_name(value: Any, where: str) -> str:
 def config_from_dict(data: dict, source: str = "config") -> Config:
     # The same file can configure the Slurm hooks (/etc/slurm/mapa.toml): their keys are theirs.
     hook_keys = {"policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "health"}
-    unknown = set(data) - {"nodes", "cluster", "defaults", "rules"} - hook_keys
+    unknown = set(data) - {"nodes", "cluster", "defaults", "rules", "preserve_ahead"} - hook_keys
     if unknown:
-        raise InputError(f"{source}: unknown section(s) {', '.join(sorted(unknown))} (accepted: nodes, cluster, defaults, rules)")
+        raise InputError(f"{source}: unknown section(s) {', '.join(sorted(unknown))} (accepted: nodes, cluster, defaults, rules, preserve_ahead)")
     config = Config()
     for pattern, topo in (data.get("nodes") or {}).items():
         config.node_topologies.append((pattern, _topology_name(topo, f"{source}: [nodes] {pattern!r}")))
@@ -78,6 +84,19 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
         raise InputError(f"{source}: [defaults] sensitive must be true or false, got {sensitive!r}")
     config.default_sensitive = sensitive
     config.rules = make_rules(data.get("rules") or [])
+    ahead = data.get("preserve_ahead") or {}
+    if not isinstance(ahead, dict) or set(ahead) - {"sizes", "tolerance"}:
+        raise InputError(f"{source}: [preserve_ahead] takes sizes = {{ 1 = 0.2, ... }} and tolerance = 0.0")
+    if "sizes" in ahead:
+        from ..core.ahead import parse_sizes
+
+        if not isinstance(ahead["sizes"], dict):
+            raise InputError(f"{source}: [preserve_ahead] sizes must be a table of GPUs to weight, e.g. {{ 1 = 0.5, 4 = 0.5 }}")
+        config.ahead_sizes = parse_sizes(ahead["sizes"])
+    tolerance = ahead.get("tolerance", 0.0)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance <= 1:
+        raise InputError(f"{source}: [preserve_ahead] tolerance must be a fraction from 0 to 1, got {tolerance!r}")
+    config.ahead_tolerance = float(tolerance)
     return config
 
 

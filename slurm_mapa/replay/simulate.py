@@ -61,13 +61,15 @@ class Options:
     pin_nodes: bool = True
     reorder_window: int = 10_000
     model: EffectiveBandwidthModel | None = None
+    configured: dict | None = None  # policies built with site settings (preserve-ahead's sizes)
 
 
 class Decider:
     """Memoised policy decisions and per-topology tables, shared by every run in one process."""
 
-    def __init__(self, model: EffectiveBandwidthModel | None = None, limit: int = 2_000_000) -> None:
+    def __init__(self, model: EffectiveBandwidthModel | None = None, limit: int = 2_000_000, configured: dict | None = None) -> None:
         self.model = model or paper_model()
+        self.policies = {**ALL_POLICIES, **(configured or {})}  # configured: preserve-ahead with site sizes
         self.memo: dict = {}
         self.limit = limit
         self.graphs: list[HardwareGraph] = []
@@ -129,7 +131,7 @@ class Decider:
         request = self._request_list[rid]
         free = tuple(i for i in range(graph.size) if mask >> i & 1)
         new_queue = None
-        result = ALL_POLICIES[policy](graph, free, request, self.model)
+        result = self.policies[policy](graph, free, request, self.model)
         if not isinstance(result, Allocation):
             self._store(key, None)
             return None
@@ -278,7 +280,7 @@ def simulate(
     if not nodes:
         raise InputError("the simulated cluster has no nodes")
     options = options or Options()
-    decider = decider or Decider(options.model)
+    decider = decider or Decider(options.model, configured=options.configured)
     result = RunResult(policy)
     stateful = policy in peers.STATEFUL
     n_nodes = len(nodes)

@@ -149,7 +149,8 @@ class Agent:
         model = load_model_file(config.model) if config.model else paper_model()
         for text in ("topology=ring sensitive=no", "topology=ring sensitive=yes"):
             for size in range(1, min(graph.size, 3) + 1):
-                select(config.policy, graph, range(graph.size), to_request(parse_directive(text), size), model)
+                select(config.policy, graph, range(graph.size), to_request(parse_directive(text), size), model,
+                       config.configured_policies())
 
 
 class _Handler(socketserver.BaseRequestHandler):

@@ -11,6 +11,10 @@
     model = ""                                 # an effective-bandwidth model file, or the paper's
     health = "auto"                            # "off": do not ask NVML which GPUs are sick
 
+    [preserve_ahead]                           # only for policy = "preserve-ahead"
+    sizes = { 1 = 0.2, 2 = 0.2, 3 = 0.2, 4 = 0.2, 5 = 0.2 }   # GPUs -> weight (default: the paper's)
+    tolerance = 0.0                            # fraction of a sensitive job's best it may give up
+
     [nodes]                                    # node-name glob -> preset or topology file
     "dgx*" = "dgx1-v100"
     "gpu[0-9]*" = "/etc/slurm/mapa/gpu-node.toml"
@@ -32,7 +36,8 @@ from typing import Any, Callable, Mapping
 from ..errors import InputError, MapaError
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
-_KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes"}
+_KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
+         "preserve_ahead"}
 _OTHER_TOOLS_SECTIONS = {"cluster", "defaults", "rules", "replay"}
 
 
@@ -49,6 +54,16 @@ class HookConfig:
     model: str = ""
     health: str = "auto"
     nodes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    ahead_sizes: tuple[tuple[int, float], ...] = ()  # empty: preserve-ahead's default (uniform 1..5)
+    ahead_tolerance: float = 0.0
+
+    def configured_policies(self) -> dict:
+        """Policies built with this config's settings, for :func:`~slurm_mapa.core.policies.select`."""
+        if self.policy != "preserve-ahead" or (not self.ahead_sizes and not self.ahead_tolerance):
+            return {}
+        from ..core.ahead import make_preserve_ahead
+
+        return {"preserve-ahead": make_preserve_ahead(dict(self.ahead_sizes) or None, self.ahead_tolerance)}
 
     def topology_for(self, node: str) -> str | None:
         for pattern, topology in self.nodes:
@@ -100,6 +115,23 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
         raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')
     values["nodes"] = tuple(nodes.items())
+    ahead = data.get("preserve_ahead", {})
+    if not isinstance(ahead, dict) or set(ahead) - {"sizes", "tolerance"}:
+        raise InputError(f"{source}: [preserve_ahead] takes sizes = {{ 1 = 0.2, 2 = 0.2, ... }} and tolerance = 0.0")
+    if "sizes" in ahead:
+        from ..core.ahead import parse_sizes
+
+        if not isinstance(ahead["sizes"], dict):
+            raise InputError(f"{source}: [preserve_ahead] sizes must be a table of GPUs to weight, e.g. {{ 1 = 0.5, 4 = 0.5 }}")
+        try:
+            values["ahead_sizes"] = tuple(sorted(parse_sizes(ahead["sizes"]).items()))
+        except InputError as error:
+            raise InputError(f"{source}: {error}") from None
+    if "tolerance" in ahead:
+        tolerance = ahead["tolerance"]
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance <= 1:
+            raise InputError(f"{source}: [preserve_ahead] tolerance must be a fraction from 0 to 1, got {tolerance!r}")
+        values["ahead_tolerance"] = float(tolerance)
     return HookConfig(**values)
 
 

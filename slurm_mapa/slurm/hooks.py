@@ -139,7 +139,7 @@ def choose(
         try:
             request = to_request(directive, len(ctx.slurm_gpus))
             model = load_model_file(config.model) if config.model else paper_model()
-            result = select(config.policy, graph, free, request, model)
+            result = select(config.policy, graph, free, request, model, config.configured_policies())
             if isinstance(result, Allocation):
                 p = result.placement
                 return Decision(
