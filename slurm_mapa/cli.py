@@ -41,51 +41,6 @@ def _load_model(path: str | None) -> EffectiveBandwidthModel:
     return paper_model() if path is None else load_model_file(path)
 
 
-# --- topo show ------------------------------------------------------------------------------
-
-
-def topology_as_dict(graph: HardwareGraph) -> dict[str, Any]:
-    return {
-        "name": graph.name,
-        "gpus": graph.size,
-        "description": graph.description,
-        "nvlink_generation": graph.bandwidths.nvlink_generation,
-        "links": graph.link_tokens(),
-        "bandwidth_gbps": graph.bandwidth_matrix(),
-        "domains": list(graph.domains),
-        "cpu_affinity": list(graph.cpu_affinity),
-    }
-
-
-def format_matrix(graph: HardwareGraph) -> str:
-    """The link matrix in the style of `nvidia-smi topo -m`, plus each GPU's domain."""
-    header = [""] + [f"GPU{g}" for g in graph.gpus] + ["Domain"] + (["CPU Affinity"] if graph.cpu_affinity else [])
-    rows = ["\t".join(header)]
-    for a in graph.gpus:
-        cells = [f"GPU{a}"] + [" X " if a == b else graph.link(a, b).token for b in graph.gpus] + [str(graph.domains[a])]
-        if graph.cpu_affinity:
-            cells.append(graph.cpu_affinity[a])
-        rows.append("\t".join(cells))
-    bw = graph.bandwidths
-    rows += [
-        "",
-        f"{graph.name}: {graph.description}" if graph.description else graph.name,
-        f"Bandwidth (GB/s): NV# = # x {bw.nvlink_per_link[bw.nvlink_generation]:g} (NVLink {bw.nvlink_generation}), "
-        f"NVS# = # x the same over NVSwitch, PCIe: "
-        + ", ".join(f"{level} {value:g}" for level, value in bw.pcie.items()),
-    ]
-    return "\n".join(rows)
-
-
-def cmd_topo_show(args: argparse.Namespace) -> int:
-    graph = load_topology(args.topology)
-    if args.json:
-        print(json.dumps(topology_as_dict(graph), indent=2))
-    else:
-        print(format_matrix(graph))
-    return 0
-
-
 # --- select ---------------------------------------------------------------------------------
 
 
@@ -187,10 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     topo = commands.add_parser("topo", help="show or discover GPU server topologies")
     topo_commands = topo.add_subparsers(dest="topo_command", required=True, metavar="SUBCOMMAND")
-    show = topo_commands.add_parser("show", help="print a topology's link matrix")
-    show.add_argument("topology", help="a preset name or a topology file")
-    show.add_argument("--json", action="store_true", help="machine-readable output")
-    show.set_defaults(handler=cmd_topo_show)
 
     sel = commands.add_parser("select", help="choose GPUs for one job on one node")
     sel.add_argument("--topology", required=True, help="a preset name or a topology file")
@@ -215,11 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plugin_commands(commands: Any, topo_commands: Any) -> None:
-    """Commands that live next to the code they drive (hardware discovery, Slurm tooling)."""
-    try:
-        from .hardware.commands import add_commands
-    except ImportError:
-        return
+    """Commands that live next to the code they drive: topo show/discover and gres-conf."""
+    from .hardware.commands import add_commands
+
     add_commands(commands, topo_commands)
 
 

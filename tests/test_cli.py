@@ -59,6 +59,8 @@ def test_bad_input_goes_through_one_handler(capsys):
 
 def test_topo_show(capsys):
     code, out, _ = run(capsys, "topo", "show", "dgx1-v100")
+    assert code == 0 and out.splitlines()[4].split()[:5] == ["GPU0", "X", "NV1", "NV1", "NV2"]
+    code, out, _ = run(capsys, "topo", "show", "dgx1-v100", "--nvidia-smi-format")
     assert code == 0 and out.splitlines()[1].split("\t")[:5] == ["GPU0", " X ", "NV1", "NV1", "NV2"]
     code, out, _ = run(capsys, "topo", "show", "hgx-h100", "--json")
     data = json.loads(out)

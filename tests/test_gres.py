@@ -9,7 +9,7 @@ import pytest
 
 from slurm_mapa.core.hardware import build_graph
 from slurm_mapa.errors import InputError
-from slurm_mapa.hardware.commands import main as commands_main
+from slurm_mapa.cli import main as commands_main
 from slurm_mapa.hardware.gres import (
     LINKS_NOTE,
     CpuLayout,

@@ -13,7 +13,7 @@ import pytest
 
 from slurm_mapa.core.hardware import HardwareGraph
 from slurm_mapa.errors import InputError
-from slurm_mapa.hardware.commands import main as commands_main
+from slurm_mapa.cli import main as commands_main
 from slurm_mapa.hardware.nvidia_smi import (
     format_gpu_list,
     format_topo_matrix,

@@ -11,7 +11,7 @@ from fake_nvml import IMPLEMENTED_CALLS, FakeGpu, FakeLink, FakeNvml, NVMLError,
 from slurm_mapa.core.hardware import HardwareGraph
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware import nvml as nvml_module
-from slurm_mapa.hardware.commands import main as commands_main
+from slurm_mapa.cli import main as commands_main
 from slurm_mapa.hardware.gres import gres_conf_lines
 from slurm_mapa.hardware.nvml import discover, health, normalize_bus_id, nvml_session
 from slurm_mapa.hardware.presets import preset

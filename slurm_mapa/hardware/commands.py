@@ -26,11 +26,9 @@ from .topofile import Topology, topology_to_dict, topology_to_toml
 def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argparse._SubParsersAction | None = None) -> None:
     """Add ``topo discover``, ``topo show`` and ``gres-conf`` to the ``mapa`` subparsers.
 
-    When the CLI already has a ``topo`` command, pass its subparsers as ``topo_subparsers``:
-    ``discover`` is added there and the CLI's own ``topo show`` is kept. Handlers are stored
-    as both ``args.func`` and ``args.handler``.
+    When the CLI already has a ``topo`` command, pass its subparsers as ``topo_subparsers``.
+    Handlers are stored as both ``args.func`` and ``args.handler``.
     """
-    own_topo = topo_subparsers is None
     if topo_subparsers is None:
         topo = subparsers.add_parser("topo", help="discover and show GPU server topologies")
         topo_subparsers = topo.add_subparsers(dest="topo_command", metavar="{discover,show}")
@@ -54,15 +52,14 @@ def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argpar
     discover.add_argument("-o", "--output", help="write to this file instead of stdout")
     discover.set_defaults(func=cmd_discover, handler=cmd_discover, format="toml")
 
-    if own_topo:
-        show = topo_commands.add_parser(
-            "show", help="print a topology: a preset or a topology file", description="Print a topology's link matrix."
-        )
-        show.add_argument("topology", nargs="?", help="a preset name, a topology file (.toml) or a saved `nvidia-smi topo -m`")
-        show.add_argument("--topology", dest="topology_option", help="the same, as an option")
-        show.add_argument("--json", action="store_true", help="JSON instead of text")
-        show.add_argument("--nvidia-smi-format", action="store_true", help="print it as `nvidia-smi topo -m` would")
-        show.set_defaults(func=cmd_show, handler=cmd_show)
+    show = topo_commands.add_parser(
+        "show", help="print a topology: a preset or a topology file", description="Print a topology's link matrix."
+    )
+    show.add_argument("topology", nargs="?", help="a preset name, a topology file (.toml) or a saved `nvidia-smi topo -m`")
+    show.add_argument("--topology", dest="topology_option", help="the same, as an option")
+    show.add_argument("--json", action="store_true", help="JSON: the topology file's fields plus the bandwidth matrix (GB/s)")
+    show.add_argument("--nvidia-smi-format", action="store_true", help="print it as `nvidia-smi topo -m` would")
+    show.set_defaults(func=cmd_show, handler=cmd_show)
 
     gres = subparsers.add_parser(
         "gres-conf",
@@ -196,7 +193,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise InputError(f"mapa topo show needs a preset ({', '.join(PRESETS)}) or a topology file")
     topology = load_topology_file(spec)
     if args.json:
-        sys.stdout.write(json.dumps(topology_to_dict(topology), indent=2) + "\n")
+        shown = topology_to_dict(topology) | {"bandwidth_gbps": topology.graph.bandwidth_matrix()}
+        sys.stdout.write(json.dumps(shown, indent=2) + "\n")
     elif args.nvidia_smi_format:
         sys.stdout.write(format_topo_matrix(topology.graph))
     else:
@@ -263,21 +261,3 @@ def cmd_gres_conf(args: argparse.Namespace) -> int:
         )
     )
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m slurm_mapa.hardware.commands``), for tests and until the
-    ``mapa`` CLI wires :func:`add_commands`."""
-    parser = argparse.ArgumentParser(prog="mapa")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    add_commands(subparsers)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except InputError as error:
-        print(f"mapa: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
