@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     sel.set_defaults(handler=cmd_select)
 
     add_admin_commands(commands)
+    from .slurm.install import add_commands as add_hook_commands
+    add_hook_commands(commands)
     from .calibrate.commands import add_commands as add_calibrate_commands
     add_calibrate_commands(commands)
     _add_plugin_commands(commands, topo_commands)

@@ -180,3 +180,77 @@ def test_a_prolog_whose_client_went_away_writes_nothing(tmp_path):
     slurm.running.add("8")
     decision = run_prolog(env_for("8", "2,3"), config, slurm, logs.append)
     assert not {0, 1} & set(decision.gpus)
+
+
+# --- mapa hooks: the wrappers Slurm runs ---------------------------------------------------------
+
+from slurm_mapa.slurm.install import slurm_conf_lines, wrapper_text  # noqa: E402
+
+
+def test_wrapper_text_literal():
+    assert wrapper_text("epilog", "/usr/bin/python3", "/opt/site", "/etc/slurm/mapa.toml") == (
+        "#!/bin/sh\n"
+        "# slurm-mapa epilog wrapper, written by `mapa hooks`. Slurm gives hooks no PATH, and a hook that\n"
+        "# fails drains the node: absolute paths only, and exit 0 whatever happens.\n"
+        "MAPA_CONFIG=/etc/slurm/mapa.toml\n"
+        "export MAPA_CONFIG\n"
+        "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
+        "/usr/bin/python3 -I -S /opt/site/slurm_mapa/slurm/agent_client.py epilog && exit 0\n"
+        "/usr/bin/python3 -I -c 'import sys; sys.path.insert(0, \"/opt/site\"); from slurm_mapa.slurm.epilog import epilog_main; "
+        "sys.exit(epilog_main())'\n"
+        "exit 0\n"
+    )
+    assert slurm_conf_lines("/usr/local/sbin") == (
+        "PrologFlags=Alloc\nProlog=/usr/local/sbin/mapa-prolog-wrapper\nEpilog=/usr/local/sbin/mapa-epilog-wrapper\n"
+        "TaskProlog=/usr/local/sbin/mapa-taskprolog\n"
+    )
+    for bad in ("python3", "/usr/bin/py'thon", "/opt/$HOME"):
+        with pytest.raises(InputError, match="must be absolute and free of quotes"):
+            wrapper_text("prolog", bad, "/opt/site", "/etc/slurm/mapa.toml")
+
+
+FAKE_SCONTROL = """#!/bin/sh
+if [ "$1 $2 $3" = "--json show job" ]; then
+  echo '{"jobs": [{"admin_comment": "mapa:topology=ring sensitive=yes", "batch_flag": true, "job_state": ["RUNNING"]}]}'
+fi
+exit 0
+"""
+
+
+def test_written_wrappers_run_the_hooks_with_and_without_the_agent(tmp_path, capsys):
+    from slurm_mapa.cli import main as mapa_main
+
+    for name, text in (("scontrol", FAKE_SCONTROL), ("squeue", "#!/bin/sh\necho 7\necho 8\n")):
+        (tmp_path / name).write_text(text)
+        os.chmod(tmp_path / name, 0o755)
+    config_path = tmp_path / "mapa.toml"
+    config_path.write_text(
+        f'ledger = "{tmp_path}/ledger.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\nhealth = "off"\n'
+        f'scontrol = "{tmp_path}/scontrol"\nsqueue = "{tmp_path}/squeue"\n[nodes]\n"dgx*" = "dgx1-v100"\n'
+    )
+    assert mapa_main(["hooks", str(tmp_path / "sbin"), "--config", str(config_path)]) == 0
+    assert "Prolog=" + str(tmp_path / "sbin" / "mapa-prolog-wrapper") in capsys.readouterr().out
+    prolog = str(tmp_path / "sbin" / "mapa-prolog-wrapper")
+    expected = select("preserve", preset("dgx1-v100"), range(8), Request(make_pattern("ring", 2), True)).gpus
+    # No agent: the wrapper runs the Prolog in-process (Slurm's bare environment: no PATH).
+    env = {**env_for("7", "0,1"), "MAPA_AGENT_SOCKET": str(tmp_path / "no-agent.sock")}
+    assert subprocess.run([prolog], env=env, check=False).returncode == 0
+    assert LedgerFile(tmp_path / "ledger.json", 8).read().holdings["7"].gpus == expected
+    # With an agent listening: the same result through it.
+    slurm = FakeSlurm()
+    slurm.running = {"7", "8"}
+    agent = Agent(str(config_path), run=lambda timeout: slurm)
+    server = serve(str(tmp_path / "agent" / "agent.sock"), agent)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = {**env_for("8", "2"), "MAPA_AGENT_SOCKET": server.server_address}
+        assert subprocess.run([prolog], env=env, check=False).returncode == 0
+        assert set(LedgerFile(tmp_path / "ledger.json", 8).read().holdings) == {"7", "8"}
+        assert "mapa-agent" not in (tmp_path / "log").read_text()  # no internal error on either path
+        epilog = str(tmp_path / "sbin" / "mapa-epilog-wrapper")
+        assert subprocess.run([epilog], env={"SLURM_JOB_ID": "7", "MAPA_AGENT_SOCKET": server.server_address}, check=False).returncode == 0
+        assert set(LedgerFile(tmp_path / "ledger.json", 8).read().holdings) == {"8"}
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,9 +1,10 @@
 """The Prolog and Epilog: choose a job's GPUs on this node, record them, release them.
 
-Run by slurmd as root with no PATH (see docs/admin.md):
+Run by slurmd as root with no PATH, through the wrappers `mapa hooks` writes (see docs/admin.md),
+either in-process or inside the node's mapa-agent (slurm/agent.py):
 
-    Prolog=/usr/local/sbin/mapa-prolog     PrologFlags=Alloc
-    Epilog=/usr/local/sbin/mapa-epilog
+    Prolog=/usr/local/sbin/mapa-prolog-wrapper     PrologFlags=Alloc
+    Epilog=/usr/local/sbin/mapa-epilog-wrapper
     TaskProlog=/usr/local/sbin/mapa-taskprolog
 
 They fail open: whatever goes wrong (no topology, a bad config, an unreadable ledger, a slow
