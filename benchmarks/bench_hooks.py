@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_hooks.py [--runs N]
 
 On the mock DGX-1 node, with a real job running (so scontrol and squeue answer for real), it times
-side by side in one loop, each started as slurmd starts them: an empty hook (/bin/true, what a job
+side by side in one loop, each started as slurmd starts them (the wrappers `mapa hooks` wrote): an empty hook (/bin/true, what a job
 pays with hooks off), the Prolog and Epilog wrappers with the node's mapa-agent (the normal path),
 the same wrappers with the agent out of reach (they run the hooks in-process), and the TaskProlog.
 Runs are a quarter second apart (untimed), so each measures one job's start on a quiet node.
@@ -26,11 +26,11 @@ no_agent = {**env, "MAPA_AGENT_SOCKET": "/nonexistent/agent.sock"}
 task_env = {"SLURM_JOB_ID": job, "PATH": "/usr/bin:/bin"}
 hooks = {
     "no hook (/bin/true)": (["/bin/true"], env),
-    "prolog, agent": (["/etc/slurm-mapa/hooks/prolog"], env),
-    "prolog, in-process": (["/etc/slurm-mapa/hooks/prolog"], no_agent),
-    "epilog, agent": (["/etc/slurm-mapa/hooks/epilog"], env),
-    "epilog, in-process": (["/etc/slurm-mapa/hooks/epilog"], no_agent),
-    "taskprolog": (["/opt/slurm-mapa/slurm_mapa/data/hooks/mapa-taskprolog"], task_env),
+    "prolog, agent": (["/usr/local/sbin/mapa-prolog-wrapper"], env),
+    "prolog, in-process": (["/usr/local/sbin/mapa-prolog-wrapper"], no_agent),
+    "epilog, agent": (["/usr/local/sbin/mapa-epilog-wrapper"], env),
+    "epilog, in-process": (["/usr/local/sbin/mapa-epilog-wrapper"], no_agent),
+    "taskprolog": (["/usr/local/sbin/mapa-taskprolog"], task_env),
 }
 times = {name: [] for name in hooks}
 for _ in range(runs):

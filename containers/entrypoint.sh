@@ -4,9 +4,9 @@
 # Configuration is bind-mounted read-only under /etc/slurm-mapa (see compose.yml):
 #   config/     slurm.conf cgroup.conf slurmdbd.conf mapa.toml
 #   gres_conf/  <preset>.gres.conf, chosen by $MAPA_PRESET on compute nodes
-#   hooks/      prolog epilog (wrappers that run slurm-mapa's hooks from the source below)
-# and the repository's slurm_mapa/ package under /opt/slurm-mapa (job_submit.lua, the TaskProlog,
-# and the code the hooks run), so that a code change needs no image rebuild either.
+# and the repository's slurm_mapa/ package under /opt/slurm-mapa (job_submit.lua, and the code the
+# hooks run; compute nodes write their hook wrappers from it with `mapa hooks` at start), so that a
+# code change needs no image rebuild either.
 set -euo pipefail
 
 MAPA=/etc/slurm-mapa
@@ -40,8 +40,16 @@ start_munge() {
     exit 1
 }
 
-# mapa-agent runs the Prolog and Epilog for the hook wrappers (see hooks/prolog); like slurmd, it
-# comes back when it dies or is killed. Without it the hooks run in-process, only slower.
+# The hooks slurm.conf names, written by `mapa hooks` from the mounted source, as an admin would.
+write_hooks() {
+    /usr/bin/python3 -I -X pycache_prefix=/var/cache/slurm-mapa/pycache -c \
+        'import sys; sys.path.insert(0, "/opt/slurm-mapa"); from slurm_mapa.cli import main; sys.exit(main(sys.argv[1:]))' \
+        hooks /usr/local/sbin --python /usr/bin/python3 --config /etc/slurm/mapa.toml \
+        --pycache-prefix /var/cache/slurm-mapa/pycache >/dev/null
+}
+
+# mapa-agent runs the Prolog and Epilog for the hook wrappers; like slurmd, it comes back when it
+# dies or is killed. Without it the wrappers run the hooks in-process, only slower.
 start_agent() {
     (
         while true; do
@@ -145,6 +153,7 @@ case $ROLE in
         ln -sfn /opt/slurm-mapa/scripts/mock-nvidia-smi /usr/local/bin/nvidia-smi
         start_munge
         shared_dirs
+        write_hooks
         start_agent
         # A slurmd that dies or is killed by hand comes back, as systemd would restart it; its jobs
         # (slurmstepd) keep running meanwhile. The container stops on SIGTERM as before.

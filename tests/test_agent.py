@@ -200,6 +200,8 @@ def test_wrapper_text_literal():
         "sys.exit(epilog_main())'\n"
         "exit 0\n"
     )
+    with_cache = wrapper_text("prolog", "/usr/bin/python3", "/opt/site", "/etc/slurm/mapa.toml", "/var/cache/mapa")
+    assert "\n/usr/bin/python3 -I -X pycache_prefix=/var/cache/mapa -c 'import sys;" in with_cache
     assert slurm_conf_lines("/usr/local/sbin") == (
         "PrologFlags=Alloc\nProlog=/usr/local/sbin/mapa-prolog-wrapper\nEpilog=/usr/local/sbin/mapa-epilog-wrapper\n"
         "TaskProlog=/usr/local/sbin/mapa-taskprolog\n"

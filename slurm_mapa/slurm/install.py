@@ -24,9 +24,16 @@ ENTRY = {"prolog": ("slurm_mapa.slurm.hooks", "prolog_main"), "epilog": ("slurm_
 WRAPPER_NAMES = {"prolog": "mapa-prolog-wrapper", "epilog": "mapa-epilog-wrapper"}
 
 
-def wrapper_text(kind: str, python: str, package_parent: str, config: str) -> str:
-    """The POSIX shell wrapper for ``kind`` (prolog or epilog) of an installation."""
-    for what, path in (("python", python), ("package directory", package_parent), ("config", config)):
+def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycache_prefix: str | None = None) -> str:
+    """The POSIX shell wrapper for ``kind`` (prolog or epilog) of an installation.
+
+    ``pycache_prefix``: where the in-process hook keeps byte code when the package directory is
+    read-only (compiling on every job costs about 50 ms).
+    """
+    paths = [("python", python), ("package directory", package_parent), ("config", config)]
+    if pycache_prefix is not None:
+        paths.append(("pycache prefix", pycache_prefix))
+    for what, path in paths:
         if not os.path.isabs(path) or any(c in path for c in "\n'\"\\$`"):
             raise InputError(f"the {what} path {path!r} must be absolute and free of quotes, backslashes, $ and newlines")
     module, function = ENTRY[kind]
@@ -40,7 +47,7 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str) -> st
         "export MAPA_CONFIG\n"
         "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
         f"{shlex.quote(python)} -I -S {shlex.quote(client)} {kind} && exit 0\n"
-        f"{shlex.quote(python)} -I -c {shlex.quote(code)}\n"
+        f"{shlex.quote(python)} -I{' -X pycache_prefix=' + shlex.quote(pycache_prefix) if pycache_prefix else ''} -c {shlex.quote(code)}\n"
         "exit 0\n"
     )
 
@@ -59,7 +66,7 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     python = args.python or sys.executable
     if not os.access(python, os.X_OK):
         raise InputError(f"--python {python!r} is not an executable file")
-    texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config) for kind in ENTRY}
+    texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix) for kind in ENTRY}
     texts["mapa-taskprolog"] = TASKPROLOG.read_text()
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():
@@ -83,4 +90,5 @@ def add_commands(commands: Any) -> None:
     hooks.add_argument("directory", help="where to write them, e.g. /usr/local/sbin")
     hooks.add_argument("--python", help="the Python that has slurm-mapa installed (default: this one)")
     hooks.add_argument("--config", default="/etc/slurm/mapa.toml", help="the hooks' config (default %(default)s)")
+    hooks.add_argument("--pycache-prefix", help="byte-code cache for the in-process hooks, when the package directory is read-only")
     hooks.set_defaults(handler=cmd_hooks)
