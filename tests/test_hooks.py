@@ -407,3 +407,27 @@ def test_the_prolog_uses_preserve_aheads_configured_sizes(tmp_path):
     graph = preset("dgx1-v100")
     want = make_preserve_ahead({4: 1.0})(graph, (0, 1, 2, 4, 5, 7), Request(make_pattern("ring", 2), False), paper_model())
     assert decision.policy == "preserve-ahead" and sorted(decision.gpus) == sorted(want.gpus) == [2, 7]
+
+
+def test_a_job_whose_prolog_is_running_is_not_adopted_but_one_whose_prolog_died_is(setup):
+    from slurm_mapa.slurm.hooks import prolog_running, write_prolog_mark
+    from slurm_mapa.slurm.ledger import prolog_mark_path
+
+    config, slurm, logs = setup
+    slurm.running = {"20", "21", "22"}
+    slurm.gres = {"20": ["gpu:2(IDX:0-1)"], "21": ["gpu:2(IDX:2-3)"]}
+    write_prolog_mark(config.jobs_dir, "20", os.getpid())  # job 20's Prolog runs right now (this process)
+    child = subprocess.Popen(["true"])  # a process that has exited: job 21's Prolog was killed
+    child.wait()
+    write_prolog_mark(config.jobs_dir, "21", child.pid)
+    assert prolog_running(config.jobs_dir, "20") and not prolog_running(config.jobs_dir, "21")
+    prolog_mark_path(config.jobs_dir, "23").write_text("not a pid\n")
+    assert not prolog_running(config.jobs_dir, "23") and not prolog_running(config.jobs_dir, "24")
+    decision = run_prolog(env_for("22", "4,5"), config, slurm, logs.append)
+    holdings = LedgerFile(config.ledger, 8).read().holdings
+    assert "20" not in holdings and holdings["21"].gpus == (2, 3)
+    assert not {2, 3} & set(decision.gpus)
+    assert not any(c[1:4] == ["--json", "show", "job"] and c[4] == "20" for c in slurm.calls)  # not even asked
+    assert not prolog_mark_path(config.jobs_dir, "22").exists()  # its own mark is gone when it is done
+    run_epilog({"SLURM_JOB_ID": "21"}, config, logs.append)
+    assert not prolog_mark_path(config.jobs_dir, "21").exists()  # the Epilog clears a killed Prolog's mark

@@ -67,9 +67,10 @@ def parse_payload(payload: bytes) -> dict[str, str]:
     return env
 
 
-def peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+def peer_credentials(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
 
 
 def client_still_there(conn: socket.socket) -> bool:
@@ -118,7 +119,12 @@ class Agent:
         self.make_runner = run  # tests give a fake Slurm here
 
     def run_hook(
-        self, kind: str, env: Mapping[str, str], still_wanted: Callable[[], bool], defer: Callable[[Callable[[], None]], None] | None = None
+        self,
+        kind: str,
+        env: Mapping[str, str],
+        still_wanted: Callable[[], bool],
+        defer: Callable[[Callable[[], None]], None] | None = None,
+        requester_pid: int | None = None,
     ) -> None:
         config, problem = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=kind == "prolog")
         log = hook_logger(config.log)
@@ -127,7 +133,7 @@ class Agent:
                 if problem:
                     log(f"config problem, every job falls back: {problem}")
                 run_prolog(env, config, self.make_runner(config.command_timeout), log, problem, nvml_health_probe(config),
-                           still_wanted=still_wanted, defer=defer)
+                           still_wanted=still_wanted, defer=defer, requester_pid=requester_pid)
             else:
                 run_epilog(env, config, log)
         except Exception:  # noqa: BLE001 - fail open, exactly as the in-process hooks do
@@ -159,7 +165,8 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         conn: socket.socket = self.request
         try:
-            if peer_uid(conn) != 0:
+            pid, uid = peer_credentials(conn)
+            if uid != 0:
                 conn.sendall(b"error only root may ask mapa-agent\n")
                 return
             kind, env = read_request(conn)
@@ -171,7 +178,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 pass
             return
         later: list[Callable[[], None]] = []
-        self.server.agent.run_hook(kind, env, lambda: client_still_there(conn), later.append)
+        self.server.agent.run_hook(kind, env, lambda: client_still_there(conn), later.append, pid)
         try:
             conn.sendall(b"done\n")
         except OSError:

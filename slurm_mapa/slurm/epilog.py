@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 
 from .commands import is_job_id
 from .config import HookConfig, hook_logger, load_hook_config
-from .ledger import LedgerCorrupt, LedgerFile
+from .ledger import LedgerCorrupt, LedgerFile, prolog_mark_path
 
 
 def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], None]) -> None:
@@ -26,10 +26,11 @@ def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], 
                 log(f"job {job_id}: released GPUs {','.join(map(str, ledger.holdings[job_id].gpus))}")
         except LedgerCorrupt as error:
             log(f"job {job_id}: ledger corrupt ({error}); the next Prolog rebuilds it")
-        try:
-            (config.jobs_dir / job_id).unlink()
-        except FileNotFoundError:
-            pass
+        for leftover in (config.jobs_dir / job_id, prolog_mark_path(config.jobs_dir, job_id)):  # a killed Prolog's mark too
+            try:
+                leftover.unlink()
+            except FileNotFoundError:
+                pass
 
 
 def epilog_main() -> int:

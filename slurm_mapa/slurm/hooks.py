@@ -43,7 +43,7 @@ from .commands import (
 from .config import HookConfig, hook_logger, load_hook_config
 from .decision import Decision, parse_decisions, with_decision
 from .directive import Directive, parse_comment, parse_directive, parse_directive_lines, to_request
-from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile
+from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, prolog_mark_path
 
 JOB_FILE_MAX_BYTES = 4096
 RunCommand = Callable[[Sequence[str]], str]
@@ -185,6 +185,39 @@ def read_job_files(jobs_dir: Path, size: int) -> Ledger:
     return Ledger(holdings)
 
 
+def write_prolog_mark(jobs_dir: Path, job_id: str, pid: int) -> None:
+    """Say "this job's Prolog is running, as process ``pid``", so that a concurrent Prolog does not
+    take the job for one whose Prolog died (and block the GPUs Slurm counted for it)."""
+    jobs_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    tmp = jobs_dir / f".{job_id}.mark.tmp"
+    tmp.write_text(f"{pid}\n")
+    os.replace(tmp, prolog_mark_path(jobs_dir, job_id))
+
+
+def prolog_running(jobs_dir: Path, job_id: str) -> bool:
+    """Whether the job's Prolog is still running (its mark names a live process)."""
+    try:
+        text = prolog_mark_path(jobs_dir, job_id).read_text()[:32].strip()
+    except OSError:
+        return False
+    if not text.isdigit() or int(text) <= 1:
+        return False
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_prolog_mark(jobs_dir: Path, job_id: str) -> None:
+    try:
+        prolog_mark_path(jobs_dir, job_id).unlink()
+    except OSError:
+        pass
+
+
 def run_prolog(
     env: Mapping[str, str],
     config: HookConfig,
@@ -194,16 +227,38 @@ def run_prolog(
     unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None = None,
     still_wanted: Callable[[], bool] | None = None,
     defer: Callable[[Callable[[], None]], None] | None = None,
+    requester_pid: int | None = None,
 ) -> Decision | None:
     """Choose, record and write the job's GPUs.
 
     ``still_wanted`` (the agent's) says whether the Prolog that asked is still waiting; if not,
     nothing is written (the next Prolog adopts the job, see adopt_unknown_jobs). ``defer`` (the
     agent's) takes the AdminComment write off the job's start: the agent answers first.
+    ``requester_pid``: the process slurmd started for this Prolog (the agent's client), else this one.
     """
     ctx = context_from_env(env)
     if ctx is None:
         return None
+    try:
+        write_prolog_mark(config.jobs_dir, ctx.job_id, requester_pid or os.getpid())
+    except OSError as error:
+        log(f"job {ctx.job_id}: cannot write its Prolog mark ({error}); concurrent Prologs may hold its Slurm GPUs meanwhile")
+    try:
+        return _run_prolog(ctx, config, run, log, config_problem, unhealthy_gpus, still_wanted, defer)
+    finally:
+        remove_prolog_mark(config.jobs_dir, ctx.job_id)
+
+
+def _run_prolog(
+    ctx: PrologContext,
+    config: HookConfig,
+    run: RunCommand,
+    log: Callable[[str], None],
+    config_problem: str,
+    unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None,
+    still_wanted: Callable[[], bool] | None,
+    defer: Callable[[Callable[[], None]], None] | None,
+) -> Decision | None:
     # squeue runs while the directive is read; reaping keeps entries written after it started.
     listing = RunningJobs(run, config.squeue, ctx.node)
     unhealthy: frozenset[int] = frozenset()
@@ -304,9 +359,12 @@ def adopt_unknown_jobs(
     """Enter jobs that run here but are not in the ledger, with the GPUs Slurm gave them.
 
     That happens when a job's Prolog was killed before it recorded anything, or for jobs that
-    started before MAPA was enabled: they use Slurm's indices, so those are not free.
+    started before MAPA was enabled: they use Slurm's indices, so those are not free. A job whose
+    Prolog is running right now (started with this one) is left to it.
     """
-    unknown = sorted(running - set(ledger.holdings) - {ctx.job_id}, key=int)
+    unknown = sorted(
+        (j for j in running - set(ledger.holdings) - {ctx.job_id} if not prolog_running(config.jobs_dir, j)), key=int
+    )
     for job_id in unknown[:MAX_ADOPTED_PER_PROLOG]:
         try:
             record = parse_job_json(run(show_job_argv(config.scontrol, job_id)))

@@ -166,3 +166,8 @@ class LedgerFile:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def prolog_mark_path(jobs_dir: Path, job_id: str) -> Path:
+    """Where a running Prolog says so (its process id), next to the per-job files; see hooks.write_prolog_mark."""
+    return jobs_dir / f".prolog-{job_id}"
