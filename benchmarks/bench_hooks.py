@@ -1,6 +1,6 @@
 """What the hooks add to a job's start, measured in the mini cluster (scripts/cluster up first).
 
-Usage: python benchmarks/bench_hooks.py [--runs N]
+Usage: python benchmarks/bench_hooks.py [--runs N] [--jobs N]
 
 On the mock DGX-1 node, with a real job running (so scontrol and squeue answer for real), it times
 side by side in one loop, each started as slurmd starts them (the wrappers `mapa hooks` wrote): an empty hook (/bin/true, what a job
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 
@@ -49,6 +50,59 @@ print(json.dumps(times))
 """
 
 
+SUBMIT = r"""
+import subprocess, sys, time
+t0 = time.time()
+job = subprocess.run(
+    ["runuser", "-u", "alice", "--", "sbatch", "--parsable", "--wait", "-w", "dgx1", "--gres=gpu:2", "--chdir=/shared/jobs",
+     "-o", "/shared/jobs/bench-e2e-%j.out"],
+    input="#!/bin/bash\n#MAPA topology=ring sensitive=yes\ndate +%s.%N\n", capture_output=True, text=True, check=True,
+).stdout.strip()
+with open(f"/shared/jobs/bench-e2e-{job}.out") as handle:
+    print((float(handle.read().split()[0]) - t0) * 1000)
+"""
+HOOK_FILES = ("mapa-prolog-wrapper", "mapa-epilog-wrapper", "mapa-taskprolog")
+
+
+def set_hooks(on: bool) -> None:
+    """Put the node's real hooks back, or replace them with empty ones (atomically, as slurmd may run them)."""
+    script = "; ".join(
+        f"cp /tmp/bench-real-{name} /usr/local/sbin/.{name}.tmp && mv /usr/local/sbin/.{name}.tmp /usr/local/sbin/{name}"
+        if on else
+        f"printf '#!/bin/sh\\nexit 0\\n' > /usr/local/sbin/.{name}.tmp && chmod 755 /usr/local/sbin/.{name}.tmp && mv /usr/local/sbin/.{name}.tmp /usr/local/sbin/{name}"
+        for name in HOOK_FILES
+    )
+    docker("mapa-dgx1", "sh", "-c", script)
+
+
+def end_to_end(pairs: int) -> None:
+    docker("mapa-dgx1", "sh", "-c", "; ".join(f"cp -p /usr/local/sbin/{n} /tmp/bench-real-{n}" for n in HOOK_FILES))
+    times: dict[str, list[float]] = {"hooks on": [], "hooks off": []}
+    try:
+        for i in range(pairs):
+            for on in ((True, False) if i % 2 == 0 else (False, True)):
+                set_hooks(on)
+                times["hooks on" if on else "hooks off"].append(float(docker("mapa-slurmctld", "python3", "-c", SUBMIT)))
+    finally:
+        set_hooks(True)
+    print(f"\n{pairs} one-job submissions each, hooks on and off alternating, mock DGX-1 node\n")
+    print("| hooks | median ms (submit to the job's first command) | p10 ms | p90 ms |")
+    print("|---|---|---|---|")
+    for name, values in times.items():
+        values.sort()
+        q = lambda f: values[int(f * (len(values) - 1))]  # noqa: E731
+        print(f"| {name} | {statistics.median(values):.0f} | {q(0.1):.0f} | {q(0.9):.0f} |")
+    # Slurm's own start-up delay varies by seconds, so say how sure the difference is: a bootstrap
+    # 95% interval of the difference of the medians.
+    rng = random.Random(1)
+    on, off = times["hooks on"], times["hooks off"]
+    diffs = sorted(
+        statistics.median(rng.choices(on, k=len(on))) - statistics.median(rng.choices(off, k=len(off))) for _ in range(2000)
+    )
+    print(f"\nmedian added by the hooks: {statistics.median(on) - statistics.median(off):.0f} ms "
+          f"(95% bootstrap interval {diffs[50]:.0f} to {diffs[1949]:.0f} ms)")
+
+
 def docker(*argv: str, input: str | None = None) -> str:
     return subprocess.run(["docker", "exec", "-i", *argv], input=input, capture_output=True, text=True, check=True).stdout
 
@@ -56,6 +110,7 @@ def docker(*argv: str, input: str | None = None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--jobs", type=int, default=0, help="also time N whole job starts with hooks on and N with hooks off")
     args = parser.parse_args()
     job = docker("mapa-slurmctld", "runuser", "-u", "alice", "--", "sbatch", "--parsable", "-w", "dgx1", "--gres=gpu:2",
                  "--chdir=/shared/jobs", "--wrap", "sleep 600").strip()
@@ -65,12 +120,9 @@ def main() -> None:
             if "RUNNING" in state:
                 break
             subprocess.run(["sleep", "0.2"], check=True)
-        gpus = json.loads(docker("mapa-slurmctld", "scontrol", "--json", "show", "job", job))["jobs"][0]
-        slurm_gpus = "0,1"
-        times = json.loads(docker("mapa-dgx1", "python3", "-c", RUNNER, job, slurm_gpus, str(args.runs)))
+        times = json.loads(docker("mapa-dgx1", "python3", "-c", RUNNER, job, "0,1", str(args.runs)))  # its Slurm GPUs on an idle node
     finally:
         docker("mapa-slurmctld", "scancel", job)
-    del gpus
     print(f"{args.runs} runs each, interleaved, on the mock DGX-1 node (container on this machine)\n")
     print("| hook | median ms | p90 ms |")
     print("|---|---|---|")
@@ -82,6 +134,8 @@ def main() -> None:
         start = statistics.median(times[f"prolog, {path}"]) - empty
         end = statistics.median(times[f"epilog, {path}"]) - empty
         print(f"\n{path}: added to a job's start (Prolog over an empty hook) {start:.1f} ms; at its end (Epilog) {end:.1f} ms")
+    if args.jobs:
+        end_to_end(args.jobs)
 
 
 if __name__ == "__main__":
