@@ -22,7 +22,6 @@ import socketserver
 import stat
 import struct
 import sys
-import threading
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -211,7 +210,8 @@ def prepare_socket_dir(path: Path) -> None:
         path.unlink()
 
 
-def serve(socket_path: str, agent: Agent, ready: threading.Event | None = None) -> AgentServer:
+def serve(socket_path: str, agent: Agent) -> AgentServer:
+    """A server bound to ``socket_path`` (mode 600 in a root-only directory); call serve_forever on it."""
     path = Path(socket_path)
     prepare_socket_dir(path)
     old_umask = os.umask(0o077)
@@ -219,8 +219,6 @@ def serve(socket_path: str, agent: Agent, ready: threading.Event | None = None) 
         server = AgentServer(str(path), agent)
     finally:
         os.umask(old_umask)
-    if ready is not None:
-        ready.set()
     return server
 
 

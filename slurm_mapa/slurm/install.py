@@ -19,7 +19,6 @@ from ..errors import InputError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 TASKPROLOG = PACKAGE_DIR / "data" / "hooks" / "mapa-taskprolog"
-AGENT_CLIENT = PACKAGE_DIR / "slurm" / "agent_client.py"
 ENTRY = {"prolog": ("slurm_mapa.slurm.hooks", "prolog_main"), "epilog": ("slurm_mapa.slurm.epilog", "epilog_main")}
 WRAPPER_NAMES = {"prolog": "mapa-prolog-wrapper", "epilog": "mapa-epilog-wrapper"}
 
