@@ -245,6 +245,26 @@ def parse_sizes(spec: str | Mapping) -> dict[int, float]:
     return sizes
 
 
+def settings_from_table(table: object, source: str) -> tuple[dict[int, float] | None, float]:
+    """(sizes or None, tolerance) from a config's ``[preserve_ahead]`` table (Prolog and replay configs)."""
+    if table is None:
+        table = {}
+    if not isinstance(table, Mapping) or set(table) - {"sizes", "tolerance"}:
+        raise InputError(f"{source}: [preserve_ahead] takes sizes = {{ 1 = 0.2, 2 = 0.2, ... }} and tolerance = 0.0")
+    sizes = None
+    if "sizes" in table:
+        if not isinstance(table["sizes"], Mapping):
+            raise InputError(f"{source}: [preserve_ahead] sizes must be a table of GPUs to weight, e.g. {{ 1 = 0.5, 4 = 0.5 }}")
+        try:
+            sizes = parse_sizes(table["sizes"])
+        except InputError as error:
+            raise InputError(f"{source}: {error}") from None
+    tolerance = table.get("tolerance", 0.0)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance <= 1:
+        raise InputError(f"{source}: [preserve_ahead] tolerance must be a fraction from 0 to 1, got {tolerance!r}")
+    return sizes, float(tolerance)
+
+
 def sizes_from_jobs(gpus_per_job: Iterable[int]) -> dict[int, float]:
     """The size distribution of a job history (GPUs per node of each job), e.g. from a sacct log."""
     counts: dict[int, float] = {}

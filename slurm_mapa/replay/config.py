@@ -84,19 +84,9 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
         raise InputError(f"{source}: [defaults] sensitive must be true or false, got {sensitive!r}")
     config.default_sensitive = sensitive
     config.rules = make_rules(data.get("rules") or [])
-    ahead = data.get("preserve_ahead") or {}
-    if not isinstance(ahead, dict) or set(ahead) - {"sizes", "tolerance"}:
-        raise InputError(f"{source}: [preserve_ahead] takes sizes = {{ 1 = 0.2, ... }} and tolerance = 0.0")
-    if "sizes" in ahead:
-        from ..core.ahead import parse_sizes
+    from ..core.ahead import settings_from_table
 
-        if not isinstance(ahead["sizes"], dict):
-            raise InputError(f"{source}: [preserve_ahead] sizes must be a table of GPUs to weight, e.g. {{ 1 = 0.5, 4 = 0.5 }}")
-        config.ahead_sizes = parse_sizes(ahead["sizes"])
-    tolerance = ahead.get("tolerance", 0.0)
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance <= 1:
-        raise InputError(f"{source}: [preserve_ahead] tolerance must be a fraction from 0 to 1, got {tolerance!r}")
-    config.ahead_tolerance = float(tolerance)
+    config.ahead_sizes, config.ahead_tolerance = settings_from_table(data.get("preserve_ahead"), source)
     return config
 
 

@@ -115,23 +115,11 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
         raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')
     values["nodes"] = tuple(nodes.items())
-    ahead = data.get("preserve_ahead", {})
-    if not isinstance(ahead, dict) or set(ahead) - {"sizes", "tolerance"}:
-        raise InputError(f"{source}: [preserve_ahead] takes sizes = {{ 1 = 0.2, 2 = 0.2, ... }} and tolerance = 0.0")
-    if "sizes" in ahead:
-        from ..core.ahead import parse_sizes
+    if "preserve_ahead" in data:
+        from ..core.ahead import settings_from_table
 
-        if not isinstance(ahead["sizes"], dict):
-            raise InputError(f"{source}: [preserve_ahead] sizes must be a table of GPUs to weight, e.g. {{ 1 = 0.5, 4 = 0.5 }}")
-        try:
-            values["ahead_sizes"] = tuple(sorted(parse_sizes(ahead["sizes"]).items()))
-        except InputError as error:
-            raise InputError(f"{source}: {error}") from None
-    if "tolerance" in ahead:
-        tolerance = ahead["tolerance"]
-        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance <= 1:
-            raise InputError(f"{source}: [preserve_ahead] tolerance must be a fraction from 0 to 1, got {tolerance!r}")
-        values["ahead_tolerance"] = float(tolerance)
+        sizes, values["ahead_tolerance"] = settings_from_table(data["preserve_ahead"], source)
+        values["ahead_sizes"] = tuple(sorted(sizes.items())) if sizes else ()
     return HookConfig(**values)
 
 
