@@ -328,3 +328,12 @@ def test_discover_reports_bad_text(tmp_path, capsys):
     bad.write_text((DATA / "dgx1-v100.txt").read_text().replace("GPU3\tNV2", "GPU3\tNV3"))
     assert commands_main(["topo", "discover", "--source", "file", "--file", str(bad)]) == 2
     assert "symmetric" in capsys.readouterr().err
+
+
+def test_terminal_styling_is_dropped_and_other_control_sequences_refused():
+    real = (DATA / "h100-1gpu-lent.txt").read_text()
+    assert "\x1b[4m" in real  # as the lent H100 printed it
+    result = parse_topo_matrix(real)
+    assert result.graph.size == 1 and result.numa_affinity == ("0",) and result.gpu_numa_id == ("N/A",)
+    with pytest.raises(InputError, match="line 1: a terminal control sequence other than text styling"):
+        parse_topo_matrix(real.replace("\x1b[4m", "\x1b]0;title\x07"))

@@ -12,7 +12,11 @@ What the parser accepts, from real pastes (tests/data/nvidia-smi/):
 * old and new legends (``SOC`` is read as ``SYS``), ``NV<n>`` for any bonded count, a legend or
   none, and the ``NIC Legend`` block of newer drivers;
 * NIC rows and columns (``mlx5_0``, ``NIC0``, ...): kept as facts, never GPU pairs;
-* ``CPU Affinity``, ``NUMA Affinity`` and ``GPU NUMA ID`` columns in any subset.
+* ``CPU Affinity``, ``NUMA Affinity`` and ``GPU NUMA ID`` columns in any subset; in tab-separated
+  rows each value is read by its tab position (nvidia-smi's extra empty cell before GPU NUMA ID
+  is dropped), so a missing value is never taken for a blank one;
+* the terminal styling nvidia-smi puts around the header even when it writes to a file
+  (``ESC[4m ... ESC[0m``, seen on a real H100 in 2026).
 
 What it refuses (an :class:`InputError` that quotes the line and says what was expected): a
 row whose cell count does not fit the header, a diagonal that is not ``X``, an unknown link
@@ -116,7 +120,17 @@ def parse_topo_matrix(
         raise
 
 
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -> SmiTopology:
+    # nvidia-smi underlines the header with terminal escapes even when its output is not a
+    # terminal (seen on an H100, 2026): drop those; any other control sequence is refused.
+    text = _SGR.sub("", text)
+    if "\x1b" in text:
+        at = text.index("\x1b")
+        line_no = text.count("\n", 0, at) + 1
+        raise InputError(f"nvidia-smi topo -m, line {line_no}: a terminal control sequence other than text styling; save the plain output")
     lines = text.splitlines()
     header_at = None
     for number, line in enumerate(lines):
@@ -245,7 +259,12 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
             except InputError as error:
                 raise InputError(f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: {error}") from None
             tokens[(row_index, column)] = cell.upper()
-        values.append(cells[size:] if is_gpu else [])
+        row_values = cells[size:]
+        if is_gpu and attributes:
+            tabbed = _tab_separated_values(lines[line_no - 1], size)
+            if tabbed is not None:
+                row_values = _values_by_tabs(tabbed, attributes, line_no, lines[line_no - 1], label)
+        values.append(row_values if is_gpu else [])
 
     for (a, b), token in tokens.items():
         other = tokens[(b, a)]
@@ -321,6 +340,31 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
 
 def _canonical(token: str) -> str:
     return parse_link(token).token
+
+
+def _tab_separated_values(line: str, size: int) -> list[str] | None:
+    """The attribute cells of a tab-separated row (blanks kept), or None if the row is not laid out by tabs."""
+    parts = [part.strip() for part in line.split("\t")]
+    if len(parts) < 1 + size or not all(parts[: 1 + size]):
+        return None
+    return parts[1 + size :]
+
+
+def _values_by_tabs(cells: list[str], attributes: tuple[str, ...], line_no: int, line: str, label: str) -> list[str]:
+    """Attribute values from tab positions, so that a missing value is not mistaken for a blank one.
+
+    nvidia-smi prints an extra empty cell before GPU NUMA ID (``0\t\tN/A``); empty cells beyond
+    the header's columns are dropped, and every column must have its cell (blank or not).
+    """
+    cells = list(cells)
+    while len(cells) > len(attributes) and "" in cells:
+        cells.remove("")
+    if len(cells) != len(attributes):
+        raise InputError(
+            f"nvidia-smi topo -m, {_where(line_no, line)}: {len(cells)} value(s) after the link cells of {label}; "
+            f"expected one for each of {', '.join(attributes)}"
+        )
+    return cells
 
 
 def _required_attributes(attributes: tuple[str, ...]) -> int:
