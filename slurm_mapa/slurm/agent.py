@@ -28,9 +28,9 @@ from typing import Callable, Mapping
 from ..errors import InputError
 from .agent_client import DEFAULT_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES, MAX_REQUEST_BYTES, MAX_VALUE_BYTES
 from .commands import Runner
-from .config import hook_logger, load_hook_config
-from .epilog import run_epilog
-from .hooks import nvml_health_probe, run_prolog
+from .config import load_hook_config
+from .epilog import epilog_failing_open
+from .hooks import prolog_failing_open
 
 REQUEST_READ_TIMEOUT_S = 5.0
 
@@ -125,20 +125,12 @@ class Agent:
         defer: Callable[[Callable[[], None]], None] | None = None,
         requester_pid: int | None = None,
     ) -> None:
-        config, problem = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=kind == "prolog")
-        log = hook_logger(config.log)
-        try:
-            if kind == "prolog":
-                if problem:
-                    log(f"config problem, every job falls back: {problem}")
-                run_prolog(env, config, self.make_runner(config.command_timeout), log, problem, nvml_health_probe(config),
-                           still_wanted=still_wanted, defer=defer, requester_pid=requester_pid)
-            else:
-                run_epilog(env, config, log)
-        except Exception:  # noqa: BLE001 - fail open, exactly as the in-process hooks do
-            import traceback
-
-            log(f"{kind} internal error (in mapa-agent), job runs on Slurm's GPUs:\n" + traceback.format_exc())
+        config_env = {"MAPA_CONFIG": self.config_path}  # read again for each job: an edit applies at once
+        if kind == "prolog":
+            prolog_failing_open(env, config_env, self.make_runner, " (in mapa-agent)",
+                                still_wanted=still_wanted, defer=defer, requester_pid=requester_pid)
+        else:
+            epilog_failing_open(env, config_env, " (in mapa-agent)")
 
     def warm_up(self, node: str) -> None:
         """Load this node's topology and search tables once, so the first job is as fast as the rest."""

@@ -33,13 +33,19 @@ def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], 
                 pass
 
 
-def epilog_main() -> int:
-    config, _ = load_hook_config(os.environ, validate=False)  # the Epilog only needs the paths
+def epilog_failing_open(env: Mapping[str, str], config_env: Mapping[str, str], where: str = "") -> None:
+    """Load the config and run the Epilog; any error is logged, never raised (it would drain the
+    node). The one body of the in-process Epilog and of mapa-agent's."""
+    config, _ = load_hook_config(config_env, validate=False)  # the Epilog only needs the paths
     log = hook_logger(config.log)
     try:
-        run_epilog(os.environ, config, log)
+        run_epilog(env, config, log)
     except Exception:  # noqa: BLE001 - an Epilog error would drain the node
         import traceback
 
-        log("epilog internal error:\n" + traceback.format_exc())
+        log(f"epilog internal error{where}:\n" + traceback.format_exc())
+
+
+def epilog_main() -> int:
+    epilog_failing_open(os.environ, os.environ)
     return 0

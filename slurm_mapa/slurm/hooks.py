@@ -420,17 +420,29 @@ def record_decision(
 # --- entry points ---------------------------------------------------------------------------
 
 
-def prolog_main() -> int:
-    config, problem = load_hook_config(os.environ)
+def prolog_failing_open(
+    env: Mapping[str, str],
+    config_env: Mapping[str, str],
+    make_runner: Callable[[float], RunCommand] = lambda timeout: Runner(timeout=timeout),
+    where: str = "",
+    **agent_options,
+) -> None:
+    """Load the config and run the Prolog; any error is logged, never raised (a failed Prolog
+    drains the node). The one body of the in-process Prolog and of mapa-agent's."""
+    config, problem = load_hook_config(config_env)
     log = hook_logger(config.log)
     if problem:
         log(f"config problem, every job falls back: {problem}")
     try:
-        run_prolog(os.environ, config, Runner(timeout=config.command_timeout), log, problem, nvml_health_probe(config))
+        run_prolog(env, config, make_runner(config.command_timeout), log, problem, nvml_health_probe(config), **agent_options)
     except Exception:  # noqa: BLE001 - fail open: never drain the node
         import traceback
 
-        log("prolog internal error, job runs on Slurm's GPUs:\n" + traceback.format_exc())
+        log(f"prolog internal error{where}, job runs on Slurm's GPUs:\n" + traceback.format_exc())
+
+
+def prolog_main() -> int:
+    prolog_failing_open(os.environ, os.environ)
     return 0
 
 
