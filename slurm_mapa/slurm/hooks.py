@@ -157,12 +157,17 @@ def job_file_text(gpus: Sequence[int]) -> str:
     return f"MAPA_GPUS={','.join(map(str, gpus))}\n"
 
 
+def _replace_file(target: Path, text: str) -> None:
+    """Write ``target`` whole or not at all (a reader never sees half of it), mode 644."""
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp"
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)  # the TaskProlog reads job files as the job's user
+    os.replace(tmp, target)
+
+
 def write_job_file(jobs_dir: Path, job_id: str, gpus: Sequence[int]) -> None:
-    jobs_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-    tmp = jobs_dir / f".{job_id}.tmp"
-    tmp.write_text(job_file_text(gpus))
-    os.chmod(tmp, 0o644)  # the TaskProlog reads it as the job's user
-    os.replace(tmp, jobs_dir / job_id)
+    _replace_file(jobs_dir / job_id, job_file_text(gpus))
 
 
 def read_job_files(jobs_dir: Path, size: int) -> Ledger:
@@ -188,10 +193,7 @@ def read_job_files(jobs_dir: Path, size: int) -> Ledger:
 def write_prolog_mark(jobs_dir: Path, job_id: str, pid: int) -> None:
     """Say "this job's Prolog is running, as process ``pid``", so that a concurrent Prolog does not
     take the job for one whose Prolog died (and block the GPUs Slurm counted for it)."""
-    jobs_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-    tmp = jobs_dir / f".{job_id}.mark.tmp"
-    tmp.write_text(f"{pid}\n")
-    os.replace(tmp, prolog_mark_path(jobs_dir, job_id))
+    _replace_file(prolog_mark_path(jobs_dir, job_id), f"{pid}\n")
 
 
 def prolog_running(jobs_dir: Path, job_id: str) -> bool:
