@@ -26,15 +26,25 @@ EXIT_NO_FIT = 1
 EXIT_BAD_INPUT = 2
 
 
-def _parse_gpu_list(text: str) -> tuple[int, ...]:
+def _parse_gpu_list(text: str, option: str = "--free") -> tuple[int, ...]:
     """`0,2,3` or ranges `0-3,6` into GPU indices."""
     try:
         gpus = parse_gpu_indices(text)
     except ValueError:
-        raise InputError(f"--free: {text!r} is not a list of GPU indices or ranges (accepted: e.g. 0,2,3 or 0-3,6)") from None
+        raise InputError(f"{option}: {text!r} is not a list of GPU indices or ranges (accepted: e.g. 0,2,3 or 0-3,6)") from None
     if len(set(gpus)) != len(gpus):
-        raise InputError(f"--free: {text!r} names a GPU twice")
+        raise InputError(f"{option}: {text!r} names a GPU twice")
     return gpus
+
+
+def _parse_running(text: str | None) -> tuple[tuple[int, ...], ...]:
+    """`0,1/4-6`: the GPUs of each running job, jobs separated by `/`."""
+    if not text:
+        return ()
+    groups = tuple(_parse_gpu_list(part, "--running") for part in text.split("/"))
+    if not all(groups):
+        raise InputError(f"--running: {text!r} has an empty job (accepted: e.g. 0,1/4-6, one GPU list per job)")
+    return groups
 
 
 def _load_model(path: str | None) -> EffectiveBandwidthModel:
@@ -87,7 +97,8 @@ def cmd_select(args: argparse.Namespace) -> int:
     if gpus is None:
         raise InputError("how many GPUs? give --gpus K or gpus=K in the directive")
     request = to_request(directive, gpus)
-    result = select(args.policy, graph, free, request, model, _configured(args))
+    running = _parse_running(args.running)
+    result = select(args.policy, graph, free, request, model, _configured(args), running)
     out = allocation_as_dict(result, graph, free, request, model)
     if args.explain and isinstance(result, Allocation):
         out["alternatives"] = [
@@ -153,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="preserve-ahead: the likely job sizes, e.g. 1:0.5,2:0.3,4:0.2 (default: uniform 1..5)")
     sel.add_argument("--ahead-tolerance", type=float, default=0.0, metavar="FRACTION",
                      help="preserve-ahead: how much of a sensitive job's best it may give up for the future (default 0)")
+    sel.add_argument("--running", metavar="GPUS/GPUS...",
+                     help="preserve-ahead: the GPUs of each job running on the node, e.g. 0,1/4-6 (default: none)")
     sel.add_argument("--model", help="an effective-bandwidth model file (default: the MAPA paper's DGX-1 V100 model)")
     sel.add_argument("--explain", action="store_true", help="also show the best alternatives and why they lost")
     sel.add_argument("--json", action="store_true", help="machine-readable output")

@@ -70,7 +70,17 @@ def preserved(name: str, free: frozenset) -> float:
     return round(sum(graph.bandwidth(a, b) for i, a in enumerate(left) for b in left[i + 1 :]), D)
 
 
-def brute_choice(name, free, k, sensitive, sizes=None, tolerance=0.0):
+def outlook(name: str, rest: frozenset, sizes: dict[int, float], running) -> float:
+    """future(rest), plus the mean over running jobs of future(rest and that job's GPUs)."""
+    now = future(name, rest, sizes)
+    if not running:
+        return now
+    groups = sorted(running, key=lambda g: sum(1 << x for x in g))
+    later = sum(future(name, rest | frozenset(g), sizes) for g in groups) / len(groups)
+    return round(now + later, D)
+
+
+def brute_choice(name, free, k, sensitive, sizes=None, tolerance=0.0, running=()):
     """(best key, lex-first set among the sets with that key): the objective written out again."""
     sizes = sizes or {1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
     free = sorted(free)
@@ -78,9 +88,10 @@ def brute_choice(name, free, k, sensitive, sizes=None, tolerance=0.0):
     if sensitive and k > 1:
         top = max(job_key(name, k, frozenset(s))[0] for s in subsets)
         allowed = [s for s in subsets if job_key(name, k, frozenset(s))[0] >= round(top - tolerance * abs(top), D)]
-        keyed = [((future(name, frozenset(free) - set(s), sizes), job_key(name, k, frozenset(s))), s) for s in allowed]
+        keyed = [((outlook(name, frozenset(free) - set(s), sizes, running), job_key(name, k, frozenset(s))), s) for s in allowed]
     else:
-        keyed = [((future(name, frozenset(free) - set(s), sizes), preserved(name, frozenset(free) - set(s))), s) for s in subsets]
+        keyed = [((outlook(name, frozenset(free) - set(s), sizes, running), preserved(name, frozenset(free) - set(s))), s)
+                 for s in subsets]
     best = max(key for key, _ in keyed)
     return best, min(s for key, s in keyed if key == best)
 
@@ -109,6 +120,60 @@ def test_matches_brute_force_objective_and_tie_break(name):
         if sensitive and k > 1:
             # the order inside the set is the best ring on it
             assert round(alloc.placement.effective_bandwidth, D) == job_key(name, k, frozenset(expected))[0]
+
+
+def running_cases(name, count, seed):
+    """Free sets with the busy GPUs split at random into running jobs of 1-5 GPUs."""
+    rng = random.Random(seed)
+    out = []
+    for free, k, sensitive in cases(name, count, seed):
+        busy = [g for g in range(_graph(name).size) if g not in free]
+        rng.shuffle(busy)
+        groups = []
+        while busy:
+            size = rng.randint(1, 5)
+            groups.append(tuple(sorted(busy[:size])))
+            busy = busy[size:]
+        out.append((free, k, sensitive, tuple(groups)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["dgx1-v100", "pcie-8", "dgx1-p100"])
+def test_outlook_over_running_jobs_matches_brute_force(name):
+    graph = _graph(name)
+    seen_running = 0
+    for free, k, sensitive, running in running_cases(name, 40, seed=17):
+        _, expected = brute_choice(name, free, k, sensitive, running=running)
+        assert ahead.choose_set(graph, free, request(k, sensitive), MODEL, running=running) == expected, (free, k, sensitive, running)
+        result = select("preserve-ahead", graph, free, request(k, sensitive), running=running)
+        assert tuple(sorted(result.gpus)) == expected
+        # the order of the running jobs, and of the GPUs in each, does not matter
+        shuffled = [tuple(reversed(g)) for g in reversed(running)]
+        assert ahead.choose_set(graph, free, request(k, sensitive), MODEL, running=shuffled) == expected
+        seen_running += bool(running)
+    assert seen_running >= 30
+
+
+def test_running_jobs_change_the_choice():
+    """On a busy node the outlook looks past what is free now; some choices must differ from without it."""
+    graph = _graph("dgx1-v100")
+    differ = 0
+    for free, k, sensitive, running in running_cases("dgx1-v100", 60, seed=23):
+        with_running = ahead.choose_set(graph, free, request(k, sensitive), MODEL, running=running)
+        differ += with_running != ahead.choose_set(graph, free, request(k, sensitive), MODEL)
+    assert differ >= 3
+
+
+def test_running_jobs_are_checked():
+    graph = _graph("dgx1-v100")
+    with pytest.raises(InputError, match="GPU 3 is listed as running a job and also as free"):
+        select("preserve-ahead", graph, (0, 1, 2, 3), request(2, False), running=[(3, 4)])
+    with pytest.raises(InputError, match="GPU 5 is listed as running a job and also as free"):
+        select("preserve-ahead", graph, (0, 1), request(2, False), running=[(4, 5), (5, 6)])
+    with pytest.raises(InputError, match="running job's GPU 9 is not on"):
+        select("preserve-ahead", graph, (0, 1), request(2, False), running=[(9,)])
+    # policies that do not look at running jobs give the same answer with or without them
+    assert select("preserve", graph, (0, 1, 2), request(2, False), running=[(4, 5)]) == select("preserve", graph, (0, 1, 2), request(2, False))
 
 
 def test_sensitive_jobs_get_the_best_effective_bandwidth():
@@ -144,12 +209,19 @@ def test_keeps_a_quad_free_for_four_gpu_jobs():
     gpus=st.sets(st.integers(min_value=0, max_value=15), max_size=10),
     k=st.integers(min_value=1, max_value=5),
     sensitive=st.booleans(),
+    job_sizes=st.lists(st.integers(min_value=1, max_value=6), max_size=8),
 )
-def test_never_refuses_a_placement_that_fits(topo, gpus, k, sensitive):
+def test_never_refuses_a_placement_that_fits(topo, gpus, k, sensitive, job_sizes):
     # up to 10 free GPUs on the 16-GPU nodes keeps a cold memo cheap (2^10 free sets)
     graph = _graph(topo)
     free = tuple(sorted(g for g in gpus if g < graph.size))
-    result = select("preserve-ahead", graph, free, request(k, sensitive))
+    busy = [g for g in range(graph.size) if g not in free]
+    running = []
+    for size in job_sizes:  # some of the busy GPUs, split into running jobs
+        if busy[:size]:
+            running.append(tuple(busy[:size]))
+        busy = busy[size:]
+    result = select("preserve-ahead", graph, free, request(k, sensitive), running=running)
     if k <= len(free):
         assert isinstance(result, Allocation)
         assert len(set(result.gpus)) == k and set(result.gpus) <= set(free)

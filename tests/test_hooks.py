@@ -405,8 +405,13 @@ def test_the_prolog_uses_preserve_aheads_configured_sizes(tmp_path):
     slurm.admin["2"] = "mapa:topology=ring sensitive=no"
     decision = run_prolog(env_for("2", "0,1"), config, slurm, logs.append)
     graph = preset("dgx1-v100")
-    want = make_preserve_ahead({4: 1.0})(graph, (0, 1, 2, 4, 5, 7), Request(make_pattern("ring", 2), False), paper_model())
-    assert decision.policy == "preserve-ahead" and sorted(decision.gpus) == sorted(want.gpus) == [2, 7]
+    policy = make_preserve_ahead({4: 1.0})
+    want = policy(graph, (0, 1, 2, 4, 5, 7), Request(make_pattern("ring", 2), False), paper_model(), running=((3, 6),))
+    assert decision.policy == "preserve-ahead" and sorted(decision.gpus) == sorted(want.gpus) == [0, 2]
+    assert decision.running == ((3, 6),) and "running=3,6" in slurm.admin["2"]
+    # Without job 1's GPUs in the outlook the choice would differ: the Prolog hands them over.
+    alone = policy(graph, (0, 1, 2, 4, 5, 7), Request(make_pattern("ring", 2), False), paper_model())
+    assert sorted(alone.gpus) == [2, 7]
 
 
 def test_a_job_whose_prolog_is_running_is_not_adopted_but_one_whose_prolog_died_is(setup):

@@ -10,12 +10,20 @@ where ``best_k(F)`` is the best predicted effective bandwidth (the paper's model
 k-GPU ring on the GPUs of F (0 when k > |F|) and ``w_k`` the probability of size k. By default the
 sizes are the paper's uniform 1..5, so w_2..w_5 = 1/5 (a 1-GPU job has no ring: it adds nothing).
 
+On a busy node the next job rarely fits in what is left now: it starts when a running job ends,
+on what is left plus that job's GPUs. So a remainder R is judged by its *outlook*
+
+    outlook(R) = future(R) + mean over the jobs j running on the node of future(R + G_j)
+
+(G_j: job j's GPUs here; just future(R) on an idle node). Every running job counts alike: the
+Prolog knows which GPUs each job holds, not when it will end.
+
 * Insensitive jobs and every 1-GPU job: the k-subset S of the free GPUs that maximises
-  ``future(free - S)``; ties go to the higher preserved bandwidth (Eq. 3) of ``free - S``, then to
-  the lexicographically smallest S.
+  ``outlook(free - S)``; ties go to the higher preserved bandwidth (Eq. 3) of ``free - S``, then
+  to the lexicographically smallest S.
 * Sensitive jobs of 2+ GPUs: the sets whose best placement of the job's pattern is within
   ``tolerance`` (a fraction, 0 by default: only the sets that tie) of the best predicted effective
-  bandwidth; among them the highest ``future(free - S)``, then the higher (effective, aggregated)
+  bandwidth; among them the highest ``outlook(free - S)``, then the higher (effective, aggregated)
   key of the job, then the lexicographically smallest S.
 
 The chosen set is ordered with :func:`~.policies.order_within`, as the engine does for every set.
@@ -163,6 +171,13 @@ def clear_cache() -> None:
     _TABLES.clear()
 
 
+def _mask_of(gpus: Iterable[int]) -> int:
+    mask = 0
+    for g in gpus:
+        mask |= 1 << g
+    return mask
+
+
 def choose_set(
     graph: HardwareGraph,
     free: tuple[int, ...],
@@ -170,8 +185,12 @@ def choose_set(
     model: EffectiveBandwidthModel,
     sizes: Mapping[int, float] | None = None,
     tolerance: float = 0.0,
+    running: Iterable[Iterable[int]] = (),
 ) -> tuple[int, ...] | None:
-    """The GPU set preserve-ahead gives ``request`` on ``free`` (sorted), or None if it does not fit."""
+    """The GPU set preserve-ahead gives ``request`` on ``free`` (sorted), or None if it does not fit.
+
+    ``running``: the GPUs of each job running on the node (disjoint from ``free``), for the outlook.
+    """
     free = tuple(sorted(set(free)))
     k = request.gpus
     if k > len(free):
@@ -179,9 +198,15 @@ def choose_set(
     if tolerance < 0:
         raise InputError(f"preserve-ahead: tolerance must be 0 or more, got {tolerance}")
     tables = tables_for(graph, model, _normalised(sizes))
-    free_mask = 0
-    for g in free:
-        free_mask |= 1 << g
+    free_mask = _mask_of(free)
+    groups = sorted({_mask_of(group) for group in running})  # sorted: the same sum in every process
+
+    def outlook(rest: int) -> float:
+        if not groups:
+            return tables.future(rest)
+        later = sum(tables.future(rest | group) for group in groups) / len(groups)
+        return round(tables.future(rest) + later, _DIGITS)
+
     best_key = None
     best_set: tuple[int, ...] | None = None
     if request.sensitive and k > 1:
@@ -200,7 +225,7 @@ def choose_set(
         for subset, mask, job in scored:  # lex order: a later set must be strictly better
             if job[0] < floor:
                 continue
-            key = (tables.future(free_mask ^ mask), job)
+            key = (outlook(free_mask ^ mask), job)
             if best_key is None or key > best_key:
                 best_key, best_set = key, subset
         return best_set
@@ -209,7 +234,7 @@ def choose_set(
         for g in subset:
             mask |= 1 << g
         rest = free_mask ^ mask
-        key = (tables.future(rest), tables.preserved(rest))
+        key = (outlook(rest), tables.preserved(rest))
         if best_key is None or key > best_key:
             best_key, best_set = key, subset
     return best_set
@@ -282,13 +307,17 @@ def make_preserve_ahead(sizes: Mapping[int, float] | None = None, tolerance: flo
     if tolerance < 0:
         raise InputError(f"preserve-ahead: tolerance must be 0 or more, got {tolerance}")
 
-    def policy(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
-        chosen = choose_set(graph, free, request, model, sizes, tolerance)
+    def policy(
+        graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel,
+        running: tuple[tuple[int, ...], ...] = (),
+    ) -> Allocation | NoFit:
+        chosen = choose_set(graph, free, request, model, sizes, tolerance, running)
         if chosen is None:
             return NoFit(name, request, free)
         return order_within(name, graph, free, chosen, request, model)
 
     policy.__name__ = name.replace("-", "_")
+    policy.sees_running = True  # select() hands it the GPUs of the jobs running on the node
     return policy
 
 

@@ -141,11 +141,13 @@ def select(
     request: Request,
     model: EffectiveBandwidthModel | None = None,
     configured: Mapping[str, Policy] | None = None,
+    running: Iterable[Iterable[int]] = (),
 ) -> Allocation | NoFit:
     """Run ``policy`` on ``free`` GPUs of ``graph``; the one entry point the Prolog, replay and CLI share.
 
     ``configured``: policies built with site settings (preserve-ahead's size distribution), used
-    instead of the default instance of the same name.
+    instead of the default instance of the same name. ``running``: the GPUs of each job running on
+    the node; only policies that look at them (preserve-ahead) get them.
     """
     chosen_policy = (configured or {}).get(policy) or POLICIES.get(policy) or all_policies().get(policy)
     if chosen_policy is None:
@@ -154,4 +156,25 @@ def select(
     for gpu in free_tuple:
         if not 0 <= gpu < graph.size:
             raise InputError(f"free GPU {gpu} is not on {graph.name} (GPUs 0..{graph.size - 1})")
+    groups = running_groups(graph, free_tuple, running)
+    if groups and getattr(chosen_policy, "sees_running", False):
+        return chosen_policy(graph, free_tuple, request, model or paper_model(), running=groups)
     return chosen_policy(graph, free_tuple, request, model or paper_model())
+
+
+def running_groups(graph: HardwareGraph, free: tuple[int, ...], running: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    """The running jobs' GPU sets, checked: on the node, not free, no GPU in two jobs; sorted."""
+    seen = set(free)
+    groups = []
+    for group in running:
+        gpus = tuple(sorted(set(group)))
+        if not gpus:
+            continue
+        for gpu in gpus:
+            if not 0 <= gpu < graph.size:
+                raise InputError(f"running job's GPU {gpu} is not on {graph.name} (GPUs 0..{graph.size - 1})")
+            if gpu in seen:
+                raise InputError(f"GPU {gpu} is listed as running a job and also as free or held by another job")
+            seen.add(gpu)
+        groups.append(gpus)
+    return tuple(sorted(groups))

@@ -76,6 +76,9 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
         if reason is None:
             graph = graph_node.graph
             free = tuple(i for i in range(size) if free_mask >> i & 1)
+            # The running jobs the Prolog saw, for policies that look at them (with the recorded free set only).
+            recorded_free_mask = sum(1 << g for g in job.recorded_free) if job.recorded_free else None
+            running_masks = tuple(sorted(sum(1 << g for g in group) for group in job.recorded_running if max(group) < size))
             request = request_for(job.shape, job.gpus, job.sensitive)
             rid = decider.request_id(request)
             gid = decider.graph_id(graph)
@@ -83,7 +86,8 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
             objective = "effective" if job.sensitive and job.gpus > 1 else "preserved"
             compared += 1
             for policy in policies:
-                found = decider.decide(policy, gid, free_mask, rid, tuple(range(size)) if policy == "round-robin" else None)
+                running = running_masks if free_mask == recorded_free_mask and decider.sees_running(policy) else ()
+                found = decider.decide(policy, gid, free_mask, rid, tuple(range(size)) if policy == "round-robin" else None, running)
                 if found is None:
                     continue
                 decision = found[0]

@@ -31,6 +31,7 @@ class Intent:
     node: str | None = None
     recorded_free: tuple[int, ...] | None = None  # the free GPUs the Prolog saw (``free=``)
     recorded_policy: str | None = None
+    recorded_running: tuple[tuple[int, ...], ...] = ()  # the running jobs' GPUs the Prolog saw (``running=``)
 
 
 @lru_cache(maxsize=4096)
@@ -52,6 +53,7 @@ def read_intent(text: str) -> Intent | None:
         node=first.node,
         recorded_free=first.free or None,
         recorded_policy=first.policy or None,
+        recorded_running=first.running,
     )
 
 

@@ -25,6 +25,7 @@ class Job:
     start: float | None = None  # the recorded start (sacct), for the decision audit
     recorded_free: tuple[int, ...] | None = None  # the free GPUs the Prolog chose from, if recorded
     recorded_policy: str | None = None  # the policy of the recorded decision ("fallback" when it fell back)
+    recorded_running: tuple[tuple[int, ...], ...] = ()  # the GPUs of each job running on the node then, if recorded
     recorded_bw: float | None = None  # effective bandwidth of the recorded decision (filled by the audit)
 
 

@@ -167,6 +167,7 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
     recorded = None
     recorded_free = None
     recorded_policy = None
+    recorded_running: tuple[tuple[int, ...], ...] = ()
     node = first_node(values.get("nodelist", ""))
     if intent is not None:
         shape = intent.shape or shape
@@ -179,6 +180,9 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
             recorded_policy = intent.recorded_policy
             if intent.recorded_free is not None and set(recorded) <= set(intent.recorded_free):
                 recorded_free = intent.recorded_free
+                taken = [g for group in intent.recorded_running for g in group]
+                if len(set(taken)) == len(taken) and not set(taken) & set(recorded_free):
+                    recorded_running = intent.recorded_running
         node = intent.node or node
     stats.jobs += 1
     return Job(
@@ -195,6 +199,7 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
         recorded=recorded,
         recorded_free=recorded_free,
         recorded_policy=recorded_policy,
+        recorded_running=recorded_running,
         start=start,
     )
 

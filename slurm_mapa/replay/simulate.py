@@ -100,8 +100,15 @@ class Decider:
             self.memo.clear()
         self.memo[key] = value
 
-    def decide(self, policy: str, gid: int, mask: int, rid: int, queue: tuple[int, ...] | None = None):
-        """The decision (or None: does not fit); for round-robin also the new device queue."""
+    def sees_running(self, policy: str) -> bool:
+        """Whether ``policy`` looks at the running jobs' GPUs (preserve-ahead's outlook)."""
+        return getattr(self.policies[policy], "sees_running", False)
+
+    def decide(self, policy: str, gid: int, mask: int, rid: int, queue: tuple[int, ...] | None = None, running: tuple[int, ...] = ()):
+        """The decision (or None: does not fit); for round-robin also the new device queue.
+
+        ``running``: the sorted masks of the jobs running on the node, for policies that see them.
+        """
         self.lookups += 1
         if queue is not None:
             picked = peers.round_robin_pick(queue, tuple(i for i in range(self.graphs[gid].size) if mask >> i & 1),
@@ -122,7 +129,7 @@ class Decider:
                 found = Decision(p.gpus, chosen, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth)
                 self._store(key, found)
             return found, picked[1]
-        key = (gid, policy, mask, rid)
+        key = (gid, policy, mask, rid, running)
         found = self.memo.get(key)
         if found is not None or key in self.memo:
             return found
@@ -131,7 +138,11 @@ class Decider:
         request = self._request_list[rid]
         free = tuple(i for i in range(graph.size) if mask >> i & 1)
         new_queue = None
-        result = self.policies[policy](graph, free, request, self.model)
+        if running:
+            groups = tuple(tuple(i for i in range(graph.size) if group >> i & 1) for group in running)
+            result = self.policies[policy](graph, free, request, self.model, running=groups)
+        else:
+            result = self.policies[policy](graph, free, request, self.model)
         if not isinstance(result, Allocation):
             self._store(key, None)
             return None
@@ -301,6 +312,8 @@ def simulate(
     pending = next(arrivals, None)
     queue: deque = deque()
     running: list = []
+    sees_running = decider.sees_running(policy)
+    groups: list[list[int]] = [[] for _ in nodes]  # per node: the masks of its running jobs
     seq = 0
     last_t: float | None = None
     releases = 0
@@ -344,7 +357,8 @@ def simulate(
             mask = free[i]
             if mask.bit_count() < job.gpus:
                 continue
-            found = decider.decide(policy, gids[i], mask, rid, rr_queue[i] if stateful else None)
+            found = decider.decide(policy, gids[i], mask, rid, rr_queue[i] if stateful else None,
+                                   tuple(sorted(groups[i])) if sees_running else ())
             if found is None:
                 continue
             picks.append((i, found[0], found[1]))
@@ -359,6 +373,8 @@ def simulate(
         end = t + runtime
         for i, decision, new_queue in picks:
             set_free(i, free[i] & ~decision.mask)
+            if sees_running:
+                groups[i].append(decision.mask)
             if stateful:
                 rr_queue[i] = new_queue
         heapq.heappush(running, (end, seq, job, picks, t))
@@ -399,6 +415,8 @@ def simulate(
             end, _, job, picks, start = heapq.heappop(running)
             for i, decision, _ in picks:
                 set_free(i, free[i] | decision.mask)
+                if sees_running:
+                    groups[i].remove(decision.mask)
             releases += 1
             first = picks[0][1]
             result.jobs += 1

@@ -3,7 +3,9 @@
     mapa:topology=ring sensitive=yes # dgx1=0,3,2,1 policy=preserve free=0-7 eff=68.707 agg=175.000 pres=216.000
 
 The directive comes first (what the job_submit plugin stored); each node of the job appends
-`# NODE=GPUS key=value...`, GPUs in pattern order. The directive grammar ends a body at `#`, so
+`# NODE=GPUS key=value...`, GPUs in pattern order. `free=` is what the Prolog chose from and
+`running=0,1/4,5` the GPUs of each job running on the node then (jobs separated by `/`), so a
+replay can make the same decision again. The directive grammar ends a body at `#`, so
 the whole text still parses as the directive. sacct keeps it; mapa-replay and mapa explain read it.
 """
 
@@ -27,11 +29,14 @@ class Decision:
     preserved: float | None = None
     fallback: str = ""
     free: tuple[int, ...] = ()
+    running: tuple[tuple[int, ...], ...] = ()
 
     def text(self) -> str:
         parts = [f"{self.node}={','.join(map(str, self.gpus))}", f"policy={self.policy}"]
         if self.free:
             parts.append(f"free={','.join(map(str, self.free))}")
+        if self.running:
+            parts.append("running=" + "/".join(",".join(map(str, group)) for group in self.running))
         for name, value in (("eff", self.effective), ("agg", self.aggregated), ("pres", self.preserved)):
             if value is not None:
                 parts.append(f"{name}={value:.3f}")
@@ -64,8 +69,13 @@ def parse_decisions(admin_comment: str) -> dict[str, Decision]:
             free = parse_gpu_indices(fields.get("free", ""))
         except ValueError:
             free = ()
+        try:
+            running = tuple(parse_gpu_indices(group) for group in fields["running"].split("/")) if "running" in fields else ()
+        except ValueError:
+            running = ()
         decisions[node] = Decision(
-            node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free
+            node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free,
+            tuple(group for group in running if group),
         )
     return decisions
 

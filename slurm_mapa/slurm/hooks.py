@@ -136,21 +136,23 @@ def choose(
 ) -> Decision:
     """The pure decision: the policy's choice on the free healthy GPUs, or the fail-open fallback."""
     free = ledger.free(size, unhealthy)
+    running = ledger.running_groups()
     if graph is not None and not problem:
         try:
             request = to_request(directive, len(ctx.slurm_gpus))
             model = load_model_file(config.model) if config.model else paper_model()
-            result = select(config.policy, graph, free, request, model, config.configured_policies())
+            result = select(config.policy, graph, free, request, model, config.configured_policies(), running)
             if isinstance(result, Allocation):
                 p = result.placement
                 return Decision(
-                    ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth, free=free
+                    ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth,
+                    free=free, running=running,
                 )
             problem = "ledger-has-too-few-free-gpus"
         except (MapaError, OSError) as error:
             problem = "bad-directive-or-model: " + str(error)
     token = problem.split(":")[0].replace(" ", "-") or "unknown"
-    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free), "fallback", fallback=token, free=free)
+    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free), "fallback", fallback=token, free=free, running=running)
 
 
 def job_file_text(gpus: Sequence[int]) -> str:

@@ -44,6 +44,10 @@ class Ledger:
     def held(self) -> set[int]:
         return {gpu for holding in self.holdings.values() for gpu in holding.gpus}
 
+    def running_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The GPUs of each job in the ledger (sorted), as preserve-ahead's outlook reads them."""
+        return tuple(sorted(tuple(sorted(h.gpus)) for h in self.holdings.values() if h.gpus))
+
     def free(self, size: int, unusable: Iterable[int] = ()) -> tuple[int, ...]:
         taken = self.held() | set(unusable)
         return tuple(gpu for gpu in range(size) if gpu not in taken)
