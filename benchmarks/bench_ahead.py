@@ -20,9 +20,10 @@ replay's execution-time model (slower rings run longer) and the mean makespan is
 ring on an *empty* node (no policy can do better for it), and the same statistics are taken over
 those values, per seed, as ``tail`` does for the real schedules.
 
-``timing`` times single decisions (the policy function, as the Prolog calls it) on random free
-sets and paper requests, preserve and preserve-ahead side by side: preserve-ahead warm (its
-memo filled by a first pass over the same decisions) and cold (memo cleared before each decision).
+``timing`` times single decisions (through ``select``, as the Prolog calls it) on random free
+sets and paper requests, the busy GPUs split into running jobs of 1-5 GPUs (preserve-ahead's
+outlook reads them), preserve and preserve-ahead side by side: preserve-ahead warm (its memo
+filled by a first pass over the same decisions) and cold (memo cleared before each decision).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import time
 
 from slurm_mapa.core.ahead import clear_cache
 from slurm_mapa.core.effbw import paper_model
-from slurm_mapa.core.policies import all_policies
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.replay.directives import request_for
 from slurm_mapa.replay.generate import generate
@@ -127,7 +127,8 @@ def ceiling(seeds: int, topologies=TOPOLOGIES) -> str:
 
 
 def timing(decisions: int) -> str:
-    policies = all_policies()
+    from slurm_mapa.core.policies import select
+
     model = paper_model()
     lines = ["| topology | decisions | preserve us/decision | preserve-ahead warm us | ratio warm | preserve-ahead cold ms (mean / max) |",
              "|---|---|---|---|---|---|"]
@@ -140,22 +141,28 @@ def timing(decisions: int) -> str:
             gpus = rng.randint(1, 5)
             if gpus > len(free):
                 continue
-            cases.append((free, request_for("ring", gpus, rng.random() < 4 / 6)))
+            busy = [g for g in range(graph.size) if g not in free]
+            rng.shuffle(busy)
+            running = []
+            while busy:
+                size = rng.randint(1, 5)
+                running.append(busy[:size])
+                busy = busy[size:]
+            cases.append((free, request_for("ring", gpus, rng.random() < 4 / 6), running))
         clear_cache()
         cold = []
-        for free, request in cases[:5]:
+        for free, request, running in cases[:5]:
             clear_cache()
             t0 = time.perf_counter()
-            policies["preserve-ahead"](graph, free, request, model)
+            select("preserve-ahead", graph, free, request, model, running=running)
             cold.append(time.perf_counter() - t0)
-        for free, request in cases:  # warm the memo
-            policies["preserve-ahead"](graph, free, request, model)
+        for free, request, running in cases:  # warm the memo
+            select("preserve-ahead", graph, free, request, model, running=running)
         timed = {}
         for name in ("preserve", "preserve-ahead", "preserve", "preserve-ahead"):  # interleaved, best of two
-            fn = policies[name]
             t0 = time.perf_counter()
-            for free, request in cases:
-                fn(graph, free, request, model)
+            for free, request, running in cases:
+                select(name, graph, free, request, model, running=running)
             elapsed = (time.perf_counter() - t0) / len(cases)
             timed[name] = min(timed.get(name, elapsed), elapsed)
         p, a = timed["preserve"] * 1e6, timed["preserve-ahead"] * 1e6

@@ -192,6 +192,13 @@ def test_decision_text_round_trips_and_keeps_other_nodes():
     both = with_decision(first, directive, Decision("n2", (4, 7), "preserve", 58.9, 100.0, 216.0))
     decisions = parse_decisions(both)
     assert set(decisions) == {"n1", "n2"} and decisions["n2"].gpus == (4, 7) and decisions["n1"].effective == pytest.approx(58.9)
+    busy = Decision("n1", (0, 3), "preserve-ahead", 58.9, free=(0, 2, 3), running=((1, 4), (5, 6, 7)))
+    text = with_decision("mapa:topology=ring sensitive=yes", directive, busy)
+    assert text.endswith("# n1=0,3 policy=preserve-ahead free=0,2,3 running=1,4/5,6,7 eff=58.900")
+    assert parse_decisions(text)["n1"] == busy
+    for bad in ("running=1,x/5", "running=3-1"):  # an unreadable list is dropped, the decision kept
+        parsed = parse_decisions(text.replace("running=1,4/5,6,7", bad))["n1"]
+        assert parsed.running == () and parsed.gpus == (0, 3)
 
 
 def test_command_output_parsers():

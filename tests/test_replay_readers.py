@@ -153,5 +153,11 @@ def test_recorded_decision_brings_its_free_set_and_policy():
     # A free set that does not contain the chosen GPUs is not trusted; the decision still is.
     (job,) = read_sacct_text([header, line.replace("free=0-3,6", "free=1,2")])
     assert job.recorded == (0, 3) and job.recorded_free is None
+    (job,) = read_sacct_text([header, line.replace("free=0-3,6", "free=0-3,6 running=4,5/7")])
+    assert job.recorded_running == ((4, 5), (7,))
+    # Running jobs that overlap the free set (or each other) are not trusted.
+    for bad in ("running=4,5/5,7", "running=3/7"):
+        (job,) = read_sacct_text([header, line.replace("free=0-3,6", "free=0-3,6 " + bad)])
+        assert job.recorded_running == () and job.recorded_free == (0, 1, 2, 3, 6)
     (job,) = read_sacct_text([header, line.replace("policy=preserve free=0-3,6", "policy=fallback fallback=no-topology")])
     assert job.recorded_policy == "fallback" and job.recorded_free is None

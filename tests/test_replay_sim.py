@@ -176,6 +176,50 @@ def test_audit_uses_the_free_set_the_prolog_recorded():
     assert audit(jobs, DGX, ["preserve"], Decider())["free_sets"]["rebuilt"] == 1
 
 
+def test_simulator_hands_preserve_ahead_the_running_jobs():
+    """Replaying preserve-ahead step by step: each decision is select() with the jobs running then."""
+    from slurm_mapa.core.policies import select
+    from slurm_mapa.replay.directives import request_for
+
+    graph = preset("torus2d-16")
+    records = []
+    jobs = list(generate("paper", 60, seed=4, load=4))
+    simulate(jobs, [Node("n1", graph)], "preserve-ahead", on_record=records.append)
+    by_id = {job.id: job for job in jobs}
+    # ends before starts at the same time, as the simulator frees them; starts in queue (submit) order
+    events = sorted([(r.start, 1, r) for r in records] + [(r.end, 0, r) for r in records],
+                    key=lambda e: (e[0], e[1], e[2].submit, int(e[2].id)))
+    running: dict[str, tuple[int, ...]] = {}
+    with_running = 0
+    for _, starts, record in events:
+        if not starts:
+            del running[record.id]
+            continue
+        held = {g for gpus in running.values() for g in gpus}
+        free = [g for g in range(graph.size) if g not in held]
+        job = by_id[record.id]
+        again = select("preserve-ahead", graph, free, request_for(job.shape, job.gpus, job.sensitive), running=list(running.values()))
+        assert tuple(again.gpus) == tuple(record.gpus), record.id
+        with_running += bool(running)
+        running[record.id] = tuple(sorted(record.gpus))
+    assert with_running > 40
+
+
+def test_audit_replays_preserve_ahead_with_the_running_jobs_it_recorded():
+    from slurm_mapa.core.policies import select
+    from slurm_mapa.replay.directives import request_for
+
+    graph = preset("dgx1-v100")
+    free, running = (0, 1, 2, 3), ((4, 5), (6, 7))
+    chosen = tuple(sorted(select("preserve-ahead", graph, free, request_for("ring", 2, False), running=running).gpus))
+    assert chosen != tuple(sorted(select("preserve-ahead", graph, free, request_for("ring", 2, False)).gpus))
+    jobs = [Job("9", 0, 10, 2, node="n1", recorded=chosen, start=0, recorded_free=free, recorded_running=running)]
+    result = audit(jobs, DGX, ["preserve-ahead"], Decider())
+    assert result["policies"]["preserve-ahead"]["same_set"] == 1
+    jobs[0].recorded_running = ()
+    assert audit(jobs, DGX, ["preserve-ahead"], Decider())["policies"]["preserve-ahead"]["same_set"] == 0
+
+
 def test_audit_skips_fallback_decisions_but_keeps_their_gpus_busy():
     jobs = [
         Job("1", 0, 100, 2, node="n1", recorded=(0, 1), start=0, recorded_policy="fallback", recorded_free=tuple(range(8))),
