@@ -1,6 +1,7 @@
 """preserve-ahead against preserve, greedy and baseline: the lower tail of sensitive jobs, and decision time.
 
-    .venv/bin/python benchmarks/bench_ahead.py tail [--seeds 30] [--seeds16 30] [--timemodel] [--topologies a,b] [--out FILE]
+    .venv/bin/python benchmarks/bench_ahead.py tail [--seeds 30] [--seeds16 30] [--timemodel] [--topologies a,b] [--out FILE] [--json FILE]
+    .venv/bin/python benchmarks/bench_ahead.py plot TAIL.json [TAIL-TIMEMODEL.json] --png FILE
     .venv/bin/python benchmarks/bench_ahead.py ceiling [--seeds 30]
     .venv/bin/python benchmarks/bench_ahead.py timing [--decisions 300]
 
@@ -15,6 +16,9 @@ on one node of each topology, per seed and arrival mode:
 Per run it takes min, p10, p25 and median of the sensitive jobs' predicted effective bandwidth,
 and prints the mean over seeds as a markdown table. With ``--timemodel`` the runtimes follow the
 replay's execution-time model (slower rings run longer) and the mean makespan is added.
+
+``plot`` draws, from the per-seed values ``tail --json`` saved, p10 and median of each policy per
+topology and arrival mode (mean over seeds, bars of one standard error), one row per JSON file.
 
 ``ceiling`` bounds what any policy can reach: each sensitive job gets the best placement of its
 ring on an *empty* node (no policy can do better for it), and the same statistics are taken over
@@ -58,7 +62,8 @@ def workload(seed: int, mode: str) -> list:
     return jobs
 
 
-def tail(seeds: int, seeds16: int, timemodel: bool, topologies=TOPOLOGIES) -> str:
+def tail(seeds: int, seeds16: int, timemodel: bool, topologies=TOPOLOGIES, per_seed: dict | None = None) -> str:
+    """The markdown table; ``per_seed`` (if given) receives {topology: {arrivals: {policy: {stat: [per seed]}}}}."""
     options = Options()
     if timemodel:
         from slurm_mapa.replay.timemodel import TimeModel
@@ -83,6 +88,8 @@ def tail(seeds: int, seeds16: int, timemodel: bool, topologies=TOPOLOGIES) -> st
                         rows[policy][name].append(dist.quantile(q))
                     rows[policy]["mean"].append(dist.mean)
                     rows[policy]["makespan"].append(result.makespan)
+            if per_seed is not None:
+                per_seed.setdefault(topo, {})[mode] = rows
             for policy in POLICIES:
                 cells = [f"{statistics.fmean(rows[policy][name]):.2f}" for name, _ in STATS]
                 cells.append(f"{statistics.fmean(rows[policy]['mean']):.2f}")
@@ -171,6 +178,43 @@ def timing(decisions: int) -> str:
     return "\n".join(lines)
 
 
+def plot(paths: list[str], png: str) -> None:
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for path in paths:
+        with open(path) as handle:
+            runs.append(json.load(handle))
+    cells = [(topo, mode) for topo in runs[0]["per_seed"] for mode in runs[0]["per_seed"][topo]]
+    fig, axes = plt.subplots(len(runs), len(cells), figsize=(2.6 * len(cells), 3.3 * len(runs)), squeeze=False)
+    colours = {"baseline": "#bbbbbb", "greedy": "#7f9fbf", "preserve": "#4c72b0", "preserve-ahead": "#dd8452"}
+    for r, run in enumerate(runs):
+        for c, (topo, mode) in enumerate(cells):
+            ax = axes[r][c]
+            rows = run["per_seed"][topo][mode]
+            policies = list(rows)
+            for s, stat in enumerate(("p10", "median")):
+                for p, policy in enumerate(policies):
+                    values = rows[policy][stat]
+                    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+                    x = s * (len(policies) + 1) + p
+                    ax.bar(x, statistics.fmean(values), yerr=se, color=colours.get(policy, "#999999"),
+                           label=policy if s == 0 else None, capsize=2)
+            ax.set_xticks([(len(policies) - 1) / 2, len(policies) + 1 + (len(policies) - 1) / 2], ["p10", "median"])
+            ax.set_title(f"{topo}\n{mode}{', time model' if run['timemodel'] else ''}", fontsize=9)
+            if c == 0:
+                ax.set_ylabel("sensitive jobs' predicted eff. BW (GB/s)", fontsize=8)
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"mean over seeds ({runs[0]['seeds']} on 8 GPUs, {runs[0]['seeds16']} on 16), bars: 1 s.e.", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -180,6 +224,10 @@ def main() -> None:
     t.add_argument("--timemodel", action="store_true")
     t.add_argument("--topologies", default=",".join(TOPOLOGIES))
     t.add_argument("--out")
+    t.add_argument("--json", help="also save the per-seed values (for plot)")
+    pl = sub.add_parser("plot")
+    pl.add_argument("json", nargs="+")
+    pl.add_argument("--png", required=True)
     c = sub.add_parser("ceiling")
     c.add_argument("--seeds", type=int, default=30)
     c.add_argument("--topologies", default=",".join(TOPOLOGIES))
@@ -188,8 +236,17 @@ def main() -> None:
     m.add_argument("--decisions", type=int, default=300)
     m.add_argument("--out")
     args = parser.parse_args()
+    if args.cmd == "plot":
+        plot(args.json, args.png)
+        return
     if args.cmd == "tail":
-        text = tail(args.seeds, args.seeds16, args.timemodel, args.topologies.split(","))
+        per_seed: dict = {}
+        text = tail(args.seeds, args.seeds16, args.timemodel, args.topologies.split(","), per_seed)
+        if args.json:
+            import json
+
+            with open(args.json, "w") as handle:
+                json.dump({"timemodel": args.timemodel, "seeds": args.seeds, "seeds16": args.seeds16, "per_seed": per_seed}, handle)
     elif args.cmd == "ceiling":
         text = ceiling(args.seeds, args.topologies.split(","))
     else:
