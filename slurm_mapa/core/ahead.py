@@ -79,7 +79,7 @@ class _Tables:
         self.rings = {k: make_pattern("ring", k) for k, _ in sizes}
         self.best: dict[int, dict[int, float]] = {k: {} for k, _ in sizes}  # k -> mask -> best_k
         self.future_memo: dict[int, float] = {}
-        self.job_memo: dict[tuple[Pattern, int], tuple[float, float]] = {}  # (pattern, mask) -> (eff, agg)
+        self.job_memo: dict[Pattern, dict[int, tuple[float, float]]] = {}  # pattern -> mask -> (eff, agg)
         self.preserved_memo: dict[int, float] = {}
         self.entries = 0
 
@@ -138,17 +138,24 @@ class _Tables:
             self._count()
         return found
 
+    def job_keys(self, pattern: Pattern) -> dict[int, tuple[float, float]]:
+        """The memo of :meth:`job_key` for one pattern (hashing the pattern once per decision)."""
+        found = self.job_memo.get(pattern)
+        if found is None:
+            found = self.job_memo[pattern] = {}
+        return found
+
     def job_key(self, pattern: Pattern, mask: int) -> tuple[float, float]:
         """(effective, aggregated) of the best placement of ``pattern`` on exactly the GPUs of ``mask``."""
-        key = (pattern, mask)
-        found = self.job_memo.get(key)
+        memo = self.job_keys(pattern)
+        found = memo.get(mask)
         if found is None:
             gpus = [g for g in range(self.graph.size) if mask >> g & 1]
             placed = best_placement(self.graph, gpus, pattern, "effective", self.model)
             assert placed is not None
             eff = placed.effective_bandwidth if placed.effective_bandwidth is not None else 0.0
             found = (round(eff, _DIGITS), round(placed.aggregated_bandwidth, _DIGITS))
-            self.job_memo[key] = found
+            memo[mask] = found
             self._count()
         return found
 
@@ -201,22 +208,30 @@ def choose_set(
     free_mask = _mask_of(free)
     groups = sorted({_mask_of(group) for group in running})  # sorted: the same sum in every process
 
+    known = tables.future_memo.get  # the hot path: a dict lookup, the method only on a miss
+
+    def future(mask: int) -> float:
+        found = known(mask)
+        return found if found is not None else tables.future(mask)
+
     def outlook(rest: int) -> float:
         if not groups:
-            return tables.future(rest)
-        later = sum(tables.future(rest | group) for group in groups) / len(groups)
-        return round(tables.future(rest) + later, _DIGITS)
+            return future(rest)
+        later = 0.0
+        for group in groups:
+            later += future(rest | group)
+        return round(future(rest) + later / len(groups), _DIGITS)
 
+    bits = [1 << g for g in free]
     best_key = None
     best_set: tuple[int, ...] | None = None
     if request.sensitive and k > 1:
         scored = []
         top = None
-        for subset in combinations(free, k):
-            mask = 0
-            for g in subset:
-                mask |= 1 << g
-            job = tables.job_key(request.pattern, mask)
+        job_memo = tables.job_keys(request.pattern)
+        for subset, subset_bits in zip(combinations(free, k), combinations(bits, k)):
+            mask = sum(subset_bits)
+            job = job_memo.get(mask) or tables.job_key(request.pattern, mask)
             scored.append((subset, mask, job))
             if top is None or job[0] > top:
                 top = job[0]
@@ -229,11 +244,8 @@ def choose_set(
             if best_key is None or key > best_key:
                 best_key, best_set = key, subset
         return best_set
-    for subset in combinations(free, k):
-        mask = 0
-        for g in subset:
-            mask |= 1 << g
-        rest = free_mask ^ mask
+    for subset, subset_bits in zip(combinations(free, k), combinations(bits, k)):
+        rest = free_mask ^ sum(subset_bits)
         key = (outlook(rest), tables.preserved(rest))
         if best_key is None or key > best_key:
             best_key, best_set = key, subset
