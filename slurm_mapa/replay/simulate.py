@@ -138,7 +138,7 @@ class Decider:
         request = self._request_list[rid]
         free = tuple(i for i in range(graph.size) if mask >> i & 1)
         new_queue = None
-        if running:
+        if running and self.sees_running(policy):
             groups = tuple(tuple(i for i in range(graph.size) if group >> i & 1) for group in running)
             result = self.policies[policy](graph, free, request, self.model, running=groups)
         else:
