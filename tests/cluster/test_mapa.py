@@ -239,6 +239,58 @@ def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisi
     assert audit["policies"]["preserve"]["same_set"] == len(ids), (audit, log)
 
 
+def test_preserve_ahead_decides_with_the_running_jobs_and_its_log_replays_exactly(cluster, tmp_path):
+    """policy = preserve-ahead on the mock DGX-1: each Prolog hands the policy the ledger's running
+    jobs, records them (running=), and the replay's audit re-makes every decision from sacct."""
+    from slurm_mapa.replay.cli import main as replay_main
+
+    graph = preset("dgx1-v100")
+    _assert_ledger_empties(cluster, "dgx1", timeout=60)
+    base = cluster.exec("dgx1", ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
+    assert 'policy = "preserve"\n' in base
+    cluster.exec("dgx1", ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=base.replace('policy = "preserve"\n', 'policy = "preserve-ahead"\n'))
+    try:
+        steps = [("A", 3, False), ("B", 2, False), ("C", 2, False), ("release", "A"), ("D", 2, True)]
+        held: dict[str, tuple[int, ...]] = {}
+        ids: dict[str, int] = {}
+        outlook_mattered = 0
+        for step in steps:
+            if step[0] == "release":
+                _release(cluster, ids[step[1]])
+                del held[step[1]]
+                continue
+            name, gpus, sensitive = step
+            free = [g for g in range(graph.size) if g not in {x for hold in held.values() for x in hold}]
+            running = sorted(tuple(sorted(hold)) for hold in held.values())
+            request = Request(make_pattern("ring", gpus), sensitive)
+            expected = select("preserve-ahead", graph, free, request, running=running)
+            outlook_mattered += sorted(expected.gpus) != sorted(select("preserve-ahead", graph, free, request).gpus)
+            jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1")
+            ids[name] = jobid
+            cluster.wait_state(jobid, "RUNNING", timeout=60)
+            seen = _cvd(cluster, jobid)
+            assert seen == expected.gpus, (name, free, running, seen, expected.gpus)
+            decision = parse_decisions(_admin_comment(cluster, jobid))["dgx1"]
+            assert decision.policy == "preserve-ahead" and decision.free == tuple(free) and decision.running == tuple(running)
+            held[name] = seen
+        assert outlook_mattered >= 1  # the sequence would not tell a policy blind to running jobs apart
+        for name in held:
+            _release(cluster, ids[name])
+        for jobid in ids.values():
+            cluster.wait_sacct(jobid, ("AdminComment", "State"), State="COMPLETED", AdminComment=lambda v: " # dgx1=" in v)
+        log = cluster.run("sacct", "-a", "-P", "-o", SACCT_FIELDS, "-j", ",".join(map(str, ids.values())))
+        path = tmp_path / "cluster-sacct.txt"
+        path.write_text(log)
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert replay_main(["run", str(path), "--cluster", "dgx1:dgx1-v100", "--policies", "preserve-ahead,preserve", "--json"]) == 0
+        audit = json.loads(buffer.getvalue())["recorded_decisions"]
+        assert audit["compared"] == len(ids) and audit["policies"]["preserve-ahead"]["same_set"] == len(ids), (audit, log)
+    finally:
+        _restore_node_config(cluster, "dgx1")
+    _assert_ledger_empties(cluster, "dgx1")
+
+
 def _set_node_config(cluster, node: str, extra: str) -> None:
     """The node's hook config with ``extra`` top-level keys put first."""
     base = cluster.exec(node, ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
