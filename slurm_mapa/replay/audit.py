@@ -54,6 +54,7 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
         # The free set the start/end times suggest (None when jobs without a record share the node).
         rebuilt_mask = ((1 << size) - 1) & ~busy.get(node, 0) if unknown.get(node, 0) <= 0 else None
         free_mask = None
+        running_masks: tuple[int, ...] = ()  # the running jobs the Prolog saw, with its recorded free set only
         reason = None
         if graph_node is None:
             reason = "node not in the cluster"
@@ -63,6 +64,7 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
             reason = "the Prolog fell back (no policy decision)"
         elif job.recorded_free:
             free_mask = sum(1 << g for g in job.recorded_free)
+            running_masks = tuple(sorted(sum(1 << g for g in group) for group in job.recorded_running if max(group) < size))
             free_sets["recorded"] += 1
             if rebuilt_mask is not None and rebuilt_mask != free_mask:
                 free_sets["rebuilt_differs_from_recorded"] += 1
@@ -76,9 +78,6 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
         if reason is None:
             graph = graph_node.graph
             free = tuple(i for i in range(size) if free_mask >> i & 1)
-            # The running jobs the Prolog saw, for policies that look at them (with the recorded free set only).
-            recorded_free_mask = sum(1 << g for g in job.recorded_free) if job.recorded_free else None
-            running_masks = tuple(sorted(sum(1 << g for g in group) for group in job.recorded_running if max(group) < size))
             request = request_for(job.shape, job.gpus, job.sensitive)
             rid = decider.request_id(request)
             gid = decider.graph_id(graph)
@@ -86,7 +85,7 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
             objective = "effective" if job.sensitive and job.gpus > 1 else "preserved"
             compared += 1
             for policy in policies:
-                running = running_masks if free_mask == recorded_free_mask and decider.sees_running(policy) else ()
+                running = running_masks if decider.sees_running(policy) else ()
                 found = decider.decide(policy, gid, free_mask, rid, tuple(range(size)) if policy == "round-robin" else None, running)
                 if found is None:
                     continue
