@@ -55,14 +55,15 @@ def _ledger(cluster, node: str) -> dict:
     return json.loads(out)["jobs"] if out.strip() else {}
 
 
-def test_a_job_sequence_gets_exactly_what_mapa_select_gives(cluster):
-    """Jobs of mixed sizes and sensitivities on the mock DGX-1, some ending in between."""
+def _run_job_sequence(cluster, policy: str, steps) -> tuple[dict[str, int], int]:
+    """Submit ``steps`` to the mock DGX-1 (("A", gpus, sensitive) submits, ("release", "A") ends one);
+    each job must get what ``select(policy, ..., running=...)`` gives for the jobs held at that moment,
+    and record that free set and those running jobs. Returns the job ids and how many decisions the
+    running jobs changed; every job is released at the end."""
     graph = preset("dgx1-v100")
-    _assert_ledger_empties(cluster, "dgx1", timeout=60)  # the expected choices assume an idle node
-    steps = [("A", 2, True), ("B", 1, False), ("C", 3, True), ("release", "A"), ("D", 2, False),
-             ("E", 2, True), ("release", "C"), ("F", 3, True), ("release", "B")]
     held: dict[str, tuple[int, ...]] = {}
     ids: dict[str, int] = {}
+    running_mattered = 0
     for step in steps:
         if step[0] == "release":
             _release(cluster, ids[step[1]])
@@ -70,18 +71,46 @@ def test_a_job_sequence_gets_exactly_what_mapa_select_gives(cluster):
             continue
         name, gpus, sensitive = step
         free = [g for g in range(graph.size) if g not in {x for hold in held.values() for x in hold}]
-        expected = select("preserve", graph, free, Request(make_pattern("ring", gpus), sensitive))
+        running = sorted(tuple(sorted(hold)) for hold in held.values())
+        request = Request(make_pattern("ring", gpus), sensitive)
+        expected = select(policy, graph, free, request, running=running)
+        running_mattered += sorted(expected.gpus) != sorted(select(policy, graph, free, request).gpus)
         jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1")
         ids[name] = jobid
         cluster.wait_state(jobid, "RUNNING", timeout=60)
         seen = _cvd(cluster, jobid)
-        assert seen == expected.gpus, (name, free, seen, expected.gpus)
+        assert seen == expected.gpus, (name, free, running, seen, expected.gpus)
         decision = parse_decisions(_admin_comment(cluster, jobid))["dgx1"]
-        assert decision.gpus == expected.gpus and decision.policy == "preserve"
-        assert decision.free == tuple(free)
+        assert decision.gpus == expected.gpus and decision.policy == policy
+        assert decision.free == tuple(free) and decision.running == tuple(running)
         held[name] = seen
     for name in held:
         _release(cluster, ids[name])
+    return ids, running_mattered
+
+
+SACCT_FIELDS = "JobID,JobName,User,Account,Partition,Submit,Start,End,Elapsed,ElapsedRaw,State,ExitCode,NodeList,AllocTRES,Comment,AdminComment"
+
+
+def _replayed_audit(cluster, ids, tmp_path, policies: str) -> tuple[dict, str]:
+    """mapa-replay's audit of the jobs' sacct log (each decision re-made on its recorded state), and the log."""
+    from slurm_mapa.replay.cli import main as replay_main
+
+    log = cluster.run("sacct", "-a", "-P", "-o", SACCT_FIELDS, "-j", ",".join(map(str, ids)))
+    path = tmp_path / "cluster-sacct.txt"
+    path.write_text(log)
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert replay_main(["run", str(path), "--cluster", "dgx1:dgx1-v100", "--policies", policies, "--json"]) == 0
+    return json.loads(buffer.getvalue())["recorded_decisions"], log
+
+
+def test_a_job_sequence_gets_exactly_what_mapa_select_gives(cluster):
+    """Jobs of mixed sizes and sensitivities on the mock DGX-1, some ending in between."""
+    _assert_ledger_empties(cluster, "dgx1", timeout=60)  # the expected choices assume an idle node
+    steps = [("A", 2, True), ("B", 1, False), ("C", 3, True), ("release", "A"), ("D", 2, False),
+             ("E", 2, True), ("release", "C"), ("F", 3, True), ("release", "B")]
+    ids, _ = _run_job_sequence(cluster, "preserve", steps)
     for name, jobid in ids.items():
         rec = cluster.wait_sacct(jobid, ("AdminComment",), AdminComment=lambda v: " # dgx1=" in v)
         assert rec["AdminComment"].startswith("mapa:topology=ring sensitive=")
@@ -206,12 +235,7 @@ def test_discovery_on_each_mock_node_reproduces_its_preset(cluster, node):
     assert found["links"] == expected.link_tokens()
 
 
-SACCT_FIELDS = "JobID,JobName,User,Account,Partition,Submit,Start,End,Elapsed,ElapsedRaw,State,ExitCode,NodeList,AllocTRES,Comment,AdminComment"
-
-
 def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisions(cluster, tmp_path):
-    from slurm_mapa.replay.cli import main as replay_main
-
     # No waiting for an idle node or for distinct seconds: the audit takes each decision's free set
     # from its record, not from sacct's whole-second times.
     ids = []
@@ -227,13 +251,7 @@ def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisi
         _release(cluster, jobid)
     for jobid in ids:
         cluster.wait_sacct(jobid, ("AdminComment", "State"), State="COMPLETED", AdminComment=lambda v: " # dgx1=" in v)
-    log = cluster.run("sacct", "-a", "-P", "-o", SACCT_FIELDS, "-j", ",".join(map(str, ids)))
-    path = tmp_path / "cluster-sacct.txt"
-    path.write_text(log)
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        assert replay_main(["run", str(path), "--cluster", "dgx1:dgx1-v100", "--policies", "preserve,baseline", "--json"]) == 0
-    audit = json.loads(buffer.getvalue())["recorded_decisions"]
+    audit, log = _replayed_audit(cluster, ids, tmp_path, "preserve,baseline")
     # Each decision is compared on the free set its Prolog recorded, not one rebuilt from times.
     assert audit["compared"] == len(ids) and audit["free_sets"]["recorded"] == len(ids), (audit, log)
     assert audit["policies"]["preserve"]["same_set"] == len(ids), (audit, log)
@@ -242,49 +260,17 @@ def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisi
 def test_preserve_ahead_decides_with_the_running_jobs_and_its_log_replays_exactly(cluster, tmp_path):
     """policy = preserve-ahead on the mock DGX-1: each Prolog hands the policy the ledger's running
     jobs, records them (running=), and the replay's audit re-makes every decision from sacct."""
-    from slurm_mapa.replay.cli import main as replay_main
-
-    graph = preset("dgx1-v100")
     _assert_ledger_empties(cluster, "dgx1", timeout=60)
     base = cluster.exec("dgx1", ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
     assert 'policy = "preserve"\n' in base
     cluster.exec("dgx1", ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=base.replace('policy = "preserve"\n', 'policy = "preserve-ahead"\n'))
     try:
         steps = [("A", 3, False), ("B", 2, False), ("C", 2, False), ("release", "A"), ("D", 2, True)]
-        held: dict[str, tuple[int, ...]] = {}
-        ids: dict[str, int] = {}
-        outlook_mattered = 0
-        for step in steps:
-            if step[0] == "release":
-                _release(cluster, ids[step[1]])
-                del held[step[1]]
-                continue
-            name, gpus, sensitive = step
-            free = [g for g in range(graph.size) if g not in {x for hold in held.values() for x in hold}]
-            running = sorted(tuple(sorted(hold)) for hold in held.values())
-            request = Request(make_pattern("ring", gpus), sensitive)
-            expected = select("preserve-ahead", graph, free, request, running=running)
-            outlook_mattered += sorted(expected.gpus) != sorted(select("preserve-ahead", graph, free, request).gpus)
-            jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1")
-            ids[name] = jobid
-            cluster.wait_state(jobid, "RUNNING", timeout=60)
-            seen = _cvd(cluster, jobid)
-            assert seen == expected.gpus, (name, free, running, seen, expected.gpus)
-            decision = parse_decisions(_admin_comment(cluster, jobid))["dgx1"]
-            assert decision.policy == "preserve-ahead" and decision.free == tuple(free) and decision.running == tuple(running)
-            held[name] = seen
-        assert outlook_mattered >= 1  # the sequence would not tell a policy blind to running jobs apart
-        for name in held:
-            _release(cluster, ids[name])
+        ids, running_mattered = _run_job_sequence(cluster, "preserve-ahead", steps)
+        assert running_mattered >= 1  # the sequence would not tell a policy blind to running jobs apart
         for jobid in ids.values():
             cluster.wait_sacct(jobid, ("AdminComment", "State"), State="COMPLETED", AdminComment=lambda v: " # dgx1=" in v)
-        log = cluster.run("sacct", "-a", "-P", "-o", SACCT_FIELDS, "-j", ",".join(map(str, ids.values())))
-        path = tmp_path / "cluster-sacct.txt"
-        path.write_text(log)
-        buffer = io.StringIO()
-        with contextlib.redirect_stdout(buffer):
-            assert replay_main(["run", str(path), "--cluster", "dgx1:dgx1-v100", "--policies", "preserve-ahead,preserve", "--json"]) == 0
-        audit = json.loads(buffer.getvalue())["recorded_decisions"]
+        audit, log = _replayed_audit(cluster, ids.values(), tmp_path, "preserve-ahead,preserve")
         assert audit["compared"] == len(ids) and audit["policies"]["preserve-ahead"]["same_set"] == len(ids), (audit, log)
     finally:
         _restore_node_config(cluster, "dgx1")
