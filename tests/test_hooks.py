@@ -19,6 +19,7 @@ from slurm_mapa.slurm.decision import Decision, parse_decisions, with_decision
 from slurm_mapa.slurm.epilog import run_epilog
 from slurm_mapa.slurm.hooks import run_prolog
 from slurm_mapa.slurm.directive import parse_directive
+from slurm_mapa.slurm.jobfiles import Mark, mark_for, mark_is_live, mark_path, process_start_time, write_mark
 from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json
 from slurm_mapa.errors import InputError
 
@@ -334,7 +335,8 @@ def test_jobs_running_without_a_ledger_entry_are_adopted_with_slurms_gpus(setup)
     decision = run_prolog(env_for("92", "1,2", "mapa:sensitive=yes"), config, slurm, logs.append)
     assert not {0, 3} & set(decision.gpus)
     holdings = LedgerFile(config.ledger, 8).read().holdings
-    assert holdings["90"].gpus == (0, 3) and holdings["90"].policy == "slurm" and holdings["91"].gpus == ()
+    assert holdings["90"].gpus == (0, 3) and holdings["90"].policy == "slurm" and "91" not in holdings
+    assert mark_path(config.jobs_dir, "91").read_text() == "pid=0 start=0 slurm=\n"  # known: never asked again
     assert any("adopted job 90 with Slurm's GPUs 0,3" in line for line in logs)
     slurm.calls.clear()
     slurm.running.add("93")
@@ -422,24 +424,24 @@ def test_the_prolog_uses_preserve_aheads_configured_sizes(tmp_path):
 
 
 def test_a_job_whose_prolog_is_running_is_not_adopted_but_one_whose_prolog_died_is(setup):
-    from slurm_mapa.slurm.hooks import prolog_running, write_prolog_mark
-    from slurm_mapa.slurm.ledger import prolog_mark_path
-
     config, slurm, logs = setup
-    slurm.running = {"20", "21", "22"}
-    slurm.gres = {"20": ["gpu:2(IDX:0-1)"], "21": ["gpu:2(IDX:2-3)"]}
-    write_prolog_mark(config.jobs_dir, "20", os.getpid())  # job 20's Prolog runs right now (this process)
+    slurm.running = {"20", "21", "22", "23"}
+    slurm.gres = {"20": ["gpu:2(IDX:0-1)"], "21": ["gpu:2(IDX:2-3)"], "23": ["gpu:1(IDX:6)"]}
+    config.jobs_dir.mkdir(mode=0o755)
+    write_mark(config.jobs_dir, "20", mark_for(os.getpid(), (0, 1)))  # job 20's Prolog runs right now (this process)
     child = subprocess.Popen(["true"])  # a process that has exited: job 21's Prolog was killed
     child.wait()
-    write_prolog_mark(config.jobs_dir, "21", child.pid)
-    assert prolog_running(config.jobs_dir, "20") and not prolog_running(config.jobs_dir, "21")
-    prolog_mark_path(config.jobs_dir, "23").write_text("not a pid\n")
-    assert not prolog_running(config.jobs_dir, "23") and not prolog_running(config.jobs_dir, "24")
+    write_mark(config.jobs_dir, "21", mark_for(child.pid, (2, 3)))
+    # Job 23's Prolog died too, and its pid now belongs to a live process started later (pid reuse).
+    write_mark(config.jobs_dir, "23", Mark(os.getpid(), process_start_time(os.getpid()) - 1, (6,)))
+    assert mark_is_live(mark_for(os.getpid(), ())) and not mark_is_live(mark_for(child.pid, ()))
+    assert not mark_is_live(Mark(os.getpid(), process_start_time(os.getpid()) - 1, ()))
     decision = run_prolog(env_for("22", "4,5"), config, slurm, logs.append)
     holdings = LedgerFile(config.ledger, 8).read().holdings
-    assert "20" not in holdings and holdings["21"].gpus == (2, 3)
-    assert not {2, 3} & set(decision.gpus)
-    assert not any(c[1:4] == ["--json", "show", "job"] and c[4] == "20" for c in slurm.calls)  # not even asked
-    assert not prolog_mark_path(config.jobs_dir, "22").exists()  # its own mark is gone when it is done
+    assert "20" not in holdings and holdings["21"].gpus == (2, 3) and holdings["23"].gpus == (6,)
+    assert not {2, 3, 6} & set(decision.gpus)
+    assert not any(c[1:4] == ["--json", "show", "job"] and c[4] in {"20", "21", "23"} for c in slurm.calls)  # marks say it all
+    assert mark_path(config.jobs_dir, "22").exists()  # its own mark stays until the Epilog
     run_epilog({"SLURM_JOB_ID": "21"}, config, logs.append)
-    assert not prolog_mark_path(config.jobs_dir, "21").exists()  # the Epilog clears a killed Prolog's mark
+    assert not mark_path(config.jobs_dir, "21").exists()  # the Epilog clears a killed Prolog's mark
+    assert "21" not in LedgerFile(config.ledger, 8).read().holdings

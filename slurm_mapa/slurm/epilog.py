@@ -8,29 +8,40 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping
 
+from . import jobfiles, paths
 from .commands import is_job_id
 from .config import HookConfig, hook_logger, load_hook_config
-from .ledger import LedgerCorrupt, LedgerFile, prolog_mark_path
+from .ledger import LedgerCorrupt, LedgerFile
+
+LOCK_WAIT_S = 10.0  # the lock is held for milliseconds; past this a holder is stuck
 
 
 def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], None]) -> None:
+    """Remove the job's files and its ledger entry.
+
+    Under the lock, files first: a job without files or a ledger entry holds nothing, and one
+    killed half-way keeps its ledger entry until a Prolog sees Slurm no longer runs it. If the
+    lock cannot be had, the files still go (the entry is then reaped the same way).
+    """
     job_id = env.get("SLURM_JOB_ID", "")
     if not is_job_id(job_id):
-        raise ValueError(f"SLURM_JOB_ID {job_id!r} is not what slurmd sets")
+        raise ValueError(f"SLURM_JOB_ID {job_id[:40]!r} is not what slurmd sets")
+    if os.path.lexists(config.jobs_dir):
+        paths.check_trusted_dir(config.jobs_dir)  # never remove files through a directory others control
     ledger_file = LedgerFile(config.ledger, 1 << 10)
-    with ledger_file.locked(timeout=config.command_timeout * 2):
-        try:
-            ledger = ledger_file.read()
-            if job_id in ledger.holdings:
-                ledger_file.write(ledger.without([job_id]))
-                log(f"job {job_id}: released GPUs {','.join(map(str, ledger.holdings[job_id].gpus))}")
-        except LedgerCorrupt as error:
-            log(f"job {job_id}: ledger corrupt ({error}); the next Prolog rebuilds it")
-        for leftover in (config.jobs_dir / job_id, prolog_mark_path(config.jobs_dir, job_id)):  # a killed Prolog's mark too
+    try:
+        with ledger_file.locked(timeout=min(LOCK_WAIT_S, config.prolog_budget)):
+            jobfiles.remove_job(config.jobs_dir, job_id)
             try:
-                leftover.unlink()
-            except FileNotFoundError:
-                pass
+                ledger = ledger_file.read()
+                if job_id in ledger.holdings:
+                    ledger_file.write(ledger.without([job_id]))
+                    log(f"job {job_id}: released GPUs {','.join(map(str, ledger.holdings[job_id].gpus))}")
+            except LedgerCorrupt as error:
+                log(f"job {job_id}: ledger corrupt ({error}); the next Prolog rebuilds it")
+    except TimeoutError as error:
+        jobfiles.remove_job(config.jobs_dir, job_id)
+        log(f"job {job_id}: {error}; removed its files, its ledger entry goes once Slurm no longer lists the job")
 
 
 def epilog_failing_open(env: Mapping[str, str], config_env: Mapping[str, str], where: str = "") -> None:

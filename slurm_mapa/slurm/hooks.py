@@ -7,26 +7,33 @@ either in-process or inside the node's mapa-agent (slurm/agent.py):
     Epilog=/usr/local/sbin/mapa-epilog-wrapper
     TaskProlog=/usr/local/sbin/mapa-taskprolog
 
-They fail open: whatever goes wrong (no topology, a bad config, an unreadable ledger, a slow
-scontrol), the job still gets GPUs (Slurm's own indices if the ledger has them free, else the
-lowest free ones), the reason goes to the log and the job's AdminComment, and the hook exits 0.
-A Prolog that exits non-zero would drain the node and hold the job.
+They fail open, and safe: whatever goes wrong (no topology, a bad config, an unreadable ledger,
+a slow or hanging scontrol, non-UTF-8 text), the job still gets GPUs that no other live job
+uses whenever such GPUs exist, the reason goes to the log and the job's AdminComment, and the
+hook exits 0 within its time budget. A Prolog that exits non-zero would drain the node and hold
+the job. How the Prolog stays safe when it is killed at any point:
+
+1. it first marks the job (jobfiles.Mark: its pid and start time, and Slurm's GPUs);
+2. then, under the ledger lock and with local files only, records a provisional choice: Slurm's
+   GPUs if no job uses them, else the lowest free ones;
+3. then, outside the lock, reads the directive, asks Slurm which jobs run here and searches;
+4. and commits the search's choice under the lock if the free GPUs did not change meanwhile
+   (else it searches again while its budget lasts, and otherwise keeps the provisional choice).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from ..core.effbw import load_model_file, paper_model
-from ..core.hardware import HardwareGraph
-from ..core.policies import Allocation, select
 from ..errors import MapaError
+from . import jobfiles, paths
 from .commands import (
     CommandFailed,
     Runner,
@@ -42,11 +49,69 @@ from .commands import (
 )
 from .config import HookConfig, hook_logger, load_hook_config
 from .decision import Decision, parse_decisions, with_decision
-from .directive import Directive, parse_comment, parse_directive, parse_directive_lines, to_request
-from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, prolog_mark_path
+from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, reconcile
 
-JOB_FILE_MAX_BYTES = 4096
+if TYPE_CHECKING:  # the engine is imported when a decision is made, after the job is marked
+    from ..core.hardware import HardwareGraph
+    from .directive import Directive
+
 RunCommand = Callable[[Sequence[str]], str]
+Log = Callable[[str], None]
+
+# --- the time budget ------------------------------------------------------------------------
+
+COMMIT_RESERVE_S = 1.0  # kept back for the last commit under the lock
+
+
+class Budget:
+    """The Prolog's wall-time budget: every wait and every Slurm call is cut to what is left."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.deadline = clock() + seconds
+
+    def left(self) -> float:
+        return self.deadline - self.clock()
+
+    def for_step(self, wanted: float) -> float:
+        """At most ``wanted`` seconds, never eating into the commit reserve (may be <= 0)."""
+        return min(wanted, self.left() - COMMIT_RESERVE_S)
+
+
+def within_budget(run: RunCommand, budget: Budget, command_timeout: float) -> RunCommand:
+    """``run`` with each call's timeout cut to the budget; refuses to start once it is spent."""
+
+    def call(argv: Sequence[str]) -> str:
+        timeout = budget.for_step(command_timeout)
+        if timeout < 0.05:
+            raise CommandFailed(f"{os.path.basename(argv[0])} not run: the Prolog's time budget is spent")
+        if isinstance(run, Runner):
+            return dataclasses.replace(run, timeout=timeout)(argv)
+        return run(argv)
+
+    call.unbounded = run  # type: ignore[attr-defined]  # for work done after the job has started
+    return call
+
+
+def run_for_at_most(seconds: float, work: Callable[[], Any]) -> Any:
+    """``work()``'s result, or TimeoutError after ``seconds`` (the work is left to finish alone)."""
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(max(seconds, 0.0))
+    if not outcome:
+        raise TimeoutError(f"did not finish within {max(seconds, 0.0):.1f} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 # --- the Prolog -----------------------------------------------------------------------------
@@ -59,38 +124,37 @@ class PrologContext:
     slurm_gpus: tuple[int, ...]
     env_comment: str
     nodes_in_job: int = 1
-    admin_comment: str | None = None  # as read while looking for the directive
 
 
-def context_from_env(env: Mapping[str, str]) -> PrologContext | None:
-    """None when the job has no GPUs on this node (nothing to do)."""
+def context_from_env(env: Mapping[str, str]) -> PrologContext:
+    """The job as slurmd describes it; ValueError if the variables are not what slurmd sets."""
     job_id = env.get("SLURM_JOB_ID", "")
     node = env.get("SLURMD_NODENAME", "")
-    if not is_job_id(job_id) or not node or len(node) > 255:
-        raise ValueError(f"SLURM_JOB_ID {job_id!r} / SLURMD_NODENAME {node!r} are not what slurmd sets")
+    if not is_job_id(job_id) or not node or len(node) > 255 or any(c in node for c in "/\0\n \t"):
+        raise ValueError(f"SLURM_JOB_ID {job_id[:40]!r} / SLURMD_NODENAME {node[:40]!r} are not what slurmd sets")
     gpus = parse_gpu_indices(env.get("SLURM_JOB_GPUS", ""))
-    if not gpus:
-        return None
     nodes = env.get("SLURM_JOB_NUM_NODES", "1")
     return PrologContext(
         job_id=job_id,
         node=node,
         slurm_gpus=gpus,
         env_comment=env.get("SLURM_JOB_COMMENT", "")[:8192],
-        nodes_in_job=int(nodes) if nodes.isdigit() else 2,
+        nodes_in_job=int(nodes) if nodes.isdigit() and len(nodes) < 7 else 2,
     )
 
 
-def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log: Callable[[str], None]) -> tuple[Directive, str]:
+def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log: Log) -> tuple["Directive", str]:
     """The job's directive and where it came from: comment, AdminComment, batch script or site default."""
+    directive_text_of = lambda admin: admin.split("#")[0]  # XXX-WIRE: helper's function
+    from .directive import parse_comment, parse_directive, parse_directive_lines
+
     from_comment = parse_comment(ctx.env_comment)
     if from_comment is not None:
         return from_comment, "comment"
     try:
         job = parse_job_json(run(show_job_argv(config.scontrol, ctx.job_id)))
         admin = job.get("admin_comment") or ""
-        ctx.admin_comment = admin if isinstance(admin, str) else ""
-        parsed = parse_comment(admin.split("#")[0]) if isinstance(admin, str) else None
+        parsed = parse_comment(directive_text_of(admin)) if isinstance(admin, str) else None
         if parsed is not None:
             return parsed, "admin_comment"
         if not job.get("batch_flag", True):
@@ -106,7 +170,7 @@ def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log:
     return parse_directive(config.default_directive), "default"
 
 
-def load_graph(config: HookConfig, node: str) -> HardwareGraph:
+def load_graph(config: HookConfig, node: str) -> "HardwareGraph":
     from ..hardware.load import load_topology
 
     spec = config.topology_for(node)
@@ -115,20 +179,33 @@ def load_graph(config: HookConfig, node: str) -> HardwareGraph:
     return load_topology(spec)
 
 
-def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...]) -> tuple[int, ...]:
-    """Slurm's own indices when the ledger has them all free, else the lowest free ones."""
+def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...], held: Sequence[int] = ()) -> tuple[int, ...]:
+    """Slurm's own indices when no job holds them, else the lowest free ones.
+
+    When fewer are free than the job needs (only when jobs really do share GPUs), all the free
+    ones and then Slurm's own, then the GPUs held by the fewest jobs (``held``: one entry per
+    holding job), so the sharing stays as small as it can be.
+    """
+    wanted = len(slurm_gpus)
     if set(slurm_gpus) <= set(free):
         return slurm_gpus
-    if len(free) >= len(slurm_gpus):
-        return free[: len(slurm_gpus)]
-    return slurm_gpus  # the ledger disagrees with Slurm; Slurm's count is the authority
+    if len(free) >= wanted:
+        return free[:wanted]
+    chosen = list(free)
+    load = {gpu: list(held).count(gpu) for gpu in set(held)}
+    for gpu in sorted(slurm_gpus, key=lambda g: (load.get(g, 0), g)) + sorted(load, key=lambda g: (load[g], g)):
+        if len(chosen) == wanted:
+            break
+        if gpu not in chosen:
+            chosen.append(gpu)
+    return tuple(chosen)
 
 
 def choose(
     ctx: PrologContext,
     config: HookConfig,
-    graph: HardwareGraph | None,
-    directive: Directive,
+    graph: "HardwareGraph | None",
+    directive: "Directive",
     ledger: Ledger,
     size: int,
     problem: str,
@@ -139,6 +216,10 @@ def choose(
     running = ledger.running_groups()
     if graph is not None and not problem:
         try:
+            from ..core.effbw import load_model_file, paper_model
+            from ..core.policies import Allocation, select
+            from .directive import to_request
+
             request = to_request(directive, len(ctx.slurm_gpus))
             model = load_model_file(config.model) if config.model else paper_model()
             result = select(config.policy, graph, free, request, model, config.configured_policies(), running)
@@ -151,129 +232,105 @@ def choose(
             problem = "ledger-has-too-few-free-gpus"
         except (MapaError, OSError) as error:
             problem = "bad-directive-or-model: " + str(error)
-    token = problem.split(":")[0].replace(" ", "-") or "unknown"
-    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free), "fallback", fallback=token, free=free, running=running)
+    return fallback_decision(ctx, ledger, size, problem, free, running)
+
+
+def fallback_decision(
+    ctx: PrologContext, ledger: Ledger, size: int, problem: str, free: tuple[int, ...] | None = None, running=None
+) -> Decision:
+    free = ledger.free(size) if free is None else free
+    running = ledger.running_groups() if running is None else running
+    held = [g for holding in ledger.holdings.values() for g in holding.gpus]
+    token = problem.split(":")[0].strip().replace(" ", "-") or "unknown"
+    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free, held), "fallback", fallback=token, free=free, running=running)
 
 
 def job_file_text(gpus: Sequence[int]) -> str:
-    return f"MAPA_GPUS={','.join(map(str, gpus))}\n"
+    return jobfiles.job_file_text(list(gpus))
 
 
-def _replace_file(target: Path, text: str) -> None:
-    """Write ``target`` whole or not at all (a reader never sees half of it), mode 644."""
-    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp"
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)  # the TaskProlog reads job files as the job's user
-    os.replace(tmp, target)
-
-
-def write_job_file(jobs_dir: Path, job_id: str, gpus: Sequence[int]) -> None:
-    _replace_file(jobs_dir / job_id, job_file_text(gpus))
-
-
-def read_job_files(jobs_dir: Path, size: int) -> Ledger:
-    """Rebuild holdings from the per-job files (used when the ledger file is corrupt)."""
-    holdings: dict[str, Holding] = {}
-    taken: set[int] = set()
-    if not jobs_dir.is_dir():
-        return Ledger()
-    for path in sorted(jobs_dir.iterdir()):
-        if not is_job_id(path.name):
-            continue
-        try:
-            text = path.read_text()[:JOB_FILE_MAX_BYTES]
-            gpus = parse_gpu_indices(text.strip().partition("=")[2])
-        except (OSError, ValueError):
-            continue
-        if all(0 <= g < size for g in gpus) and not taken & set(gpus):
-            taken |= set(gpus)
-            holdings[path.name] = Holding(gpus=gpus, policy="recovered", since=path.stat().st_mtime)
-    return Ledger(holdings)
-
-
-def write_prolog_mark(jobs_dir: Path, job_id: str, pid: int) -> None:
-    """Say "this job's Prolog is running, as process ``pid``", so that a concurrent Prolog does not
-    take the job for one whose Prolog died (and block the GPUs Slurm counted for it)."""
-    _replace_file(prolog_mark_path(jobs_dir, job_id), f"{pid}\n")
-
-
-def prolog_running(jobs_dir: Path, job_id: str) -> bool:
-    """Whether the job's Prolog is still running (its mark names a live process)."""
+def current_ledger(
+    ledger_file: LedgerFile, config: HookConfig, size: int, job_id: str, log: Log, running: set[str] | None = None,
+    listed_at: float | None = None,
+) -> tuple[Ledger, list[str], list[tuple[str, float]]]:
+    """The ledger reconciled with the jobs directory, without ``job_id`` (which chooses afresh),
+    the jobs found to have ended and leftover temporary files. Local files only: no Slurm call."""
     try:
-        text = prolog_mark_path(jobs_dir, job_id).read_text()[:32].strip()
-    except OSError:
-        return False
-    if not text.isdigit() or int(text) <= 1:
-        return False
-    try:
-        os.kill(int(text), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        ledger = ledger_file.read()
+    except LedgerCorrupt as error:
+        log(f"job {job_id}: ledger {config.ledger} is corrupt ({error}); rebuilding it from {config.jobs_dir}")
+        ledger = Ledger()
+    records, leftovers = jobfiles.scan(config.jobs_dir)
+    records.pop(job_id, None)
+    ledger, ended = reconcile(ledger.without([job_id]), records, size, running, listed_at, time.time())
+    return ledger, ended, leftovers
 
 
-def remove_prolog_mark(jobs_dir: Path, job_id: str) -> None:
+def commit(config: HookConfig, ledger_file: LedgerFile, ledger: Ledger, job_id: str, holding: Holding, log: Log) -> None:
+    """Record ``holding`` for ``job_id`` (under the lock): the job file first, as it is what the job uses."""
     try:
-        prolog_mark_path(jobs_dir, job_id).unlink()
-    except OSError:
-        pass
+        new = ledger.with_job(job_id, holding)
+    except ValueError:
+        shared = sorted(set(holding.gpus) & ledger.held())
+        log(f"job {job_id}: too few GPUs are free; it SHARES GPUs {','.join(map(str, shared))} with other jobs")
+        new = ledger.with_usage(job_id, holding)
+    jobfiles.write_job_file(config.jobs_dir, job_id, holding.gpus)
+    ledger_file.write(new)
+
+
+def size_without_topology(ctx: PrologContext, config: HookConfig) -> int:
+    """The node's GPU count when its topology cannot be read: every GPU Slurm, a job file, a mark
+    or the device files show exists (more free GPUs to choose from means less sharing)."""
+    records, _ = jobfiles.scan(config.jobs_dir)
+    return max(max(ctx.slurm_gpus) + 1, jobfiles.highest_known_gpu(records) + 1, jobfiles.device_count())
+
+
+def record_provisional(ctx: PrologContext, config: HookConfig, size: int, lock_wait: float, log: Log) -> tuple[int, ...]:
+    """Step 2: a safe choice made from local files only, recorded before anything slow happens."""
+    ledger_file = LedgerFile(config.ledger, size)
+    try:
+        with ledger_file.locked(timeout=max(lock_wait, 0.1)):
+            ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log)
+            decision = fallback_decision(ctx, ledger, size, "provisional")
+            commit(config, ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log)
+            return decision.gpus
+    except TimeoutError:
+        # A lock holder is stuck (held for milliseconds otherwise). Decide from what the files say and
+        # write only the job file: the next Prolog that gets the lock enters it into the ledger.
+        ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log)
+        decision = fallback_decision(ctx, ledger, size, "provisional")
+        jobfiles.write_job_file(config.jobs_dir, ctx.job_id, decision.gpus)
+        log(f"job {ctx.job_id}: LEDGER LOCK TIMEOUT ({config.ledger}.lock held by a stuck process?); "
+            f"gave it GPUs {','.join(map(str, decision.gpus))} that no job file names, without the lock")
+        return decision.gpus
 
 
 def run_prolog(
     env: Mapping[str, str],
     config: HookConfig,
     run: RunCommand,
-    log: Callable[[str], None],
+    log: Log,
     config_problem: str = "",
     unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None = None,
     still_wanted: Callable[[], bool] | None = None,
     defer: Callable[[Callable[[], None]], None] | None = None,
     requester_pid: int | None = None,
+    budget: Budget | None = None,
 ) -> Decision | None:
-    """Choose, record and write the job's GPUs.
+    """Mark the job, record a safe provisional choice, then choose, record and write its GPUs.
 
     ``still_wanted`` (the agent's) says whether the Prolog that asked is still waiting; if not,
-    nothing is written (the next Prolog adopts the job, see adopt_unknown_jobs). ``defer`` (the
-    agent's) takes the AdminComment write off the job's start: the agent answers first.
-    ``requester_pid``: the process slurmd started for this Prolog (the agent's client), else this one.
+    the search's choice is not written (the provisional one stays, and the wrapper's in-process
+    retry decides again). ``defer`` (the agent's) takes the AdminComment write off the job's
+    start. ``requester_pid``: the process slurmd started for this Prolog (the agent's client).
+    ``budget``: the wall time left (default: the config's prolog_budget from now).
     """
+    budget = budget or Budget(config.prolog_budget)
     ctx = context_from_env(env)
-    if ctx is None:
-        return None
-    try:
-        write_prolog_mark(config.jobs_dir, ctx.job_id, requester_pid or os.getpid())
-    except OSError as error:
-        log(f"job {ctx.job_id}: cannot write its Prolog mark ({error}); concurrent Prologs may hold its Slurm GPUs meanwhile")
-    try:
-        return _run_prolog(ctx, config, run, log, config_problem, unhealthy_gpus, still_wanted, defer)
-    finally:
-        remove_prolog_mark(config.jobs_dir, ctx.job_id)
-
-
-def _run_prolog(
-    ctx: PrologContext,
-    config: HookConfig,
-    run: RunCommand,
-    log: Callable[[str], None],
-    config_problem: str,
-    unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None,
-    still_wanted: Callable[[], bool] | None,
-    defer: Callable[[Callable[[], None]], None] | None,
-) -> Decision | None:
-    # squeue runs while the directive is read; reaping keeps entries written after it started.
-    listing = RunningJobs(run, config.squeue, ctx.node)
-    unhealthy: frozenset[int] = frozenset()
-    if unhealthy_gpus is not None:
-        try:
-            problems = unhealthy_gpus()
-            unhealthy = frozenset(problems)
-            for gpu, reasons in sorted(problems.items()):
-                log(f"job {ctx.job_id}: leaving out GPU {gpu}: {'; '.join(reasons)}")
-        except Exception as error:  # noqa: BLE001 - a health probe must never stop the job
-            log(f"job {ctx.job_id}: GPU health check failed ({error}); using every GPU")
+    paths.ensure_trusted_dir(config.jobs_dir)
+    jobfiles.write_mark(config.jobs_dir, ctx.job_id, jobfiles.mark_for(requester_pid or os.getpid(), ctx.slurm_gpus))
+    if not ctx.slurm_gpus:
+        return None  # a CPU-only job: its mark says so, and no Prolog ever needs to ask Slurm about it
     problem = config_problem
     graph: HardwareGraph | None = None
     if not problem:
@@ -281,49 +338,115 @@ def _run_prolog(
             graph = load_graph(config, ctx.node)
         except (MapaError, OSError) as error:
             problem = f"no-topology: {error}"
-    size = graph.size if graph is not None else max([*ctx.slurm_gpus, 0]) + 1
+    size = graph.size if graph is not None else size_without_topology(ctx, config)
+    provisional = record_provisional(ctx, config, size, budget.left() / 2, log)
+    bounded = within_budget(run, budget, config.command_timeout)
+    return _decide_and_commit(ctx, config, bounded, log, problem, graph, size, provisional, unhealthy_gpus, still_wanted, defer, budget)
+
+
+def _decide_and_commit(
+    ctx: PrologContext,
+    config: HookConfig,
+    run: RunCommand,
+    log: Log,
+    problem: str,
+    graph: "HardwareGraph | None",
+    size: int,
+    provisional: tuple[int, ...],
+    unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None,
+    still_wanted: Callable[[], bool] | None,
+    defer: Callable[[Callable[[], None]], None] | None,
+    budget: Budget,
+) -> Decision | None:
+    from .directive import parse_directive
+
+    listing = RunningJobs(run, config.squeue, ctx.node)  # runs while the directive is read
+    unhealthy: frozenset[int] = frozenset()
+    if unhealthy_gpus is not None:
+        try:
+            problems = run_for_at_most(budget.for_step(config.command_timeout), unhealthy_gpus)
+            unhealthy = frozenset(problems)
+            for gpu, reasons in sorted(problems.items()):
+                log(f"job {ctx.job_id}: leaving out GPU {gpu}: {'; '.join(reasons)}")
+        except Exception as error:  # noqa: BLE001 - a health probe must never stop the job
+            log(f"job {ctx.job_id}: GPU health check failed ({error}); using every GPU")
     try:
         directive, source = read_directive(ctx, config, run, log)
     except MapaError as error:
         problem = problem or f"bad-directive: {error}"
         directive, source = parse_directive(""), "none"
+    try:
+        running, listed_at = listing.result(budget.for_step(config.command_timeout))
+        adopt_unknown_jobs(ctx, running, size, config, run, log, budget)
+    except CommandFailed as error:
+        running, listed_at = None, None
+        log(f"job {ctx.job_id}: squeue failed ({error}); keeping every ledger entry")
     ledger_file = LedgerFile(config.ledger, size)
-    with ledger_file.locked(timeout=config.command_timeout * 2):
+    decision: Decision | None = None
+    while decision is None:
+        snapshot, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at)
         try:
-            ledger = ledger_file.read()
-        except LedgerCorrupt as error:
-            log(f"job {ctx.job_id}: ledger {config.ledger} is corrupt ({error}); rebuilding it from {config.jobs_dir}")
-            ledger = read_job_files(config.jobs_dir, size)
-        ledger = ledger.without([ctx.job_id])  # a requeued or re-run Prolog chooses afresh
-        try:
-            running, listed_at = listing.result()
-            ledger, dead = ledger.reaped(running | {ctx.job_id}, listed_at)
-            if dead:
-                log(f"job {ctx.job_id}: reaped ledger entries of finished jobs {','.join(dead)}")
-            ledger = adopt_unknown_jobs(ctx, ledger, running, size, config, run, log)
-        except CommandFailed as error:
-            log(f"job {ctx.job_id}: squeue failed ({error}); keeping every ledger entry")
-        decision = choose(ctx, config, graph, directive, ledger, size, problem, unhealthy)
+            proposal = run_for_at_most(budget.for_step(budget.left()),
+                                       lambda: choose(ctx, config, graph, directive, snapshot, size, problem, unhealthy))
+        except TimeoutError:
+            proposal = None
+            log(f"job {ctx.job_id}: the search did not finish within the Prolog's budget; keeping the provisional choice")
         if still_wanted is not None and not still_wanted():
-            log(f"job {ctx.job_id}: its Prolog went away before the decision was written; nothing written, the job keeps Slurm's GPUs")
+            log(f"job {ctx.job_id}: its Prolog went away before the decision was written; it keeps the provisional GPUs "
+                f"{','.join(map(str, provisional))}")
             return None
-        note = f"directive from {source}" + (f"; {problem}" if problem else "")
-        ledger_file.write(ledger.with_job(ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note)))
-        write_job_file(config.jobs_dir, ctx.job_id, decision.gpus)
-    log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; Slurm gave {','.join(map(str, ctx.slurm_gpus))})"
-        + (f"; FALLBACK because {problem}" if decision.fallback else ""))
+        try:
+            with ledger_file.locked(timeout=max(budget.left() - 0.2, 0.1)):
+                fresh, ended, leftovers = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at)
+                unchanged = fresh.free(size, unhealthy) == snapshot.free(size, unhealthy) and fresh.running_groups() == snapshot.running_groups()
+                if proposal is not None and unchanged:
+                    decision = proposal
+                elif proposal is None or budget.for_step(budget.left()) < 0.2:
+                    keep = provisional if not set(provisional) & fresh.held() else None
+                    decision = fallback_decision(ctx, fresh, size, problem or "prolog-budget-spent")
+                    if keep is not None:
+                        decision = dataclasses.replace(decision, gpus=keep)
+                else:
+                    continue  # another job took or freed GPUs meanwhile: search again on the new free set
+                note = f"directive from {source}" + (f"; {problem}" if problem else "")
+                commit(config, ledger_file, fresh, ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note), log)
+                forget_ended(config, ended, leftovers, listed_at, log, ctx.job_id)
+        except TimeoutError:
+            log(f"job {ctx.job_id}: LEDGER LOCK TIMEOUT at commit; it keeps the provisional GPUs {','.join(map(str, provisional))}")
+            decision = fallback_decision(ctx, Ledger(), size, "ledger-lock-timeout")
+            decision = dataclasses.replace(decision, gpus=provisional)
+    log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; "
+        f"Slurm gave {','.join(map(str, ctx.slurm_gpus))})" + (f"; FALLBACK because {problem or decision.fallback}" if decision.fallback else ""))
     if defer is not None:
-        defer(lambda: record_decision(ctx, directive, decision, config, run, log))
+        defer(lambda: record_decision(ctx, directive, decision, config, run_unbounded(run), log))
     else:
         record_decision(ctx, directive, decision, config, run, log)
     return decision
+
+
+def run_unbounded(run: RunCommand) -> RunCommand:
+    """The agent writes the AdminComment after answering: the Prolog's budget no longer applies."""
+    return getattr(run, "unbounded", run)
+
+
+def forget_ended(config: HookConfig, ended: list[str], leftovers: list[tuple[str, float]], listed_at: float | None, log: Log,
+                 job_id: str) -> None:
+    """Remove the files of jobs that have ended (their Epilog was killed) and stale temporary files."""
+    for job in ended:
+        jobfiles.remove_job(config.jobs_dir, job)
+    if ended:
+        log(f"job {job_id}: reaped the ledger entries and files of jobs that ended: {','.join(ended)}")
+    if listed_at is not None:
+        for name, mtime in leftovers:
+            if mtime < listed_at - 60:  # a writer that was killed: none takes a minute
+                paths.remove(Path(config.jobs_dir) / name)
 
 
 class RunningJobs:
     """``squeue`` for the jobs on a node, run in a thread from the moment it is created."""
 
     def __init__(self, run: RunCommand, squeue: str, node: str) -> None:
-        self._outcome: tuple[set[str], float] | CommandFailed = CommandFailed("squeue did not finish")
+        self._outcome: tuple[set[str], float] | CommandFailed = CommandFailed("squeue did not finish within the Prolog's budget")
         self._thread = threading.Thread(target=self._list, args=(run, squeue, node), daemon=True)
         self._thread.start()
 
@@ -336,12 +459,13 @@ class RunningJobs:
         except Exception as error:  # noqa: BLE001 - reported like a failed squeue, never lost in the thread
             self._outcome = CommandFailed(f"squeue: {error}")
 
-    def result(self) -> tuple[set[str], float]:
+    def result(self, timeout: float | None = None) -> tuple[set[str], float]:
         """The running job ids and when they were asked for; raises CommandFailed."""
-        self._thread.join()
-        if isinstance(self._outcome, CommandFailed):
-            raise self._outcome
-        return self._outcome
+        self._thread.join(None if timeout is None else max(timeout, 0.0))
+        outcome = self._outcome
+        if isinstance(outcome, CommandFailed):
+            raise outcome
+        return outcome
 
 
 MAX_ADOPTED_PER_PROLOG = 16
@@ -358,63 +482,67 @@ def still_running(record: dict) -> bool:
 
 
 def adopt_unknown_jobs(
-    ctx: PrologContext, ledger: Ledger, running: set[str], size: int, config: HookConfig, run: RunCommand, log: Callable[[str], None]
-) -> Ledger:
-    """Enter jobs that run here but are not in the ledger, with the GPUs Slurm gave them.
+    ctx: PrologContext, running: set[str], size: int, config: HookConfig, run: RunCommand, log: Log, budget: Budget
+) -> None:
+    """Mark jobs that run here but left nothing in the jobs directory, with the GPUs Slurm gave them.
 
-    That happens when a job's Prolog was killed before it recorded anything, or for jobs that
-    started before MAPA was enabled: they use Slurm's indices, so those are not free. A job whose
-    Prolog is running right now (started with this one) is left to it.
+    Every Prolog marks its job, so these are jobs that started before MAPA was enabled, or whose
+    Prolog was killed before it wrote its mark. They use Slurm's indices. Asking Slurm happens
+    outside the lock, within the budget, a few jobs per Prolog; the mark written for each (pid 0)
+    makes it known to every later Prolog, which never asks again.
     """
-    unknown = sorted(
-        (j for j in running - set(ledger.holdings) - {ctx.job_id} if not prolog_running(config.jobs_dir, j)), key=int
-    )
+    ledger_file = LedgerFile(config.ledger, size)
+    try:
+        known = set(ledger_file.read().holdings)
+    except LedgerCorrupt:
+        known = set()
+    records, _ = jobfiles.scan(config.jobs_dir)
+    unknown = sorted(running - known - set(records) - {ctx.job_id}, key=int)
     for job_id in unknown[:MAX_ADOPTED_PER_PROLOG]:
         try:
             record = parse_job_json(run(show_job_argv(config.scontrol, job_id)))
             gpus = slurm_gpus_on_only_node(record)
         except (CommandFailed, ValueError) as error:
-            log(f"job {ctx.job_id}: cannot read job {job_id}, which runs here without a ledger entry ({error})")
+            log(f"job {ctx.job_id}: cannot read job {job_id}, which runs here without a mark ({error})")
+            if budget.for_step(1.0) <= 0:
+                break
             continue
         if not still_running(record):
             continue  # it ended after squeue listed it; its Epilog already freed its entry
         if gpus is None:
-            log(f"job {ctx.job_id}: job {job_id} runs here without a ledger entry and spans several nodes; not adopted")
+            log(f"job {ctx.job_id}: job {job_id} runs here without a mark and spans several nodes; not adopted")
             continue
-        held = ledger.held()
-        usable = tuple(g for g in gpus if 0 <= g < size and g not in held)
-        if usable != gpus:
-            log(f"job {ctx.job_id}: job {job_id} has Slurm GPUs {gpus} of which {sorted(set(gpus) - set(usable))} are already held")
-        ledger = ledger.with_job(job_id, Holding(usable, "slurm", time.time(), "adopted: ran without a MAPA choice"))
-        if usable:
-            log(f"job {ctx.job_id}: adopted job {job_id} with Slurm's GPUs {','.join(map(str, usable))} (it ran without a MAPA choice)")
-    return ledger
+        gpus = tuple(g for g in gpus if 0 <= g < size)
+        jobfiles.write_mark(config.jobs_dir, job_id, jobfiles.Mark(0, 0, gpus))
+        if gpus:
+            log(f"job {ctx.job_id}: adopted job {job_id} with Slurm's GPUs {','.join(map(str, gpus))} (it ran without a MAPA choice)")
+    if len(unknown) > MAX_ADOPTED_PER_PROLOG:
+        log(f"job {ctx.job_id}: {len(unknown) - MAX_ADOPTED_PER_PROLOG} more unknown jobs are left to the next Prologs")
 
 
 def record_decision(
-    ctx: PrologContext, directive: Directive, decision: Decision, config: HookConfig, run: RunCommand, log: Callable[[str], None]
+    ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, run: RunCommand, log: Log
 ) -> None:
     """Add this node's decision to the job's AdminComment, so that sacct keeps it.
 
-    The Prologs of a multi-node job run at once and each rewrites the whole AdminComment, so a
-    write can drop another node's decision: for those jobs, read back and write again (merged)
-    until ours is there, a few times at most. A one-node job needs one read and one write.
+    The AdminComment is read afresh each time, so what an admin wrote there meanwhile is kept
+    (with_decision keeps every text that is not MAPA's). The Prologs of a multi-node job run at
+    once and each rewrites the whole AdminComment, so a write can drop another node's decision:
+    for those jobs, read back and write again (merged) until ours is there, a few times at most.
     """
     job_id = ctx.job_id
-    admin = ctx.admin_comment
     for attempt in range(4):
         try:
             if attempt:
                 time.sleep(0.05 * attempt + random.random() * 0.1)
-            if admin is None:
-                admin = str(parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or "")
+            admin = parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or ""
+            admin = admin if isinstance(admin, str) else ""
             recorded = parse_decisions(admin).get(decision.node)
             if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy):
                 return
             run(admin_comment_argv(config.scontrol, job_id, with_decision(admin, directive, decision)))
             if ctx.nodes_in_job <= 1:
                 return
-            admin = None  # read back: another node's Prolog may have written at the same time
         except CommandFailed as error:
             log(f"job {job_id}: could not record the decision in AdminComment ({error})")
             return
@@ -442,7 +570,21 @@ def prolog_failing_open(
     except Exception:  # noqa: BLE001 - fail open: never drain the node
         import traceback
 
-        log(f"prolog internal error{where}, job runs on Slurm's GPUs:\n" + traceback.format_exc())
+        log(f"prolog internal error{where}:\n" + traceback.format_exc())
+        record_after_error(env, config, log)
+
+
+def record_after_error(env: Mapping[str, str], config: HookConfig, log: Log) -> None:
+    """After an unexpected error: if the job has no job file yet, give it GPUs no job file names."""
+    try:
+        ctx = context_from_env(env)
+        if not ctx.slurm_gpus or os.path.lexists(jobfiles.job_file_path(config.jobs_dir, ctx.job_id)):
+            return
+        size = size_without_topology(ctx, config)
+        gpus = record_provisional(ctx, config, size, config.prolog_budget / 4, log)
+        log(f"job {ctx.job_id}: after the error it runs on GPUs {','.join(map(str, gpus))}, which no other job holds if any were free")
+    except Exception as error:  # noqa: BLE001 - nothing more can be done safely; the job runs on Slurm's GPUs
+        log(f"prolog: could not record a safe choice after the error ({error}); the job runs on Slurm's GPUs")
 
 
 def prolog_main() -> int:

@@ -1,11 +1,17 @@
 """The node ledger: which job holds which GPUs on this node.
 
 Slurm counts GPUs; MAPA chooses which ones, so the node keeps its own record. The record is a
-small JSON file, changed only under an exclusive lock and replaced atomically (write a temporary
-file, fsync, rename), so that Prologs starting together never hand out a GPU twice and a Prolog
-killed at any instant leaves either the old or the new ledger, never a torn one.
+small JSON file, changed only under an exclusive lock held for milliseconds (no Slurm call and
+no search runs under it) and replaced atomically (a fresh temporary file, fsync, rename), so
+that Prologs starting together never hand out a GPU twice and a Prolog killed at any instant
+leaves either the old or the new ledger, never a torn one.
 
-The pure part (:class:`Ledger` and its functions) is separate from the file part
+The ledger is an index over the jobs directory (slurm/jobfiles.py), which says what each job
+really uses; :func:`reconcile` brings the two together under the lock. A GPU may be held by two
+jobs when they really do share it (a job whose Prolog was killed runs on Slurm's indices): the
+ledger then keeps it held until both have ended. Only a MAPA choice must not overlap anything.
+
+The pure part (:class:`Ledger`, :func:`reconcile`) is separate from the file part
 (:class:`LedgerFile`).
 """
 
@@ -19,10 +25,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
+
+from . import paths
+from .commands import is_job_id
+from .jobfiles import JobRecords, mark_is_live
 
 MAX_LEDGER_BYTES = 1 << 20
-_JOB_ID_CHARS = set("0123456789")
+MAX_JSON_DEPTH = 8  # the ledger is three levels deep; anything deeper is not ours
 
 
 class LedgerCorrupt(ValueError):
@@ -53,10 +63,23 @@ class Ledger:
         return tuple(gpu for gpu in range(size) if gpu not in taken)
 
     def with_job(self, job_id: str, holding: Holding) -> "Ledger":
+        """The ledger with a MAPA choice for ``job_id``; it must not touch a GPU another job holds."""
         overlap = set(holding.gpus) & {g for j, h in self.holdings.items() if j != job_id for g in h.gpus}
         if overlap:
             raise ValueError(f"internal error: GPUs {sorted(overlap)} are already held")
+        return self.with_usage(job_id, holding)
+
+    def with_usage(self, job_id: str, holding: Holding) -> "Ledger":
+        """The ledger with what ``job_id`` really uses, even where another job uses it too."""
         return Ledger({**self.holdings, job_id: holding})
+
+    def shared(self) -> dict[int, list[str]]:
+        """GPUs held by more than one job, with those jobs."""
+        owners: dict[int, list[str]] = {}
+        for job, holding in sorted(self.holdings.items()):
+            for gpu in holding.gpus:
+                owners.setdefault(gpu, []).append(job)
+        return {gpu: jobs for gpu, jobs in owners.items() if len(jobs) > 1}
 
     def without(self, job_ids: Iterable[str]) -> "Ledger":
         gone = set(job_ids)
@@ -86,32 +109,102 @@ def ledger_to_json(ledger: Ledger) -> str:
     )
 
 
+def _json_depth_ok(text: str) -> bool:
+    """Whether brackets nest at most MAX_JSON_DEPTH deep (checked before json.loads recurses)."""
+    depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif char in "]}":
+            depth -= 1
+    return True
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) < 1e12
+
+
 def ledger_from_json(text: str, size: int) -> Ledger:
-    """Strictly parse a ledger; anything unexpected raises LedgerCorrupt."""
+    """Strictly parse a ledger; anything unexpected, in any field, raises LedgerCorrupt."""
+    if not _json_depth_ok(text):
+        raise LedgerCorrupt(f"nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:
         raise LedgerCorrupt(f"not JSON: {error}") from None
-    if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("jobs"), dict):
-        raise LedgerCorrupt("expected an object with version 1 and a jobs table")
+    if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("jobs"), dict) or set(data) != {"version", "jobs"}:
+        raise LedgerCorrupt("expected an object with version 1 and a jobs table, nothing else")
     holdings: dict[str, Holding] = {}
-    seen: set[int] = set()
     for job, entry in data["jobs"].items():
-        if not job or not set(job) <= _JOB_ID_CHARS or not isinstance(entry, dict):
-            raise LedgerCorrupt(f"bad entry for job {job!r}")
-        gpus = entry.get("gpus")
+        if not is_job_id(job) or not isinstance(entry, dict):
+            raise LedgerCorrupt(f"bad entry for job {job[:40]!r}")
+        if set(entry) != {"gpus", "policy", "since", "note"}:
+            raise LedgerCorrupt(f"job {job}: expected the fields gpus, policy, since, note; got {sorted(map(str, entry))[:8]}")
+        gpus = entry["gpus"]
         if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g < size for g in gpus):
-            raise LedgerCorrupt(f"job {job}: GPUs {gpus!r} are not indices below {size}")
-        if seen & set(gpus) or len(set(gpus)) != len(gpus):
-            raise LedgerCorrupt(f"job {job}: GPUs {gpus} are held twice")
-        seen |= set(gpus)
-        holdings[job] = Holding(
-            gpus=tuple(gpus),
-            policy=str(entry.get("policy", "")),
-            since=float(entry.get("since", 0.0)),
-            note=str(entry.get("note", "")),
-        )
+            raise LedgerCorrupt(f"job {job}: GPUs {str(gpus)[:60]} are not indices below {size}")
+        if len(set(gpus)) != len(gpus):
+            raise LedgerCorrupt(f"job {job}: GPUs {gpus} name one GPU twice")
+        if not isinstance(entry["policy"], str) or not isinstance(entry["note"], str) or not _is_number(entry["since"]):
+            raise LedgerCorrupt(f"job {job}: policy and note must be strings and since a number")
+        holdings[job] = Holding(tuple(gpus), entry["policy"][:64], float(entry["since"]), entry["note"][:1024])
     return Ledger(holdings)
+
+
+def reconcile(
+    ledger: Ledger,
+    records: Mapping[str, JobRecords],
+    size: int,
+    running: set[str] | None = None,
+    listed_at: float | None = None,
+    now: float = 0.0,
+    is_live=mark_is_live,
+) -> tuple[Ledger, list[str]]:
+    """The ledger brought in line with the jobs directory, and the jobs found to have ended.
+
+    What a job uses: its job file's GPUs; without one, Slurm's GPUs from its mark once its
+    Prolog is gone (it was killed: the job runs on Slurm's indices); while its Prolog still runs
+    and has written nothing, its ledger entry; a job with neither files nor mark keeps its ledger
+    entry (adopted earlier, or recorded by an older version). ``running``: the jobs Slurm lists
+    on the node, asked for at ``listed_at``; a job not in it whose records are all older than
+    that has ended and is dropped (returned, so the caller removes its files too).
+    """
+    holdings: dict[str, Holding] = {}
+    ended: list[str] = []
+    for job in sorted(set(ledger.holdings) | set(records), key=int):
+        held = ledger.holdings.get(job)
+        record = records.get(job, JobRecords())
+        newest = max(record.newest, held.since if held else 0.0)
+        if running is not None and job not in running and listed_at is not None and newest < listed_at:
+            ended.append(job)
+            continue
+        if record.gpus is not None:
+            gpus, policy, note = record.gpus, "recovered", "from its job file"
+        elif record.mark is not None and not is_live(record.mark):
+            gpus, policy, note = record.mark.slurm_gpus, "slurm", "its Prolog died before choosing: runs on Slurm's GPUs"
+        elif held is not None:
+            holdings[job] = held
+            continue
+        else:
+            continue  # its Prolog runs right now and has chosen nothing yet
+        gpus = tuple(g for g in gpus if 0 <= g < size)
+        if held is not None and held.gpus == gpus:
+            holdings[job] = held  # keep what the Prolog recorded about its choice
+        elif gpus or record.gpus is not None:
+            holdings[job] = Holding(gpus, policy, now or newest, note)
+    return Ledger(holdings), ended
 
 
 class LedgerFile:
@@ -124,8 +217,10 @@ class LedgerFile:
 
     @contextmanager
     def locked(self, timeout: float = 10.0) -> Iterator[None]:
-        self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        """Hold the ledger's lock; TimeoutError after ``timeout`` seconds, UnsafePath if the
+        directory is not root's alone (another user could swap the ledger or its lock)."""
+        paths.ensure_trusted_dir(self.path.parent)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             deadline = time.monotonic() + timeout
             while True:
@@ -135,7 +230,7 @@ class LedgerFile:
                 except OSError as error:
                     if error.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
                         raise TimeoutError(f"could not lock {self.lock_path} within {timeout:g} s") from None
-                    time.sleep(0.01)
+                    time.sleep(0.005)
             yield
         finally:
             os.close(fd)  # closing drops the lock
@@ -143,10 +238,11 @@ class LedgerFile:
     def read(self) -> Ledger:
         """The ledger (empty if there is none); LedgerCorrupt if it cannot be trusted."""
         try:
-            with open(self.path, "rb") as handle:
-                raw = handle.read(MAX_LEDGER_BYTES + 1)
+            raw = paths.read_bytes(self.path, MAX_LEDGER_BYTES)
         except FileNotFoundError:
             return Ledger()
+        except OSError as error:  # a symlink or a device planted in its place
+            raise LedgerCorrupt(f"unreadable: {error}") from None
         if len(raw) > MAX_LEDGER_BYTES:
             raise LedgerCorrupt(f"larger than {MAX_LEDGER_BYTES} bytes")
         try:
@@ -156,22 +252,4 @@ class LedgerFile:
         return ledger_from_json(text, self.size)
 
     def write(self, ledger: Ledger) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        data = ledger_to_json(ledger).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def prolog_mark_path(jobs_dir: Path, job_id: str) -> Path:
-    """Where a running Prolog says so (its process id), next to the per-job files; see hooks.write_prolog_mark."""
-    return jobs_dir / f".prolog-{job_id}"
+        paths.replace_file(self.path, ledger_to_json(ledger).encode(), mode=0o644, durable=True)

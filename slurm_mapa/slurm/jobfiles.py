@@ -1,0 +1,174 @@
+"""The jobs directory: what each job on this node really uses, kept where the TaskProlog reads it.
+
+Two small files per job, both written whole or not at all (paths.replace_file):
+
+* ``JOBID``: ``MAPA_GPUS=4,5,7`` - the GPUs the job uses (the TaskProlog exports them). The
+  Prolog writes a safe provisional choice first and its final choice later.
+* ``.prolog-JOBID``: ``pid=812 start=99123 slurm=0,1`` - the mark every Prolog (CPU-only jobs
+  too) writes before anything else: which process runs the Prolog (its pid and start time, so a
+  reused pid is not mistaken for it) and which GPUs Slurm gave the job. It stays until the Epilog.
+
+A job uses the GPUs of its job file, or Slurm's indices when it has none (the TaskProlog then
+prints nothing and Slurm's binding stays). So this directory alone says what every job that
+started here uses; the ledger is an index over it (plus what the Prolog learnt from Slurm).
+Parsing and formatting are pure; the scan is the only reader.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import paths
+from .commands import is_job_id, parse_gpu_indices
+
+JOB_FILE_MAX_BYTES = 4096
+MARK_MAX_BYTES = 8192
+MAX_ENTRIES = 20000  # a node never runs this many jobs; past it the scan stops reading
+_MARK = re.compile(r"pid=([0-9]{1,10}) start=([0-9]{1,20}) slurm=([0-9,]*)")
+MARK_PREFIX = ".prolog-"
+
+
+@dataclass(frozen=True)
+class Mark:
+    pid: int  # 0: written for the job by another process (adoption); never live
+    start: int  # the process's start time in clock ticks since boot (/proc/PID/stat field 22)
+    slurm_gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class JobRecords:
+    """What the jobs directory holds for one job; None where a file is missing or unreadable."""
+
+    gpus: tuple[int, ...] | None = None  # from the job file
+    mark: Mark | None = None
+    newest: float = 0.0  # newest modification time of its files
+
+
+def job_file_text(gpus: tuple[int, ...] | list[int]) -> str:
+    return f"MAPA_GPUS={','.join(map(str, gpus))}\n"
+
+
+def parse_job_file(data: bytes) -> tuple[int, ...]:
+    """The GPUs of a job file; ValueError unless it is exactly what job_file_text writes."""
+    text = data.decode("ascii")
+    if len(data) > JOB_FILE_MAX_BYTES or not text.startswith("MAPA_GPUS=") or not text.endswith("\n") or text.count("\n") != 1:
+        raise ValueError(f"not a job file: {data[:60]!r}")
+    gpus = parse_gpu_indices(text[len("MAPA_GPUS="):-1])
+    if not gpus or len(set(gpus)) != len(gpus):
+        raise ValueError(f"not a job file: {data[:60]!r}")
+    return gpus
+
+
+def mark_text(mark: Mark) -> str:
+    return f"pid={mark.pid} start={mark.start} slurm={','.join(map(str, mark.slurm_gpus))}\n"
+
+
+def parse_mark(data: bytes) -> Mark:
+    text = data.decode("ascii")
+    match = _MARK.fullmatch(text[:-1]) if len(data) <= MARK_MAX_BYTES and text.endswith("\n") else None
+    if match is None:
+        raise ValueError(f"not a Prolog mark: {data[:60]!r}")
+    return Mark(int(match.group(1)), int(match.group(2)), parse_gpu_indices(match.group(3)))
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None if there is no such process."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read(4096)
+    except OSError:
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def highest_known_gpu(records: dict[str, JobRecords]) -> int:
+    """The highest GPU index any job file or mark names (-1 if none): those GPUs exist."""
+    return max((g for r in records.values() for g in (*(r.gpus or ()), *(r.mark.slurm_gpus if r.mark else ()))), default=-1)
+
+
+def device_count(dev: Path = Path("/dev")) -> int:
+    """How many NVIDIA GPUs the node's device files show (0 where there are none)."""
+    try:
+        return sum(1 for name in os.listdir(dev) if re.fullmatch(r"nvidia[0-9]{1,4}", name))
+    except OSError:
+        return 0
+
+
+def mark_for(pid: int, slurm_gpus: tuple[int, ...]) -> Mark:
+    return Mark(pid, process_start_time(pid) or 0, slurm_gpus)
+
+
+def mark_is_live(mark: Mark) -> bool:
+    """Whether the Prolog the mark names still runs (same pid *and* same start time)."""
+    return mark.pid > 1 and mark.start > 0 and process_start_time(mark.pid) == mark.start
+
+
+def job_file_path(jobs_dir: Path, job_id: str) -> Path:
+    return Path(jobs_dir) / job_id
+
+
+def mark_path(jobs_dir: Path, job_id: str) -> Path:
+    return Path(jobs_dir) / f"{MARK_PREFIX}{job_id}"
+
+
+def write_job_file(jobs_dir: Path, job_id: str, gpus: tuple[int, ...]) -> None:
+    paths.replace_file(job_file_path(jobs_dir, job_id), job_file_text(gpus).encode())  # 644: the TaskProlog reads it as the user
+
+
+def write_mark(jobs_dir: Path, job_id: str, mark: Mark) -> None:
+    paths.replace_file(mark_path(jobs_dir, job_id), mark_text(mark).encode(), mode=0o600)
+
+
+def remove_job(jobs_dir: Path, job_id: str) -> None:
+    """The job file first: from then on the job's GPUs are Slurm's, which the mark still names."""
+    paths.remove(job_file_path(jobs_dir, job_id))
+    paths.remove(mark_path(jobs_dir, job_id))
+
+
+def _job_of(name: str) -> tuple[str, str] | None:
+    """(job id, "job" or "mark") for a name of the jobs directory, None for anything else."""
+    if is_job_id(name):
+        return name, "job"
+    if name.startswith(MARK_PREFIX) and is_job_id(name[len(MARK_PREFIX):]):
+        return name[len(MARK_PREFIX):], "mark"
+    return None
+
+
+def scan(jobs_dir: Path) -> tuple[dict[str, JobRecords], list[tuple[str, float]]]:
+    """Every job's records, and the leftover temporary files (name, mtime) of killed writers."""
+    records: dict[str, JobRecords] = {}
+    leftovers: list[tuple[str, float]] = []
+    try:
+        entries = list(os.scandir(jobs_dir))[:MAX_ENTRIES]
+    except FileNotFoundError:
+        return records, leftovers
+    for entry in entries:
+        try:
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        parsed = _job_of(entry.name)
+        if parsed is None:
+            if entry.name.endswith(".tmp") and entry.name.startswith("."):
+                leftovers.append((entry.name, mtime))
+            continue
+        job_id, kind = parsed
+        old = records.get(job_id, JobRecords())
+        try:
+            data = paths.read_bytes(Path(entry.path), MARK_MAX_BYTES)
+            if kind == "job":
+                old = JobRecords(parse_job_file(data), old.mark, max(old.newest, mtime))
+            else:
+                old = JobRecords(old.gpus, parse_mark(data), max(old.newest, mtime))
+        except (OSError, ValueError):
+            old = JobRecords(old.gpus, old.mark, max(old.newest, mtime))  # unreadable: as if absent, but seen
+        records[job_id] = old
+    return records, leftovers

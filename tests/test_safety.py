@@ -1,0 +1,406 @@
+"""No GPU in two jobs, whatever fails: the Prolog's provisional record, its budget, the marks,
+reconciliation with the jobs directory, corrupt ledgers, stuck locks, killed Epilogs, root-side
+paths. The randomised end-to-end check is tests/test_invariant.py."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slurm_mapa.slurm import jobfiles
+from slurm_mapa.slurm.commands import Runner
+from slurm_mapa.slurm.config import config_from_text
+from slurm_mapa.slurm.epilog import run_epilog
+from slurm_mapa.slurm.hooks import Budget, fallback_gpus, prolog_failing_open, run_prolog
+from slurm_mapa.slurm.jobfiles import JobRecords, Mark, mark_for, mark_path, write_job_file, write_mark
+from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json, reconcile
+from slurm_mapa.slurm.paths import UnsafePath
+
+from test_hooks import FakeSlurm, env_for
+
+
+def make_config(tmp_path: Path, **extra: object):
+    lines = [f'ledger = "{tmp_path}/state/ledger.json"', f'jobs_dir = "{tmp_path}/jobs"', f'log = "{tmp_path}/log"', 'health = "off"']
+    lines += [f"{key} = {json.dumps(value)}" for key, value in extra.items()]
+    return config_from_text("\n".join(lines) + '\n[nodes]\n"dgx*" = "dgx1-v100"\n', "test")
+
+
+def job_gpus(config, job: str) -> tuple[int, ...]:
+    return jobfiles.parse_job_file((config.jobs_dir / job).read_bytes())
+
+
+def usage(config, slurm_gpus: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """What each live job uses: its job file, else Slurm's indices (the invariant's definition)."""
+    return {job: job_gpus(config, job) if (config.jobs_dir / job).exists() else gpus for job, gpus in slurm_gpus.items()}
+
+
+def assert_disjoint(uses: dict[str, tuple[int, ...]]) -> None:
+    seen: dict[int, str] = {}
+    for job, gpus in sorted(uses.items()):
+        for gpu in gpus:
+            assert gpu not in seen, f"GPU {gpu} used by jobs {seen[gpu]} and {job}: {uses}"
+            seen[gpu] = job
+
+
+def fake_command(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / "bin" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+# --- the provisional record ---------------------------------------------------------------------
+
+
+def test_a_safe_choice_is_recorded_before_the_prolog_asks_slurm_anything(tmp_path):
+    config = make_config(tmp_path)
+    seen_at_first_call: list[tuple[str, Ledger]] = []
+
+    class Watching(FakeSlurm):
+        def __call__(self, argv):
+            if not seen_at_first_call:
+                seen_at_first_call.append(((config.jobs_dir / "12").read_text(), LedgerFile(config.ledger, 8).read()))
+            return super().__call__(argv)
+
+    slurm, logs = Watching(), []
+    slurm.running = {"11", "12"}
+    write_job_file_trusted(config, "11", (0, 1))  # job 11 was moved by MAPA onto Slurm's idea of job 12's GPUs
+    slurm.admin["12"] = "mapa:topology=ring sensitive=yes"
+    decision = run_prolog(env_for("12", "0,1"), config, slurm, logs.append)
+    job_file, ledger = seen_at_first_call[0]
+    assert job_file == "MAPA_GPUS=2,3\n" and ledger.holdings["12"].policy == "provisional"
+    assert ledger.holdings["11"].gpus == (0, 1)
+    assert not {0, 1} & set(decision.gpus) and job_gpus(config, "12") == decision.gpus
+
+
+def write_job_file_trusted(config, job: str, gpus: tuple[int, ...]) -> None:
+    config.jobs_dir.mkdir(mode=0o755, exist_ok=True)
+    write_job_file(config.jobs_dir, job, gpus)
+
+
+def test_fallback_gpus_share_as_little_as_possible():
+    assert fallback_gpus((0, 1), (0, 1, 2)) == (0, 1)
+    assert fallback_gpus((0, 1), (1, 2, 5)) == (1, 2)
+    # Only one free: it, then the Slurm GPU held by fewest jobs.
+    assert fallback_gpus((0, 1), (5,), held=[0, 0, 1, 2]) == (5, 1)
+    assert fallback_gpus((3,), (), held=[3, 3, 4]) == (3,)
+
+
+# --- the budget ---------------------------------------------------------------------------------
+
+
+def test_hanging_slurm_commands_cannot_hold_the_prolog_past_its_budget(tmp_path):
+    hang = fake_command(tmp_path, "hang", "exec sleep 60\n")
+    config = make_config(tmp_path, scontrol=hang, squeue=hang, command_timeout=30, prolog_budget=3)
+    logs: list[str] = []
+    started = time.monotonic()
+    decision = run_prolog(env_for("5", "0,1"), config, Runner(timeout=30), logs.append)
+    took = time.monotonic() - started
+    assert took < 3 + 1.5, f"the Prolog took {took:.1f} s with a 3 s budget"
+    assert decision is not None and job_gpus(config, "5") == decision.gpus and len(decision.gpus) == 2
+    assert any("budget is spent" in line or "timed out" in line for line in logs)
+
+
+def test_many_unknown_jobs_and_a_slow_slurm_stay_within_the_budget(tmp_path):
+    # 40 jobs run here that no Prolog marked (they started before MAPA was enabled); Slurm answers in 2 s.
+    ids = " ".join(str(100 + i) for i in range(40))
+    squeue = fake_command(tmp_path, "squeue", f"for j in {ids} 7; do echo $j; done\n")
+    scontrol = fake_command(tmp_path, "scontrol", "sleep 2\necho '{\"jobs\": [{\"job_id\": 1, \"gres_detail\": [], \"job_state\": [\"RUNNING\"]}]}'\n")
+    config = make_config(tmp_path, scontrol=scontrol, squeue=squeue, command_timeout=5, prolog_budget=8)
+    logs: list[str] = []
+    started = time.monotonic()
+    run_prolog(env_for("7", "0"), config, Runner(timeout=5), logs.append)
+    assert time.monotonic() - started < 8 + 1.5
+    marked = [p for p in config.jobs_dir.iterdir() if p.name.startswith(".prolog-1")]
+    assert 0 < len(marked) < 40  # some were asked about (and are known from now on), the rest left to later Prologs
+
+
+def test_budget_cuts_each_step():
+    now = [0.0]
+    budget = Budget(10, clock=lambda: now[0])
+    assert budget.for_step(5) == 5
+    now[0] = 7.5
+    assert budget.for_step(5) == pytest.approx(1.5)
+    now[0] = 9.5
+    assert budget.for_step(5) < 0
+
+
+# --- non-UTF-8 text from Slurm ------------------------------------------------------------------
+
+
+def test_a_latin1_batch_script_and_job_name_still_get_a_safe_decision(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "script").write_bytes(b"#!/bin/bash\n# Auteur: J\xe9r\xf4me\n#SBATCH --gres=gpu:2\nsrun ./a.out\n")
+    (bindir / "job.json").write_bytes(b'{"jobs": [{"job_id": 9, "name": "r\xe9sum\xe9", "admin_comment": "", "batch_flag": true}]}')
+    scontrol = fake_command(tmp_path, "scontrol", f'case "$1" in write) cat {bindir}/script ;; --json) cat {bindir}/job.json ;; esac\n')
+    squeue = fake_command(tmp_path, "squeue", "echo 9; echo 3\n")
+    config = make_config(tmp_path, scontrol=scontrol, squeue=squeue)
+    write_job_file_trusted(config, "3", (0,))  # job 3 holds GPU 0, which Slurm gives job 9 as well
+    logs: list[str] = []
+    decision = run_prolog(env_for("9", "0,1"), config, Runner(timeout=5), logs.append)
+    assert decision.policy == "preserve" and 0 not in decision.gpus
+    assert usage(config, {"9": (0, 1), "3": (0,)})["9"] == decision.gpus
+    assert not any("Traceback" in line for line in logs)
+
+
+def test_an_unexpected_error_still_leaves_a_safe_job_file(tmp_path, monkeypatch):
+    config_path = tmp_path / "mapa.toml"
+    config_path.write_text(f'ledger = "{tmp_path}/state/ledger.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\n'
+                           'health = "off"\n[nodes]\n"dgx*" = "dgx1-v100"\n')
+    config = make_config(tmp_path)
+    write_job_file_trusted(config, "3", (4, 5))  # so GPUs 0-5 exist, though the topology cannot be read
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("slurm_mapa.slurm.hooks.load_graph", broken)
+    prolog_failing_open(env_for("9", "4,5"), {"MAPA_CONFIG": str(config_path)}, make_runner=lambda timeout: FakeSlurm())
+    log = (tmp_path / "log").read_text()
+    assert "internal error" in log and "RuntimeError: a bug" in log
+    assert job_gpus(config, "9") == (0, 1)
+
+
+# --- killed Prologs: marks, shared GPUs, reused pids --------------------------------------------
+
+
+def test_a_gpu_shared_after_a_killed_prolog_stays_held_until_both_jobs_end(tmp_path):
+    config = make_config(tmp_path)
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"1", "2", "3"}
+    write_job_file_trusted(config, "1", (3, 4))  # MAPA put job 1 on 3,4
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    write_mark(config.jobs_dir, "2", mark_for(dead.pid, (4, 5)))  # job 2's Prolog was killed: it runs on Slurm's 4,5
+    decision = run_prolog(env_for("3", "0,1"), config, slurm, logs.append)
+    ledger = LedgerFile(config.ledger, 8).read()
+    assert ledger.shared() == {4: ["1", "2"]} and not {3, 4, 5} & set(decision.gpus)
+    run_epilog({"SLURM_JOB_ID": "1"}, config, logs.append)  # job 1 ends; job 2 still uses GPU 4
+    slurm.running = {"2", "3", "4"}
+    decision = run_prolog(env_for("4", "2,3,4,6"), config, slurm, logs.append)
+    assert 4 not in decision.gpus and 5 not in decision.gpus
+    assert_disjoint(usage(config, {"2": (4, 5), "3": (0, 1), "4": (2, 3, 4, 6)}))
+
+
+def test_process_start_time_tells_a_reused_pid_from_the_prolog():
+    me = os.getpid()
+    assert jobfiles.mark_is_live(mark_for(me, ()))
+    assert not jobfiles.mark_is_live(Mark(me, jobfiles.process_start_time(me) + 1, ()))
+    assert not jobfiles.mark_is_live(Mark(0, 0, (1,)))
+    assert jobfiles.process_start_time(0) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"", b"pid=1 start=2 slurm=0,1\n", b"pid=1 start=2 slurm=0,1", b"pid=1 start=2 slurm=0-999999999999\n", b"pid=x start=2 slurm=\n",
+     b"pid=1 start=2 slurm=\n\n", b"pid=1 start=2 slurm=\xff\n"],
+)
+def test_marks_parse_strictly(text):
+    if text == b"pid=1 start=2 slurm=0,1\n":
+        assert jobfiles.parse_mark(text) == Mark(1, 2, (0, 1))
+    else:
+        with pytest.raises(ValueError):
+            jobfiles.parse_mark(text)
+
+
+# --- reconciliation -----------------------------------------------------------------------------
+
+gpu_sets = st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True).map(lambda g: tuple(sorted(g)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=st.dictionaries(
+        st.integers(1, 30).map(str),
+        st.tuples(st.none() | gpu_sets, st.none() | st.tuples(st.booleans(), st.tuples() | gpu_sets), st.none() | gpu_sets,
+                  st.floats(0, 100)),
+        max_size=10,
+    ),
+    running=st.none() | st.sets(st.integers(1, 30).map(str)),
+)
+def test_reconcile_holds_what_every_job_uses(entries, running):
+    """Every job not listed as ended holds at least what it uses (job file, else Slurm's GPUs once
+    its Prolog is gone); ended are exactly the unlisted jobs with records older than the listing."""
+    records, holdings, live = {}, {}, set()
+    for job, (file_gpus, mark, ledger_gpus, age) in entries.items():
+        if file_gpus is not None or mark is not None:
+            records[job] = JobRecords(file_gpus, Mark(2 if mark[0] else 0, 1, mark[1]) if mark else None, age)
+            if mark and mark[0]:
+                live.add(job)
+        if ledger_gpus is not None:
+            holdings[job] = Holding(ledger_gpus, "preserve", age)
+    ledger, ended = reconcile(Ledger(holdings), records, 8, running, 50.0 if running is not None else None,
+                              is_live=lambda mark: mark.pid == 2)
+    for job in set(records) | set(holdings):
+        newest = max(records[job].newest if job in records else 0, holdings[job].since if job in holdings else 0)
+        gone = running is not None and job not in running and newest < 50.0
+        assert (job in ended) == gone
+        if gone:
+            assert job not in ledger.holdings
+            continue
+        record = records.get(job)
+        if record is not None and record.gpus is not None:
+            assert ledger.holdings[job].gpus == record.gpus
+        elif record is not None and record.mark is not None and job not in live:
+            assert ledger.holdings.get(job, Holding((), "", 0)).gpus == record.mark.slurm_gpus
+        elif job in holdings:
+            assert ledger.holdings[job] == holdings[job]
+
+
+BAD_LEDGERS = [
+    '{"version": 1, "jobs": {"7": {"gpus": [1], "policy": "p", "since": null, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": "1", "policy": "p", "since": 1, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [1.0], "policy": "p", "since": 1, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [true], "policy": "p", "since": 1, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [-1], "policy": "p", "since": 1, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [99999999999999999999], "policy": "p", "since": 1, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [1, 1], "policy": "p", "since": 1, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [1], "policy": 5, "since": 1, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [1], "policy": "p", "since": "x", "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [1], "policy": "p", "since": NaN, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [1], "policy": "p", "since": 1, "note": []}}}',
+    '{"version": 1, "jobs": {"7": {"gpus": [1], "policy": "p", "since": 1}}}',
+    '{"version": 1, "jobs": {"7\\n": {"gpus": [1], "policy": "p", "since": 1, "note": ""}}}',
+    '{"version": 1, "jobs": {"7": []}}',
+    '{"version": 1, "jobs": []}',
+    '{"version": 2, "jobs": {}}',
+    '{"version": 1, "jobs": {}, "extra": 1}',
+    "[" * 100000,
+    '{"version": 1, "jobs": {"7": {"gpus": [1], "policy": "p", "since": 1, "note": "' + "[" * 50 + '"}}}x',
+    "{ torn",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", BAD_LEDGERS)
+def test_a_ledger_wrong_in_any_field_is_corrupt_and_rebuilt_from_the_jobs_directory(tmp_path, text):
+    with pytest.raises(LedgerCorrupt):
+        ledger_from_json(text, 8)
+    config = make_config(tmp_path)
+    write_job_file_trusted(config, "7", (0, 1))
+    config.ledger.parent.mkdir(parents=True)
+    config.ledger.write_text(text)
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"7", "8"}
+    decision = run_prolog(env_for("8", "0,1"), config, slurm, logs.append)
+    assert not {0, 1} & set(decision.gpus) and any("corrupt" in line for line in logs)
+    assert LedgerFile(config.ledger, 8).read().holdings["7"].gpus == (0, 1)
+
+
+def test_a_deep_but_valid_note_is_not_mistaken_for_nesting():
+    ledger = Ledger({"7": Holding((1,), "p", 1.0, "[[[[[[[[[[[[{{{{{{ \"quoted\" \\ "  )})
+    assert ledger_from_json(ledger_to_json(ledger), 8) == ledger
+
+
+def test_a_symlink_in_place_of_the_ledger_is_replaced_never_followed(tmp_path):
+    config = make_config(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    config.ledger.parent.mkdir(parents=True)
+    config.ledger.symlink_to(victim)
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"8"}
+    run_prolog(env_for("8", "0,1"), config, slurm, logs.append)
+    assert victim.read_text() == "precious\n" and not config.ledger.is_symlink()
+    assert "8" in LedgerFile(config.ledger, 8).read().holdings
+
+
+# --- killed Epilogs and stuck locks -------------------------------------------------------------
+
+
+def test_files_left_by_killed_epilogs_are_removed_once_slurm_no_longer_lists_the_job(tmp_path):
+    config = make_config(tmp_path)
+    write_job_file_trusted(config, "5", (0, 1))
+    write_mark(config.jobs_dir, "5", Mark(0, 0, (0, 1)))
+    write_mark(config.jobs_dir, "6", Mark(0, 0, ()))  # a CPU-only job whose Epilog was killed
+    (config.jobs_dir / ".5.abc.tmp").write_text("half")
+    old = time.time() - 3600
+    for name in ("5", ".prolog-5", ".prolog-6", ".5.abc.tmp"):
+        os.utime(config.jobs_dir / name, (old, old))
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"8"}
+    decision = run_prolog(env_for("8", "0,1"), config, slurm, logs.append)
+    assert decision.gpus == (0, 1) or set(decision.gpus) <= set(range(8))
+    assert sorted(p.name for p in config.jobs_dir.iterdir()) == [".prolog-8", "8"]
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"8"}
+
+
+def hold_lock(config):
+    config.ledger.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(config.ledger) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_an_epilog_that_cannot_lock_still_removes_the_job_files(tmp_path, monkeypatch):
+    monkeypatch.setattr("slurm_mapa.slurm.epilog.LOCK_WAIT_S", 0.3)
+    config = make_config(tmp_path)
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"5"}
+    run_prolog(env_for("5", "0,1"), config, slurm, logs.append)
+    fd = hold_lock(config)
+    try:
+        run_epilog({"SLURM_JOB_ID": "5"}, config, logs.append)
+    finally:
+        os.close(fd)
+    assert not (config.jobs_dir / "5").exists() and not mark_path(config.jobs_dir, "5").exists()
+    assert "5" in LedgerFile(config.ledger, 8).read().holdings  # kept (safe) until Slurm no longer lists it
+    slurm.running = {"6"}
+    time.sleep(0.05)
+    run_prolog(env_for("6", "2"), config, slurm, logs.append)
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"6"}
+
+
+def test_a_stuck_lock_still_gives_the_job_gpus_no_job_file_names(tmp_path):
+    config = make_config(tmp_path, prolog_budget=2)
+    write_job_file_trusted(config, "3", (0, 1))
+    fd = hold_lock(config)
+    logs: list[str] = []
+    try:
+        slurm = FakeSlurm()
+        slurm.running = {"3", "4"}
+        started = time.monotonic()
+        run_prolog(env_for("4", "0,1"), config, slurm, logs.append)
+        assert time.monotonic() - started < 2 + 1.5
+    finally:
+        os.close(fd)
+    assert not {0, 1} & set(job_gpus(config, "4"))
+    assert any("LEDGER LOCK TIMEOUT" in line for line in logs)
+
+
+# --- root-side paths ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["world-writable", "other-owner", "symlink"])
+def test_an_untrusted_jobs_directory_is_refused(tmp_path, how):
+    config = make_config(tmp_path)
+    if how == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        config.jobs_dir.symlink_to(tmp_path / "elsewhere")
+    else:
+        config.jobs_dir.mkdir()
+        if how == "world-writable":
+            config.jobs_dir.chmod(0o777)
+        else:
+            os.chown(config.jobs_dir, 12345, 12345)
+    with pytest.raises(UnsafePath, match="accepted"):
+        run_prolog(env_for("4", "0,1"), config, FakeSlurm(), [].append)
+    assert list((tmp_path / "elsewhere").iterdir() if how == "symlink" else config.jobs_dir.iterdir()) == []
+
+
+def test_an_untrusted_ledger_directory_is_refused(tmp_path):
+    config = make_config(tmp_path)
+    config.ledger.parent.mkdir(parents=True)
+    config.ledger.parent.chmod(0o777)
+    with pytest.raises(UnsafePath, match="writable by group or others"):
+        with LedgerFile(config.ledger, 8).locked():
+            pass
