@@ -2,9 +2,11 @@
 
 Slurm counts GPUs; MAPA chooses which ones, so the node keeps its own record. The record is a
 small JSON file, changed only under an exclusive lock held for milliseconds (no Slurm call and
-no search runs under it) and replaced atomically (a fresh temporary file, fsync, rename), so
+no search runs under it) and replaced atomically (a fresh temporary file, then rename), so
 that Prologs starting together never hand out a GPU twice and a Prolog killed at any instant
-leaves either the old or the new ledger, never a torn one.
+leaves either the old or the new ledger, never a torn one. It is not fsynced: after a crash of
+the machine no job survives, and a torn ledger is rebuilt from the jobs directory (on /run,
+empty after a reboot), which is then exactly right.
 
 The ledger is an index over the jobs directory (slurm/jobfiles.py), which says what each job
 really uses; :func:`reconcile` brings the two together under the lock. A GPU may be held by two
@@ -252,4 +254,4 @@ class LedgerFile:
         return ledger_from_json(text, self.size)
 
     def write(self, ledger: Ledger) -> None:
-        paths.replace_file(self.path, ledger_to_json(ledger).encode(), mode=0o644, durable=True)
+        paths.replace_file(self.path, ledger_to_json(ledger).encode(), mode=0o644)
