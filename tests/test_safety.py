@@ -184,6 +184,10 @@ def test_a_gpu_shared_after_a_killed_prolog_stays_held_until_both_jobs_end(tmp_p
     decision = run_prolog(env_for("3", "0,1"), config, slurm, logs.append)
     ledger = LedgerFile(config.ledger, 8).read()
     assert ledger.shared() == {4: ["1", "2"]} and not {3, 4, 5} & set(decision.gpus)
+    from slurm_mapa.slurm.admin import node_status
+
+    status = node_status(config, "dgx1")
+    assert status["shared"] == {"4": ["1", "2"]} and not {3, 4, 5} & set(status["free"])
     run_epilog({"SLURM_JOB_ID": "1"}, config, logs.append)  # job 1 ends; job 2 still uses GPU 4
     slurm.running = {"2", "3", "4"}
     decision = run_prolog(env_for("4", "2,3,4,6"), config, slurm, logs.append)

@@ -19,8 +19,9 @@ from ..core.search import Placement, preserved_bandwidth, score_placement
 from ..errors import InputError
 from .commands import CommandFailed, Runner, is_job_id, parse_job_json, show_job_argv
 from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
-from .directive import parse_comment, to_request
-from .hooks import load_graph, parse_decisions
+from .decision import parse_decisions, read_admin_comment, record_directive
+from .directive import to_request
+from .hooks import load_graph
 from .ledger import LedgerCorrupt, LedgerFile
 
 
@@ -33,17 +34,27 @@ def _config(path: str | None) -> HookConfig:
 
 
 def node_status(config: HookConfig, node: str) -> dict[str, Any]:
+    """Who uses which GPUs: the ledger as the next Prolog will see it (reconciled with the jobs
+    directory, which may know more: a killed Prolog's job, a choice made while the lock was stuck)."""
+    from . import jobfiles
+    from .ledger import Ledger, reconcile
+
     graph = load_graph(config, node)
+    problems = []
     try:
         ledger = LedgerFile(config.ledger, graph.size).read()
     except LedgerCorrupt as error:
-        raise InputError(f"ledger {config.ledger} is corrupt: {error}") from None
+        problems.append(f"ledger {config.ledger} is corrupt ({error}); shown as rebuilt from {config.jobs_dir}")
+        ledger = Ledger()
+    records, _ = jobfiles.scan(config.jobs_dir)
+    ledger, _ = reconcile(ledger, records, graph.size)
     jobs = []
     for job, holding in sorted(ledger.holdings.items(), key=lambda item: int(item[0])):
         links = [graph.link(a, b).token for i, a in enumerate(holding.gpus) for b in holding.gpus[i + 1 :]]
         jobs.append({"job": job, "gpus": list(holding.gpus), "policy": holding.policy, "links": links, "note": holding.note})
     free = ledger.free(graph.size)
-    return {"node": node, "topology": graph.name, "jobs": jobs, "free": list(free), "free_preserved_bandwidth": preserved_bandwidth(graph, free)}
+    return {"node": node, "topology": graph.name, "jobs": jobs, "free": list(free), "free_preserved_bandwidth": preserved_bandwidth(graph, free),
+            "shared": {str(gpu): owners for gpu, owners in sorted(ledger.shared().items())}, "problems": problems}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -56,11 +67,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     for job in status["jobs"]:
         print(f"  job {job['job']}: GPUs {','.join(map(str, job['gpus']))} [{job['policy']}] links {' '.join(job['links']) or '-'}")
     print(f"  free: {','.join(map(str, status['free'])) or 'none'}; preserved bandwidth {status['free_preserved_bandwidth']:.1f} GB/s")
+    for gpu, owners in status["shared"].items():
+        print(f"  SHARED: GPU {gpu} is used by jobs {', '.join(owners)} (a killed Prolog); held until all of them end")
+    for problem in status["problems"]:
+        print(f"  warning: {problem}")
     return 0
 
 
 def explain_job(config: HookConfig, admin_comment: str) -> list[dict[str, Any]]:
-    directive = parse_comment(admin_comment.split("#")[0])
+    directive = record_directive(admin_comment)  # MAPA's record may follow an admin's note
     if directive is None:
         raise InputError("the job has no MAPA decision in its AdminComment (did the Prolog run with this config?)")
     model = paper_model()
@@ -99,7 +114,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"job": args.job, "admin_comment": admin, "nodes": report}, indent=2))
         return 0
-    print(f"job {args.job}: {admin.split('#')[0].strip()}")
+    parts = read_admin_comment(admin)
+    print(f"job {args.job}: {parts.directive}")
+    if parts.before or parts.after:
+        print(f"  admin's note: {' # '.join(filter(None, [parts.before, *parts.after]))}")
     for entry in report:
         line = f"  {entry['node']}: GPUs {','.join(map(str, entry['gpus']))} by {entry['policy']}"
         if entry["fallback"]:
