@@ -29,12 +29,9 @@ EXIT_BAD_INPUT = 2
 def _parse_gpu_list(text: str, option: str = "--free") -> tuple[int, ...]:
     """`0,2,3` or ranges `0-3,6` into GPU indices."""
     try:
-        gpus = parse_gpu_indices(text)
-    except ValueError:
-        raise InputError(f"{option}: {text!r} is not a list of GPU indices or ranges (accepted: e.g. 0,2,3 or 0-3,6)") from None
-    if len(set(gpus)) != len(gpus):
-        raise InputError(f"{option}: {text!r} names a GPU twice")
-    return gpus
+        return parse_gpu_indices(text)
+    except ValueError as error:
+        raise InputError(f"{option}: {error}") from None
 
 
 def _parse_running(text: str | None) -> tuple[tuple[int, ...], ...]:

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from typing import Any, Iterable, Iterator, Mapping
 
 from ..errors import InputError
+from ..slurm.decision import split_admin_comment
 from .directives import Intent, SiteRule, match_rule, read_intent
 from .jobs import Job, ReadStats
 
@@ -85,9 +86,13 @@ def first_node(nodelist: str) -> str | None:
 
 def _intent(values: Mapping[str, str], rules: list[SiteRule], stats: ReadStats, where: int | str) -> tuple[Intent | None, str]:
     for key in ("admincomment", "comment"):
-        text = values.get(key, "") or ""
+        text = (values.get(key, "") or "").strip()
+        if key == "admincomment":
+            # MAPA's record may follow an admin's note (decision.py); a text that starts with
+            # `mapa:` but has no readable record is still read, so that it is counted as bad.
+            text = split_admin_comment(text)[1] or text
         try:
-            intent = read_intent(text.strip())
+            intent = read_intent(text)
         except Exception as exc:  # InputError from either grammar: count it, fall back to rules/default
             stats.bad(f"bad directive in {key} ({exc})"[:160], where)
             continue

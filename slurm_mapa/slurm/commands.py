@@ -2,18 +2,34 @@
 
 The hooks have no PATH (Slurm runs them with an empty environment), so the binaries are named by
 absolute path from the config. No shell is ever involved.
+
+Everything Slurm prints may hold any bytes (a job name, a batch script saved as Latin-1), so the
+runner never decodes strictly: it reads bytes, bounds them, and decodes with ``errors="replace"``
+(a bad byte becomes U+FFFD, which the directive grammar then refuses as non-ASCII). The parsers
+bound their input before any per-item work, so no output, however hostile, costs more than
+linear time and a few MiB; each raises only what its docstring says.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import selectors
+import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
-MAX_OUTPUT_BYTES = 4 << 20
-_JOB_ID = re.compile(r"^[0-9]{1,12}$")
+MAX_OUTPUT_BYTES = 4 << 20  # stdout of one command; more is an error, and the command is killed
+MAX_STDERR_BYTES = 64 << 10  # stderr kept for the error message (the rest is read and dropped)
+MAX_GPU_INDEX = 1023  # the highest GPU index any list may name (Slurm's nodes have far fewer)
+MAX_GPU_LIST_CHARS = 16 << 10  # one GPU index list as text: 1024 indices written out take ~4 KiB
+MAX_INDEX_DIGITS = 6  # digits of one index (leading zeros allowed, within reason)
+_JOB_ID = re.compile(r"[0-9]{1,12}")
+_GPU_PART = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+_ACCEPTED_GPUS = f"accepted: indices 0 to {MAX_GPU_INDEX} and ranges like 0,2-3, each index once"
 
 
 class CommandFailed(RuntimeError):
@@ -22,44 +38,140 @@ class CommandFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Runner:
-    """Runs a command without a shell, bounded in time and output."""
+    """Runs a command without a shell, bounded in time and output.
+
+    The command runs in its own session, so a timeout kills it and everything it started (a
+    wrapper script's ``sleep`` would otherwise hold the pipes open past the timeout).
+    """
 
     timeout: float = 5.0
 
-    def __call__(self, argv: Sequence[str], stdin: str | None = None) -> str:
+    def __call__(self, argv: Sequence[str], stdin: str | None = None, timeout: float | None = None) -> str:
+        """The command's stdout, decoded with replacement. ``timeout`` lowers the runner's own
+        timeout for this call (a caller with a time budget); it never raises it."""
+        limit = self.timeout if timeout is None else min(self.timeout, timeout)
+        if not argv:
+            raise CommandFailed("no command given")
+        name = argv[0]
+        if not limit > 0:
+            raise CommandFailed(f"{name} not run: no time left (timeout {limit:g} s)")
+        data = None if stdin is None else stdin.encode("utf-8", "replace")
         try:
-            done = subprocess.run(
-                list(argv), input=stdin, capture_output=True, text=True, timeout=self.timeout, check=False, env={"LC_ALL": "C"}
+            process = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={"LC_ALL": "C"},
+                start_new_session=True,
+                close_fds=True,
             )
-        except subprocess.TimeoutExpired:
-            raise CommandFailed(f"{argv[0]} timed out after {self.timeout:g} s") from None
-        except OSError as error:
-            raise CommandFailed(f"cannot run {argv[0]}: {error.strerror}") from None
-        if done.returncode != 0:
-            raise CommandFailed(f"{' '.join(argv[:3])} exited {done.returncode}: {done.stderr.strip()[:300]}")
-        if len(done.stdout) > MAX_OUTPUT_BYTES:
-            raise CommandFailed(f"{argv[0]} printed more than {MAX_OUTPUT_BYTES} bytes")
-        return done.stdout
+        except (OSError, ValueError) as error:  # ValueError: a NUL byte in an argument
+            raise CommandFailed(f"cannot run {name}: {getattr(error, 'strerror', None) or error}") from None
+        with process:
+            try:
+                out, err, problem = _collect(process, data, time.monotonic() + limit)
+            except BaseException:  # a signal's exception, a read error: leave nothing running behind
+                _kill_group(process)
+                raise
+            if problem:
+                _kill_group(process)
+                process.wait()
+                what = f"timed out after {limit:g} s" if problem == "timeout" else f"printed more than {MAX_OUTPUT_BYTES} bytes"
+                raise CommandFailed(f"{name} {what}")
+        stderr = err.decode("utf-8", "replace").strip()
+        if process.returncode != 0:
+            raise CommandFailed(f"{' '.join(argv[:3])} exited {process.returncode}: {stderr[:300]}")
+        return out.decode("utf-8", "replace")
 
 
-def is_job_id(text: str) -> bool:
-    return bool(_JOB_ID.match(text))
+def _collect(process: subprocess.Popen, data: bytes | None, deadline: float) -> tuple[bytes, bytes, str]:
+    """Feed stdin, read stdout and stderr until both close and the process exits.
+
+    Returns (stdout, stderr, problem) where problem is "", "timeout" or "too much"; on a problem
+    the process is still running (or a zombie not yet reaped), so its group may be killed.
+    """
+    out, err = bytearray(), bytearray()
+    with selectors.DefaultSelector() as selector:
+        assert process.stdout is not None and process.stderr is not None
+        selector.register(process.stdout, selectors.EVENT_READ, out)
+        selector.register(process.stderr, selectors.EVENT_READ, err)
+        pending = memoryview(data or b"")
+        if process.stdin is not None:
+            if pending:
+                os.set_blocking(process.stdin.fileno(), False)
+                selector.register(process.stdin, selectors.EVENT_WRITE, None)
+            else:
+                process.stdin.close()
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(out), bytes(err), "timeout"
+            for key, _ in selector.select(left):
+                if key.data is None:  # stdin
+                    try:
+                        pending = pending[os.write(key.fd, pending[:65536]) :]
+                    except BrokenPipeError:
+                        pending = pending[:0]
+                    if not pending:
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()  # type: ignore[union-attr]
+                    continue
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                buffer: bytearray = key.data
+                if buffer is out:
+                    out += chunk
+                    if len(out) > MAX_OUTPUT_BYTES:
+                        return bytes(out), bytes(err), "too much"
+                elif len(err) < MAX_STDERR_BYTES:
+                    err += chunk[: MAX_STDERR_BYTES - len(err)]
+    try:
+        process.wait(max(deadline - time.monotonic(), 0.001))
+    except subprocess.TimeoutExpired:
+        return bytes(out), bytes(err), "timeout"
+    return bytes(out), bytes(err), ""
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the command's session (its pid is its group id and is not reaped yet, so not reused)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        process.kill()
+
+
+def is_job_id(text: object) -> bool:
+    """A plain Slurm job id: 1 to 12 ASCII digits and nothing else (no newline, no sign)."""
+    return isinstance(text, str) and _JOB_ID.fullmatch(text) is not None
 
 
 def parse_job_json(text: str) -> dict:
-    """The first job of `scontrol --json show job ID`."""
+    """The first job of `scontrol --json show job ID`.
+
+    Raises CommandFailed, and only that, for anything else: too long, not JSON, nested too deeply
+    for the parser (RecursionError), or no job record.
+    """
+    if len(text) > MAX_OUTPUT_BYTES:
+        raise CommandFailed(f"scontrol --json show job printed {len(text)} characters (accepted: at most {MAX_OUTPUT_BYTES})")
     try:
         data = json.loads(text)
         jobs = data["jobs"]
         if not isinstance(jobs, list) or not jobs or not isinstance(jobs[0], dict):
             raise KeyError("jobs")
         return jobs[0]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise CommandFailed("scontrol --json show job printed no job") from None
+    except RecursionError:
+        raise CommandFailed("scontrol --json show job printed JSON nested too deeply to read (accepted: a job record)") from None
+    except (ValueError, KeyError, TypeError, IndexError):  # ValueError covers JSONDecodeError
+        raise CommandFailed(f"scontrol --json show job printed no job (got {text[:60]!r})") from None
 
 
 def parse_job_ids(text: str) -> set[str]:
-    """`squeue -h -o %A` output: one job id per line."""
+    """`squeue -h -o %A` output: one job id per line. CommandFailed for anything else."""
+    if len(text) > MAX_OUTPUT_BYTES:
+        raise CommandFailed(f"squeue printed {len(text)} characters (accepted: at most {MAX_OUTPUT_BYTES})")
     ids = set()
     for line in text.splitlines():
         line = line.strip()
@@ -72,17 +184,40 @@ def parse_job_ids(text: str) -> set[str]:
 
 
 def parse_gpu_indices(text: str) -> tuple[int, ...]:
-    """Slurm's GPU index lists as the hooks see them: `0,1,4` (also ranges `0-3`)."""
-    gpus: list[int] = []
+    """Slurm's GPU index lists as the hooks see them: `0,1,4`, also ranges `0-3`, in the order given.
+
+    ValueError (naming the bad part and what is accepted) for anything else, checked before any
+    range is built: non-ASCII digits, an index above MAX_GPU_INDEX, a reversed range, an index
+    given twice, more than MAX_GPU_LIST_CHARS characters. Empty parts (`0,,1`, ``""``) are skipped.
+    """
+    if len(text) > MAX_GPU_LIST_CHARS:
+        raise ValueError(f"GPU list of {len(text)} characters ({_ACCEPTED_GPUS}, in at most {MAX_GPU_LIST_CHARS} characters)")
+    spans: list[tuple[int, int]] = []
+    count = 0
     for part in text.split(","):
-        part = part.strip()
+        part = part.strip(" \t\r\n")
         if not part:
             continue
-        low, dash, high = part.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
-            raise ValueError(f"not a GPU index list: {text[:60]!r}")
-        gpus.extend(range(int(low), int(high) + 1) if dash else [int(low)])
-    return tuple(gpus)
+        match = _GPU_PART.fullmatch(part)
+        if match is None:
+            raise ValueError(f"not a GPU index list: {text[:60]!r}, bad part {part[:20]!r} ({_ACCEPTED_GPUS})")
+        if any(len(g) > MAX_INDEX_DIGITS for g in match.groups() if g):  # before int(): no huge numbers built
+            raise ValueError(f"GPU list {text[:60]!r}: {part[:20]!r} names an index above {MAX_GPU_INDEX} ({_ACCEPTED_GPUS})")
+        low = int(match.group(1))
+        high = int(match.group(2)) if match.group(2) is not None else low
+        if high < low:
+            raise ValueError(f"GPU list {text[:60]!r}: range {part!r} runs backwards ({_ACCEPTED_GPUS})")
+        if high > MAX_GPU_INDEX:
+            raise ValueError(f"GPU list {text[:60]!r}: index {high} is above {MAX_GPU_INDEX} ({_ACCEPTED_GPUS})")
+        count += high - low + 1
+        if count > MAX_GPU_INDEX + 1:
+            raise ValueError(f"GPU list {text[:60]!r} names more than {MAX_GPU_INDEX + 1} GPUs ({_ACCEPTED_GPUS})")
+        spans.append((low, high))
+    gpus = tuple(g for low, high in spans for g in range(low, high + 1))
+    if len(set(gpus)) != len(gpus):
+        twice = next(g for i, g in enumerate(gpus) if g in gpus[:i])
+        raise ValueError(f"GPU list {text[:60]!r} names GPU {twice} twice ({_ACCEPTED_GPUS})")
+    return gpus
 
 
 def show_job_argv(scontrol: str, job_id: str) -> list[str]:
@@ -101,24 +236,32 @@ def admin_comment_argv(scontrol: str, job_id: str, text: str) -> list[str]:
     return [scontrol, "update", f"job={job_id}", f"AdminComment={text}"]
 
 
-_GRES_IDX = re.compile(r"^gpu(?::[^:(]+)?:[0-9]+\(IDX:([0-9,\-]*)\)$")
+_GRES_IDX = re.compile(r"gpu(?::[^:(]+)?:[0-9]+\(IDX:([0-9,\-]*)\)")
+MAX_GRES_DETAIL_CHARS = 64 << 10
 
 
 def slurm_gpus_on_only_node(job: dict) -> tuple[int, ...] | None:
-    """The GPU indices Slurm gave a one-node job, from `gres_detail` (e.g. ``gpu:2(IDX:0-1)``).
+    """The GPU indices Slurm gave a one-node job, from `gres_detail` (e.g. ``gpu:2(IDX:0-1)``), sorted.
 
-    None when the job spans several nodes (its per-node list would need the host list expanded)
-    or the record has no readable detail; an empty tuple for a job without GPUs.
+    None when Slurm's per-node list cannot be known from the record: the job spans several nodes
+    (its per-node list would need the host list expanded), or the detail is missing, not a string
+    or not in Slurm's form. An empty tuple for a job without GPUs. ValueError (as
+    :func:`parse_gpu_indices`) when the detail is in Slurm's form but its index list is out of
+    bounds (an index above MAX_GPU_INDEX, a huge range, a backwards range); nothing else.
     """
-    detail = job.get("gres_detail")
+    detail = job.get("gres_detail") if isinstance(job, dict) else None
     if not isinstance(detail, list) or len(detail) > 1:
         return None
     if not detail:
         return ()
+    if not isinstance(detail[0], str) or len(detail[0]) > MAX_GRES_DETAIL_CHARS:
+        return None
     gpus: list[int] = []
-    for part in re.split(r",(?=gpu)", str(detail[0])):
-        match = _GRES_IDX.match(part.strip())
+    for part in re.split(r",(?=gpu)", detail[0]):
+        match = _GRES_IDX.fullmatch(part.strip())
         if match is None:
             return None
         gpus.extend(parse_gpu_indices(match.group(1)))
+        if len(gpus) > MAX_GPU_INDEX + 1:
+            raise ValueError(f"gres_detail {detail[0][:60]!r} names more than {MAX_GPU_INDEX + 1} GPUs ({_ACCEPTED_GPUS})")
     return tuple(sorted(set(gpus)))

@@ -1,20 +1,51 @@
-"""The decision record the Prolog appends to a job's AdminComment, and its parser.
+"""The decision record the Prolog writes into a job's AdminComment, and its parser.
 
     mapa:topology=ring sensitive=yes # dgx1=0,3,2,1 policy=preserve free=0-7 eff=68.707 agg=175.000 pres=216.000
 
-The directive comes first (what the job_submit plugin stored); each node of the job appends
-`# NODE=GPUS key=value...`, GPUs in pattern order. `free=` is what the Prolog chose from and
-`running=0,1/4,5` the GPUs of each job running on the node then (jobs separated by `/`), so a
-replay can make the same decision again. The directive grammar ends a body at `#`, so
-the whole text still parses as the directive. sacct keeps it; mapa-replay and mapa explain read it.
+MAPA's record is the directive as ``mapa:<normalised>`` (what the job_submit plugin stored), then
+one segment per node of the job, ``# NODE=GPUS key=value...``, GPUs in pattern order. `free=` is
+what the Prolog chose from and `running=0,1/4,5` the GPUs of each job running on the node then
+(jobs separated by `/`), so a replay can make the same decision again. The directive grammar
+ends a body at `#`, so the record's text up to the first `#` parses as the directive. sacct keeps
+it; mapa-replay and mapa explain read it.
+
+The AdminComment is also the admins' field, and other job_submit plugins may write to it, so
+MAPA's record shares it (:func:`read_admin_comment`):
+
+* The record starts at the first ``mapa:`` (any case) that begins the text or follows
+  whitespace and whose text up to the next ``#`` parses as a directive (at most
+  MAX_RECORD_CANDIDATES are tried). Text before it is the admin's, kept verbatim in front. With
+  no such record the whole text is the admin's, and MAPA's record goes after it, one space apart.
+  A ``mapa:`` in the admin's note that does not parse (``MAPA: checked``) is therefore not taken
+  for the record; one whose text does parse would be: an admin should not write a directive in
+  a note.
+* After the record's directive, a segment between two ``#`` is a node's decision when its first
+  token is ``NODE=GPUS`` (a readable GPU list) and it has a ``policy=`` token; any other segment
+  is the admin's (``... # checked by ops``) and is kept, in order, after the decisions. Tokens an
+  admin appended to a decision that MAPA rewrites (``policy=preserve checked``) are kept the same
+  way, as a segment of their own.
+* Outer blanks of each part are dropped, and an empty segment (``##``) is; the text within each
+  part is kept as written. A record rewrite never makes the whole text longer than
+  MAX_ADMIN_COMMENT_CHARS (see :func:`with_decision`).
+
+Older records (``mapa:...`` first, decisions after) are the case with no admin text.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from ..errors import InputError
 from .commands import parse_gpu_indices
-from .directive import Directive
+from .directive import Directive, parse_comment
+
+# 16 Ki characters stay within the 64 KiB TEXT column slurmdbd keeps the AdminComment in, even
+# at 4 bytes a character, and hold about 150 decisions of 8-GPU nodes.
+MAX_ADMIN_COMMENT_CHARS = 16384
+MAX_RECORD_CANDIDATES = 32  # `mapa:` words tried as the record's start, so reading stays linear
+DECISION_KEYS = ("policy", "free", "running", "eff", "agg", "pres", "fallback")
+_MARKER = re.compile(r"(?:^|(?<=[ \t\r\n\f\v]))mapa:", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -45,44 +76,141 @@ class Decision:
         return " ".join(parts)
 
 
+@dataclass(frozen=True)
+class AdminComment:
+    """An AdminComment split into the admin's text and MAPA's record (see the module docstring)."""
+
+    before: str = ""  # the admin's text in front of the record
+    directive: str | None = None  # the record's ``mapa:<body>`` as written; None: the text has no record
+    decisions: tuple[str, ...] = ()  # the nodes' decision segments as written, in order
+    after: tuple[str, ...] = ()  # the admin's segments after the record's directive, in order
+
+    def text(self) -> str:
+        """The AdminComment these parts make (the form :func:`with_decision` writes)."""
+        if self.directive is None:
+            return " # ".join(filter(None, [self.before, *self.after]))
+        record = " # ".join([self.directive, *self.decisions, *self.after])
+        return f"{self.before} {record}" if self.before else record
+
+
+def find_record(admin_comment: str) -> int | None:
+    """Where MAPA's record starts in an AdminComment, or None when it has none."""
+    for tried, marker in enumerate(_MARKER.finditer(admin_comment)):
+        if tried == MAX_RECORD_CANDIDATES:
+            break
+        end = admin_comment.find("#", marker.start())
+        body = admin_comment[marker.start() : end if end >= 0 else len(admin_comment)]
+        try:
+            parse_comment(body)
+        except InputError:
+            continue
+        return marker.start()
+    return None
+
+
+def read_admin_comment(admin_comment: str) -> AdminComment:
+    """The admin's text and MAPA's record of an AdminComment; never raises on any text."""
+    start = find_record(admin_comment)
+    if start is None:
+        return AdminComment(before=admin_comment.strip())
+    directive, *segments = admin_comment[start:].split("#")
+    decisions, after = [], []
+    for segment in segments:
+        segment = segment.strip()
+        if segment:
+            (decisions if _decision_in(segment) is not None else after).append(segment)
+    return AdminComment(admin_comment[:start].strip(), directive.strip(), tuple(decisions), tuple(after))
+
+
+def split_admin_comment(admin_comment: str) -> tuple[str, str]:
+    """(the admin's text in front of MAPA's record, the record from ``mapa:`` to the end); ("text", "") without a record."""
+    start = find_record(admin_comment)
+    if start is None:
+        return admin_comment.strip(), ""
+    return admin_comment[:start].strip(), admin_comment[start:].strip()
+
+
+def record_directive(admin_comment: str) -> Directive | None:
+    """The directive of MAPA's record in an AdminComment, None when it has none; never raises."""
+    start = find_record(admin_comment)
+    if start is None:
+        return None
+    end = admin_comment.find("#", start)
+    return parse_comment(admin_comment[start : end if end >= 0 else len(admin_comment)])
+
+
 def parse_decisions(admin_comment: str) -> dict[str, Decision]:
-    """The per-node decisions recorded after `#` in a `mapa:` AdminComment."""
+    """The per-node decisions in MAPA's record of an AdminComment (the last one wins for a node)."""
     decisions: dict[str, Decision] = {}
-    for segment in admin_comment.split("#")[1:]:
-        tokens = segment.split()
-        if not tokens or "=" not in tokens[0]:
-            continue
-        node, _, gpu_text = tokens[0].partition("=")
-        try:
-            gpus = parse_gpu_indices(gpu_text)
-        except ValueError:
-            continue
-        fields = dict(token.partition("=")[::2] for token in tokens[1:])
-
-        def number(key: str) -> float | None:
-            try:
-                return float(fields[key]) if key in fields else None
-            except ValueError:
-                return None
-
-        try:
-            free = parse_gpu_indices(fields.get("free", ""))
-        except ValueError:
-            free = ()
-        try:
-            running = tuple(parse_gpu_indices(group) for group in fields["running"].split("/")) if "running" in fields else ()
-        except ValueError:
-            running = ()
-        decisions[node] = Decision(
-            node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free,
-            tuple(group for group in running if group),
-        )
+    for segment in read_admin_comment(admin_comment).decisions:
+        decision = _decision_in(segment)
+        if decision is not None:
+            decisions[decision.node] = decision
     return decisions
 
 
+def _decision_in(segment: str) -> Decision | None:
+    """The decision one `#` segment records, or None when it is not one (then it is the admin's)."""
+    tokens = segment.split()
+    if not tokens or "=" not in tokens[0] or not any(t.startswith("policy=") for t in tokens[1:]):
+        return None
+    node, _, gpu_text = tokens[0].partition("=")
+    if not node:
+        return None
+    try:
+        gpus = parse_gpu_indices(gpu_text)
+    except ValueError:
+        return None
+    fields = dict(token.partition("=")[::2] for token in tokens[1:])
+
+    def number(key: str) -> float | None:
+        try:
+            return float(fields[key]) if key in fields else None
+        except ValueError:
+            return None
+
+    try:
+        free = parse_gpu_indices(fields.get("free", ""))
+    except ValueError:
+        free = ()
+    try:
+        running = tuple(parse_gpu_indices(group) for group in fields["running"].split("/")) if "running" in fields else ()
+    except ValueError:
+        running = ()
+    return Decision(
+        node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free,
+        tuple(group for group in running if group),
+    )
+
+
 def with_decision(admin_comment: str, directive: Directive, decision: Decision) -> str:
-    """The AdminComment with this node's decision added (replacing an older one of the same node)."""
-    kept = [d.text() for node, d in parse_decisions(admin_comment).items() if node != decision.node]
-    return " # ".join([directive.as_comment(), *kept, decision.text()])
+    """The AdminComment with this node's decision added, replacing an older one of the same node.
 
-
+    The admin's text (before the record and in segments after it) is kept; the record's
+    directive becomes ``directive``. When the result would pass MAX_ADMIN_COMMENT_CHARS, this
+    node's decision is written without ``free=``/``running=``; ValueError when even that is too
+    long, or when the node name cannot be written in the record (blanks, ``#``, ``=``).
+    """
+    if not decision.node or re.search(r"[\s#=]", decision.node):
+        raise ValueError(f"node name {decision.node[:60]!r} cannot be recorded (accepted: a name without blanks, '#' or '=')")
+    parts = read_admin_comment(admin_comment)
+    kept, after = [], []
+    for segment in parts.decisions:
+        tokens = segment.split()
+        if tokens[0].partition("=")[0] != decision.node:
+            kept.append(segment)
+            continue
+        extra = [t for t in tokens[1:] if t.partition("=")[0] not in DECISION_KEYS]
+        if extra:  # an admin's words appended to the decision we replace
+            after.append(" ".join(extra))
+    after.extend(parts.after)
+    compact = Decision(decision.node, decision.gpus, decision.policy, decision.effective, decision.aggregated,
+                       decision.preserved, decision.fallback)
+    for mine in (decision, compact):
+        text = AdminComment(parts.before, directive.as_comment(), (*kept, mine.text()), tuple(after)).text()
+        if len(text) <= MAX_ADMIN_COMMENT_CHARS:
+            return text
+    raise ValueError(
+        f"the AdminComment would be {len(text)} characters with node {decision.node}'s decision "
+        f"(accepted: at most {MAX_ADMIN_COMMENT_CHARS}); not recorded"
+    )

@@ -86,7 +86,7 @@ def within_budget(run: RunCommand, budget: Budget, command_timeout: float) -> Ru
         if timeout < 0.05:
             raise CommandFailed(f"{os.path.basename(argv[0])} not run: the Prolog's time budget is spent")
         if isinstance(run, Runner):
-            return dataclasses.replace(run, timeout=timeout)(argv)
+            return run(argv, timeout=timeout)
         return run(argv)
 
     call.unbounded = run  # type: ignore[attr-defined]  # for work done after the job has started
@@ -145,7 +145,7 @@ def context_from_env(env: Mapping[str, str]) -> PrologContext:
 
 def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log: Log) -> tuple["Directive", str]:
     """The job's directive and where it came from: comment, AdminComment, batch script or site default."""
-    directive_text_of = lambda admin: admin.split("#")[0]  # XXX-WIRE: helper's function
+    from .decision import record_directive
     from .directive import parse_comment, parse_directive, parse_directive_lines
 
     from_comment = parse_comment(ctx.env_comment)
@@ -154,7 +154,7 @@ def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log:
     try:
         job = parse_job_json(run(show_job_argv(config.scontrol, ctx.job_id)))
         admin = job.get("admin_comment") or ""
-        parsed = parse_comment(directive_text_of(admin)) if isinstance(admin, str) else None
+        parsed = record_directive(admin) if isinstance(admin, str) else None
         if parsed is not None:
             return parsed, "admin_comment"
         if not job.get("batch_flag", True):
@@ -510,7 +510,8 @@ def adopt_unknown_jobs(
         if not still_running(record):
             continue  # it ended after squeue listed it; its Epilog already freed its entry
         if gpus is None:
-            log(f"job {ctx.job_id}: job {job_id} runs here without a mark and spans several nodes; not adopted")
+            log(f"job {ctx.job_id}: job {job_id} runs here without a mark; Slurm's GPUs for it cannot be told "
+                "(several nodes, or no readable gres_detail); not adopted")
             continue
         gpus = tuple(g for g in gpus if 0 <= g < size)
         jobfiles.write_mark(config.jobs_dir, job_id, jobfiles.Mark(0, 0, gpus))
@@ -543,7 +544,7 @@ def record_decision(
             run(admin_comment_argv(config.scontrol, job_id, with_decision(admin, directive, decision)))
             if ctx.nodes_in_job <= 1:
                 return
-        except CommandFailed as error:
+        except (CommandFailed, ValueError) as error:  # ValueError: the record would not fit
             log(f"job {job_id}: could not record the decision in AdminComment ({error})")
             return
     log(f"job {job_id}: the AdminComment kept losing this node's decision; gave up after 4 tries")

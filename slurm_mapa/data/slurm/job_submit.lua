@@ -14,7 +14,13 @@ What it does (docs/directives.md describes the grammar for users):
   "sbatch: error: MAPA: ...") and the return code is ESLURM_INVALID_GRES ("Invalid generic resource
   (gres) specification"; slurm.ERROR where that code is missing).
 * A good one is stored in normalised form as job_desc.admin_comment = "mapa:<normalised>", which
-  the Prolog reads and sacct keeps. Jobs without a directive are left untouched.
+  the Prolog reads and sacct keeps. Jobs without a directive are left untouched. Text already in
+  admin_comment (an admin's, or another plugin's) is kept in front of MAPA's record, with the rule
+  of slurm_mapa/slurm/decision.py: MAPA's record starts at the first "mapa:" that begins the text
+  or follows whitespace and whose text up to the next '#' parses as a directive; an older MAPA
+  record found that way is replaced, with what follows it. When the result would pass
+  _MAX_ADMIN_COMMENT_CHARS, admin_comment is left as it was (the Prolog reads the directive from
+  the comment or the script then).
 * Slurm 24.11 ACCEPTS a job when the Lua function raises a runtime error, so everything runs under
   pcall: an internal error rejects the job with a message that says so (ESLURM_INTERNAL, or
   slurm.ERROR).
@@ -41,6 +47,8 @@ local _MAX_DIRECTIVE_LINES = 16 -- #MAPA lines in one script
 local _MAX_TOKENS = 64 -- key=value tokens in one directive (all lines together)
 local _MAX_LIST_ITEMS = 2048 -- items in edges= or weights=
 local _MAX_WEIGHT_DIGITS = 6 -- digits before and after the decimal point of a weight
+local _MAX_ADMIN_COMMENT_CHARS = 16384 -- as decision.py's MAX_ADMIN_COMMENT_CHARS
+local _MAX_RECORD_CANDIDATES = 32 -- as decision.py's MAX_RECORD_CANDIDATES
 
 local _KEYS = { "topology", "sensitive", "gpus", "edges", "weights" }
 local _SHAPES = { "ring", "chain", "tree", "ring+tree", "all", "star", "mesh2d", "torus2d", "hypercube", "custom" }
@@ -444,6 +452,35 @@ local function _parse_comment(comment)
     return _build({ { tokens = _tokens(string.sub(comment, first + #_COMMENT_PREFIX)), line = nil } })
 end
 
+-- The admin's text in an existing admin_comment: what precedes MAPA's record (decision.py's
+-- find_record), or all of it, without outer whitespace.
+local function _admin_text(existing)
+    local lowered, position, tried, cut = _lower(existing), 1, 0, #existing + 1
+    while tried < _MAX_RECORD_CANDIDATES do
+        local found = string.find(lowered, "mapa:", position, true)
+        if not found then
+            break
+        end
+        if found == 1 or string.find(string.sub(existing, found - 1, found - 1), "^[ \t\r\n\f\v]$") then
+            tried = tried + 1
+            local hash = string.find(existing, "#", found, true)
+            if pcall(_parse_comment, string.sub(existing, found, (hash or #existing + 1) - 1)) then
+                cut = found
+                break
+            end
+        end
+        position = found + 1
+    end
+    local first, last = string.find(existing, "[^ \t\r\n\f\v]"), cut - 1
+    while last > 0 and string.find(string.sub(existing, last, last), "^[ \t\r\n\f\v]$") do
+        last = last - 1
+    end
+    if not first or first > last then
+        return ""
+    end
+    return string.sub(existing, first, last)
+end
+
 local function _is_near_miss(line, first)
     if _upper(string.sub(line, first, first + #_KEYWORD - 1)) ~= _KEYWORD then
         return false
@@ -543,7 +580,23 @@ local function _check_submit(job_desc, submit_uid)
         end
     end
     if directive ~= nil then
-        job_desc.admin_comment = _COMMENT_PREFIX .. directive
+        local record = _COMMENT_PREFIX .. directive
+        local existing = _string_field(job_desc, "admin_comment")
+        if existing and #existing > _MAX_ADMIN_COMMENT_CHARS then
+            slurm.log_info("MAPA: job of uid %s: admin_comment of %d bytes kept as it was (at most %d): %s",
+                tostring(submit_uid), #existing, _MAX_ADMIN_COMMENT_CHARS, directive)
+            return
+        end
+        local before = existing and _admin_text(existing) or ""
+        if before ~= "" then
+            record = before .. " " .. record
+        end
+        if #record > _MAX_ADMIN_COMMENT_CHARS then
+            slurm.log_info("MAPA: job of uid %s: admin_comment kept as it was (%d bytes with the directive, "
+                .. "at most %d): %s", tostring(submit_uid), #record, _MAX_ADMIN_COMMENT_CHARS, directive)
+            return
+        end
+        job_desc.admin_comment = record
         slurm.log_debug("MAPA: job of uid %s: %s", tostring(submit_uid), directive)
     end
 end

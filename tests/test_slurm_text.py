@@ -1,0 +1,465 @@
+"""The Slurm-text layer on hostile input: command output decoding, bounded parsers, and the
+AdminComment shared between an admin's note and MAPA's record (issue 13, points 1, 10 and 12).
+
+Literal inputs first, then property tests. The Runner tests run real tiny scripts; the
+job_submit.lua tests run the plugin under Lua 5.1 (skipped with MAPA_SKIP_LUA=1 when it is missing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slurm_mapa.errors import InputError
+from slurm_mapa.replay.jobs import ReadStats
+from slurm_mapa.replay.sacct import read_sacct_text
+from slurm_mapa.slurm.commands import (
+    MAX_GPU_INDEX,
+    MAX_GPU_LIST_CHARS,
+    MAX_OUTPUT_BYTES,
+    CommandFailed,
+    Runner,
+    is_job_id,
+    parse_gpu_indices,
+    parse_job_ids,
+    parse_job_json,
+    slurm_gpus_on_only_node,
+)
+from slurm_mapa.slurm.decision import (
+    MAX_ADMIN_COMMENT_CHARS,
+    Decision,
+    find_record,
+    parse_decisions,
+    read_admin_comment,
+    record_directive,
+    split_admin_comment,
+    with_decision,
+)
+from slurm_mapa.slurm.directive import parse_directive, parse_directive_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = ROOT / "slurm_mapa" / "data" / "slurm" / "job_submit.lua"
+RING_YES = parse_directive("topology=ring sensitive=yes")
+
+
+def script(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "cmd.sh"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+# --- Runner: any bytes, bounded time and output -----------------------------------------------
+
+
+def test_runner_decodes_latin1_output_and_the_directive_parser_judges_it(tmp_path):
+    latin1 = b"#!/bin/bash\n# Auteur: J\xe9r\xf4me\n#SBATCH --gres=gpu:2\nsrun train\n"
+    (tmp_path / "batch").write_bytes(latin1)
+    out = Runner(timeout=5)([script(tmp_path, f"cat {tmp_path / 'batch'}\n")])
+    assert out == "#!/bin/bash\n# Auteur: J\ufffdr\ufffdme\n#SBATCH --gres=gpu:2\nsrun train\n"
+    assert parse_directive_lines(out) is None  # no #MAPA line: the non-ASCII comment is not an error
+    (tmp_path / "batch").write_bytes(b"#!/bin/bash\n#MAPA topology=ring # J\xe9r\xf4me\nsrun x\n")
+    with pytest.raises(InputError, match=r"character '\\ufffd' at column 24"):
+        parse_directive_lines(Runner(timeout=5)([script(tmp_path, f"cat {tmp_path / 'batch'}\n")]))
+
+
+def test_runner_decodes_stderr_of_a_failing_command(tmp_path):
+    with pytest.raises(CommandFailed, match="exited 3: bad J\ufffdr\ufffdme"):
+        Runner(timeout=5)([script(tmp_path, "printf 'bad J\\351r\\364me' >&2; exit 3\n")])
+
+
+def test_runner_keeps_the_old_call_forms_and_feeds_stdin(tmp_path):
+    assert Runner(timeout=5)(["/bin/echo", "hi"]) == "hi\n"
+    assert Runner()(["/bin/cat"], "x" * 300_000) == "x" * 300_000  # larger than a pipe buffer
+    assert Runner(timeout=5)(["/bin/cat"], stdin="é") == "é"
+
+
+def test_runner_timeout_override_only_lowers_and_kills_what_the_command_started(tmp_path):
+    # The backgrounded sleep keeps stdout open: without killing the session, reading would wait 30 s.
+    hang = script(tmp_path, "sleep 30 &\necho started\nsleep 30\n")
+    started = time.monotonic()
+    with pytest.raises(CommandFailed, match="timed out after 0.3 s"):
+        Runner(timeout=5)([hang], timeout=0.3)
+    assert time.monotonic() - started < 3
+    started = time.monotonic()
+    with pytest.raises(CommandFailed, match="timed out after 0.3 s"):
+        Runner(timeout=0.3)([hang], timeout=60)  # a budget never extends the configured timeout
+    assert time.monotonic() - started < 3
+    with pytest.raises(CommandFailed, match="no time left"):
+        Runner(timeout=5)(["/bin/echo"], timeout=0)
+    time.sleep(0.2)
+    survivors = subprocess.run(["pgrep", "-f", f"^/bin/sh {hang}"], capture_output=True, text=True).stdout.split()
+    assert survivors == []
+
+
+def test_runner_bounds_output_and_refuses_what_cannot_run(tmp_path):
+    with pytest.raises(CommandFailed, match=f"printed more than {MAX_OUTPUT_BYTES} bytes"):
+        Runner(timeout=10)([script(tmp_path, f"head -c {MAX_OUTPUT_BYTES + 1} /dev/zero\n")])
+    assert len(Runner(timeout=10)([script(tmp_path, f"head -c {MAX_OUTPUT_BYTES} /dev/zero\n")])) == MAX_OUTPUT_BYTES
+    with pytest.raises(CommandFailed, match="embedded null byte"):
+        Runner()(["/bin/echo", "a\0b"])
+    with pytest.raises(CommandFailed, match="cannot run /nonexistent/scontrol"):
+        Runner()(["/nonexistent/scontrol"])
+
+
+# --- bounded parsers --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("0-999999999999", "above 1023"),
+        ("0-20000000", "above 1023"),
+        ("1024", "index 1024 is above 1023"),
+        ("5-2", "range '5-2' runs backwards"),
+        ("0,2,0", "names GPU 0 twice"),
+        ("0-3,2", "names GPU 2 twice"),
+        ("0;rm", "bad part '0;rm'"),
+        ("\u0663", "bad part"),  # an Arabic-Indic digit: str.isdigit() says yes, Slurm never prints it
+        ("0-1023," * 3000, f"at most {MAX_GPU_LIST_CHARS} characters"),
+        ("-1", "bad part '-1'"),
+    ],
+)
+def test_gpu_lists_out_of_bounds_are_refused_before_anything_is_built(text, message):
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(ValueError, match=message) as caught:
+            parse_gpu_indices(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 0.5 and peak < 256 << 10
+    assert "accepted: indices 0 to 1023" in str(caught.value)
+
+
+def test_gpu_lists_in_bounds():
+    assert parse_gpu_indices("0-2,5") == (0, 1, 2, 5)
+    assert parse_gpu_indices(" 7 , 3-4 ,,") == (7, 3, 4)  # order kept, blanks and empty parts skipped
+    assert parse_gpu_indices("") == ()
+    assert parse_gpu_indices(f"0-{MAX_GPU_INDEX}") == tuple(range(MAX_GPU_INDEX + 1))
+    assert parse_gpu_indices("0007") == (7,)
+
+
+def test_job_ids_are_whole_strings_of_ascii_digits():
+    assert is_job_id("7") and is_job_id("123456789012")
+    for bad in ("7\n", "\n7", "7 ", "", "1234567890123", "\u0667", "+7", 7, None):
+        assert not is_job_id(bad), bad
+    assert parse_job_ids("12\n 13\r\n\n") == {"12", "13"}
+    with pytest.raises(CommandFailed, match="'12 13'"):
+        parse_job_ids("12 13\n")
+    with pytest.raises(CommandFailed, match="characters"):
+        parse_job_ids("1\n" * (MAX_OUTPUT_BYTES // 2 + 1))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[" * 100_000, '{"jobs":' * 50_000, "", "null", "[1]", '"jobs"', '{"jobs": 5}', '{"jobs": []}', '{"jobs": [7]}',
+     '{"jobs": [{}]', "\ufffd", " " * (MAX_OUTPUT_BYTES + 1)],
+)
+def test_unreadable_job_json_is_a_command_error(text):
+    with pytest.raises(CommandFailed):
+        parse_job_json(text)
+
+
+def test_job_json_with_replaced_bytes_still_reads():
+    job = parse_job_json('{"jobs": [{"name": "J\ufffdr\ufffdme", "admin_comment": "mapa:topology=ring"}]}')
+    assert job["name"] == "J\ufffdr\ufffdme"
+
+
+def test_gres_detail_on_hostile_records():
+    assert slurm_gpus_on_only_node({"gres_detail": ["gpu:a100:2(IDX:1,0)"]}) == (0, 1)
+    for unreadable in ({}, {"gres_detail": None}, {"gres_detail": [7]}, {"gres_detail": [{"x": 1}]},
+                       {"gres_detail": ["gpu:1(IDX:0)", "gpu:1(IDX:1)"]}, {"gres_detail": ["gpu:1(IDX:0);x"]},
+                       {"gres_detail": ["x" * 100_000]}, []):
+        assert slurm_gpus_on_only_node(unreadable) is None, unreadable  # type: ignore[arg-type]
+    started = time.perf_counter()
+    for huge in ("gpu:1(IDX:0-999999999999)", "gpu:1(IDX:0-20000000)", ",".join(["gpu:1(IDX:0-1023)"] * 2000)):
+        with pytest.raises(ValueError, match="accepted: indices 0 to 1023"):
+            slurm_gpus_on_only_node({"gres_detail": [huge]})
+    assert time.perf_counter() - started < 1
+
+
+def test_directive_lines_with_replacement_and_other_non_ascii_text():
+    text = "#!/bin/bash\n# \ufffd\u00e9\u4e2d\U0001f600 \u2028 x\n#SBATCH -J \ufffd\n#MAPA topology=tree\nsrun \ufffd\n#MAPA bad\ufffd"
+    assert parse_directive_lines(text) == parse_directive("topology=tree")
+    with pytest.raises(InputError, match=r"MAPA: line 2: character '\\ufffd'"):
+        parse_directive_lines("#!/bin/sh\n#MAPA topology=\ufffdring\n")
+    with pytest.raises(InputError, match="MAPA: line 2: '#mapa' here is not a directive"):
+        parse_directive_lines("#!/bin/sh\n#mapa topology=\ufffd\n")
+    assert parse_directive_lines("#!/bin/sh\n#MAPA\ufffd topology=ring\n") is None  # not '#MAPA ': a plain comment
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("#MAPmap \t\n\r=:\ufffd\u00e9x1,-")) | st.characters(), max_size=200))
+def test_directive_lines_raise_only_input_errors(text):
+    try:
+        parse_directive_lines(text)
+    except InputError as error:
+        assert str(error).startswith("MAPA: ")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("0123456789,- \t\n\u0663x")), max_size=60))
+def test_gpu_lists_raise_only_value_errors(text):
+    try:
+        gpus = parse_gpu_indices(text)
+    except ValueError:
+        return
+    assert len(set(gpus)) == len(gpus) and all(0 <= g <= MAX_GPU_INDEX for g in gpus)
+
+
+# --- the AdminComment: the admin's text and MAPA's record -------------------------------------
+
+N1 = Decision("n1", (0, 3), "preserve", 58.9, 100.0, 216.0, free=(0, 1, 2, 3))
+N2 = Decision("n2", (4, 7), "preserve", 58.9, 100.0, 216.0)
+
+
+def test_an_admin_note_without_a_record_is_kept_in_front():
+    text = with_decision("checked by ops", RING_YES, N1)
+    assert text == "checked by ops mapa:topology=ring sensitive=yes # n1=0,3 policy=preserve free=0,1,2,3 eff=58.900 agg=100.000 pres=216.000"
+    assert parse_decisions(text) == {"n1": N1} and record_directive(text) == RING_YES
+    assert split_admin_comment(text) == ("checked by ops", text.removeprefix("checked by ops "))
+
+
+def test_admin_text_before_and_after_the_record_survives_every_rewrite():
+    admin = "ticket #42: keep mapa:topology=tree sensitive=no # n1=0,3 policy=greedy # checked by ops"
+    text = with_decision(admin, RING_YES, N2)
+    assert text == ("ticket #42: keep mapa:topology=ring sensitive=yes # n1=0,3 policy=greedy "
+                    "# n2=4,7 policy=preserve eff=58.900 agg=100.000 pres=216.000 # checked by ops")
+    again = with_decision(text, RING_YES, N1)  # n1 replaced, n2 kept as written
+    parts = read_admin_comment(again)
+    assert parts.before == "ticket #42: keep" and parts.after == ("checked by ops",)
+    assert parse_decisions(again) == {"n2": N2, "n1": N1}
+    assert with_decision(again, RING_YES, N1) == again  # idempotent
+
+
+def test_words_appended_to_a_replaced_decision_are_kept():
+    admin = "mapa:topology=ring sensitive=yes # n1=0 policy=fallback fallback=no-ledger seen-by-bob # n2=5 policy=x 2nd"
+    text = with_decision(admin, RING_YES, N1)
+    assert text.startswith("mapa:topology=ring sensitive=yes # n2=5 policy=x 2nd # n1=0,3 policy=preserve")
+    assert text.endswith("# seen-by-bob")
+
+
+def test_what_is_not_a_record_or_not_a_decision_stays_the_admins():
+    for note in ("MAPA: checked", "see mapa:docs", "mapa:topology=blob", "xmapa:topology=ring", "MAPA:topology=ring extra words"):
+        assert find_record(note) is None and record_directive(note) is None and parse_decisions(note) == {}
+        text = with_decision(note, RING_YES, N2)
+        assert text.startswith(note + " mapa:topology=ring sensitive=yes # n2=4,7")
+        assert read_admin_comment(text).before == note
+    text = "mapa:topology=ring sensitive=no # ticket=12 # n1=0 # n2=x policy=p # n3=1 policy=greedy"
+    parts = read_admin_comment(text)
+    assert parts.decisions == ("n3=1 policy=greedy",) and parts.after == ("ticket=12", "n1=0", "n2=x policy=p")
+    assert with_decision(text, RING_YES, N2).endswith("# n3=1 policy=greedy # n2=4,7 policy=preserve eff=58.900 agg=100.000 "
+                                                      "pres=216.000 # ticket=12 # n1=0 # n2=x policy=p")
+
+
+def test_the_record_is_the_first_mapa_word_that_parses():
+    text = "re MAPA: bug #7 mapa: is fine, mapa:topology=tree sensitive=yes # n1=2 policy=preserve"
+    assert split_admin_comment(text)[0] == "re MAPA: bug #7 mapa: is fine,"
+    assert record_directive(text) == parse_directive("topology=tree sensitive=yes")
+    assert parse_decisions(text)["n1"].gpus == (2,)
+
+
+def test_old_records_read_as_before():
+    assert parse_decisions("mapa: # n1=0,1 policy=preserve")["n1"].gpus == (0, 1)
+    old = "mapa:topology=ring sensitive=yes # dgx1=0,3 policy=preserve-ahead free=0,2,3 running=1,4/5,6,7 eff=58.900"
+    assert parse_decisions(old) == {
+        "dgx1": Decision("dgx1", (0, 3), "preserve-ahead", 58.9, free=(0, 2, 3), running=((1, 4), (5, 6, 7)))
+    }
+    assert record_directive(old) == RING_YES and split_admin_comment(old) == ("", old)
+    assert parse_decisions(old.replace("running=1,4/5,6,7", "running=3-1"))["dgx1"].running == ()
+    assert parse_decisions("") == {} and record_directive("") is None and split_admin_comment("  ") == ("", "")
+
+
+def test_the_record_stays_bounded():
+    busy = Decision("big", tuple(range(64)), "preserve", free=tuple(range(64)), running=(tuple(range(64, 128)),))
+    many, i = "mapa:topology=ring sensitive=yes", 0
+    while len(many) + len(busy.text()) < MAX_ADMIN_COMMENT_CHARS:  # room for the compact decision only
+        many, i = many + f" # n{i}=0,1,2,3 policy=preserve free=0-7", i + 1
+    text = with_decision(many, RING_YES, busy)
+    assert len(with_decision(many, RING_YES, Decision("small", (0,), "preserve", free=(0, 1)))) > len(many)
+    assert len(text) <= MAX_ADMIN_COMMENT_CHARS and parse_decisions(text)["big"] == Decision("big", tuple(range(64)), "preserve")
+    with pytest.raises(ValueError, match=f"accepted: at most {MAX_ADMIN_COMMENT_CHARS}"):
+        with_decision("x" * MAX_ADMIN_COMMENT_CHARS, RING_YES, N1)
+    for node in ("a b", "a#b", "a=b", ""):
+        with pytest.raises(ValueError, match="cannot be recorded"):
+            with_decision("", RING_YES, Decision(node, (0,), "preserve"))
+
+
+def test_reading_a_hostile_admin_comment_stays_fast():
+    hostile = ("mapa:" + "x" * 8000 + " ") * 200 + "mapa:topology=ring # n1=0-999999999 policy=p " + "#" * 10_000
+    started = time.perf_counter()
+    assert find_record(hostile) is None  # beyond the candidates tried
+    assert parse_decisions(hostile) == {} and read_admin_comment(hostile).before == hostile.strip()
+    assert time.perf_counter() - started < 1
+
+
+def test_sacct_and_explain_find_the_record_behind_an_admin_note():
+    from slurm_mapa.slurm.admin import explain_job
+    from slurm_mapa.slurm.config import config_from_text
+
+    header = "JobID|JobName|Submit|Start|End|NodeList|AllocTRES|Comment|AdminComment"
+    line = ("41|x|2026-11-22T05:40:00|2026-11-22T05:40:01|2026-11-22T05:40:09|dgx1|gres/gpu=2||"
+            "ops: checked mapa:topology=tree sensitive=yes # dgx1=0,3 policy=preserve free=0-3,6 # ok")
+    stats = ReadStats()
+    (job,) = read_sacct_text([header, line], stats)
+    assert (job.shape, job.sensitive, job.recorded, job.recorded_free) == ("tree", True, (0, 3), (0, 1, 2, 3, 6))
+    (job,) = read_sacct_text([header, line.replace("ops: checked mapa:topology=tree", "mapa:topology=blob")], stats)
+    assert job.recorded is None and stats.malformed_total == 1  # an old-style bad record is still reported
+    config = config_from_text('[nodes]\n"dgx*" = "dgx1-v100"\n')
+    (entry,) = explain_job(config, "ops: checked mapa:topology=ring sensitive=yes # dgx1=0,3 policy=preserve free=0-7")
+    assert entry["gpus"] == [0, 3] and entry["alternatives"]
+    with pytest.raises(InputError, match="no MAPA decision"):
+        explain_job(config, "MAPA: checked by ops")
+
+
+# --- properties --------------------------------------------------------------------------------
+
+_WORDS = ["mapa:", "MAPA:", "mapa:topology=ring", "mapa:topology=blob", "#", " # ", " ", "\t", "\n", "n1=0", "n2=1,2",
+          "policy=preserve", "policy=x", "free=0-3", "checked", "ops", "=", "ticket=12", "é", "\ufffd", "sensitive=yes",
+          "topology=tree", "x"]
+_raw_texts = st.lists(st.sampled_from(_WORDS) | st.text(max_size=6), max_size=14).map("".join)
+_segments = st.sampled_from(["n1=0 policy=preserve", "n2=1,2 policy=greedy free=0-3 ok", "checked by ops", "ticket=12", ""]) | _raw_texts
+# An admin's text, a record, and segments after it (decisions and the admin's), as well as any mix of words.
+admin_texts = _raw_texts | st.builds(
+    lambda before, record, segments: " ".join(filter(None, [before, record])) + "".join(f" # {seg}" for seg in segments),
+    _raw_texts, st.sampled_from(["mapa:topology=ring sensitive=no", "MAPA:", "mapa:topology=blob", ""]), st.lists(_segments, max_size=4),
+)
+decisions = st.builds(
+    Decision,
+    node=st.sampled_from(["n1", "n2", "gpu-07", "dgx1.local"]),
+    gpus=st.lists(st.integers(0, 63), min_size=1, max_size=8, unique=True).map(tuple),
+    policy=st.sampled_from(["preserve", "greedy", "fallback", "preserve-ahead"]),
+    effective=st.none() | st.integers(0, 8000).map(lambda v: v / 8),
+    free=st.lists(st.integers(0, 63), max_size=8, unique=True).map(lambda v: tuple(sorted(v))),
+    running=st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=3, unique=True).map(tuple), max_size=3).map(tuple),
+)
+directives = st.sampled_from(["topology=ring sensitive=yes", "", "topology=mesh2d:2x2 gpus=4", "topology=custom edges=0-1"]).map(parse_directive)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(admin_texts, directives, decisions, decisions)
+def test_with_decision_never_loses_the_admins_text(admin, directive, decision, other):
+    before = read_admin_comment(admin)
+    others = {n: d for n, d in parse_decisions(admin).items() if n != decision.node}
+    text = with_decision(admin, directive, decision)
+    after = read_admin_comment(text)
+    assert after.before == before.before
+    assert after.after[len(after.after) - len(before.after):] == before.after
+    if find_record(admin) is None:
+        assert text.startswith(admin.strip())
+    assert parse_decisions(text) == {**others, decision.node: decision}
+    assert record_directive(text) == directive
+    assert with_decision(text, directive, decision) == text
+    if other.node != decision.node:  # a second node's Prolog keeps the first one's decision
+        assert parse_decisions(with_decision(text, directive, other))[decision.node] == decision
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300) | admin_texts)
+def test_reading_any_admin_comment_never_raises(text):
+    parts = read_admin_comment(text)
+    assert (parts.directive is None) == (find_record(text) is None) == (record_directive(text) is None)
+    parse_decisions(text)
+    assert split_admin_comment(text)[0] == parts.before
+
+
+# --- job_submit.lua keeps an admin_comment already set ----------------------------------------
+
+LUA_DRIVER = r"""
+slurm = { SUCCESS = 0, ERROR = -1, ESLURM_INVALID_GRES = 2072, ESLURM_INTERNAL = 2090 }
+for _, name in ipairs({ "log_user", "log_info", "log_debug", "log_error" }) do
+    slurm[name] = function(fmt, ...) string.format(fmt, ...) end
+end
+assert(loadfile(arg[1]))()
+local file = assert(io.open(arg[2], "rb"))
+local data = file:read("*a")
+file:close()
+local position, out = 1, {}
+while position <= #data do
+    local stop = assert(string.find(data, "\n", position, true))
+    local script_len, admin_len = string.match(string.sub(data, position, stop - 1), "^(%d+) (%-?%d+)$")
+    position = stop + 1
+    local script = string.sub(data, position, position + tonumber(script_len) - 1)
+    position = position + tonumber(script_len)
+    local admin = nil
+    if tonumber(admin_len) >= 0 then
+        admin = string.sub(data, position, position + tonumber(admin_len) - 1)
+        position = position + tonumber(admin_len)
+    end
+    local job_desc = { script = script, admin_comment = admin }
+    local rc = slurm_job_submit(job_desc, {}, 1000)
+    local result = rawget(job_desc, "admin_comment") or ""
+    out[#out + 1] = string.format("%d %d\n", rc, #result) .. result
+end
+io.write(table.concat(out))
+"""
+
+
+def run_lua_submit(tmp_path: Path, cases: list[tuple[str, str | None]]) -> list[str]:
+    lua = shutil.which("lua5.1")
+    if lua is None:
+        if os.environ.get("MAPA_SKIP_LUA") == "1":
+            pytest.skip("lua5.1 not found and MAPA_SKIP_LUA=1 is set")
+        pytest.fail("lua5.1 not found: apt-get install -y lua5.1 (or set MAPA_SKIP_LUA=1)")
+    blob = bytearray()
+    for body, admin in cases:
+        raw, admin_raw = body.encode("latin-1"), None if admin is None else admin.encode("latin-1")
+        blob += f"{len(raw)} {-1 if admin_raw is None else len(admin_raw)}\n".encode() + raw + (admin_raw or b"")
+    (tmp_path / "driver.lua").write_text(LUA_DRIVER)
+    (tmp_path / "cases.bin").write_bytes(bytes(blob))
+    done = subprocess.run([lua, str(tmp_path / "driver.lua"), str(PLUGIN), str(tmp_path / "cases.bin")], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    data, pos, results = done.stdout, 0, []
+    for _ in cases:
+        end = data.index(b"\n", pos)
+        rc, length = map(int, data[pos:end].split())
+        assert rc == 0
+        results.append(data[end + 1 : end + 1 + length].decode("latin-1"))
+        pos = end + 1 + length
+    return results
+
+
+def test_job_submit_lua_keeps_the_admins_text(tmp_path):
+    body = "#!/bin/sh\n#MAPA topology=ring sensitive=yes\nsrun x\n"
+    record = "mapa:topology=ring sensitive=yes"
+    cases = [
+        (body, None),
+        (body, "checked by ops"),
+        (body, "  ops: ok \t"),
+        (body, "ops: ok mapa:topology=tree sensitive=no # n1=0 policy=preserve # checked"),
+        (body, "MAPA: checked"),
+        (body, "re MAPA: bug mapa:topology=tree"),
+        (body, "x" * (MAX_ADMIN_COMMENT_CHARS - len(record))),
+        ("#!/bin/sh\nsrun x\n", "no directive: untouched"),
+    ]
+    assert run_lua_submit(tmp_path, cases) == [
+        record,
+        "checked by ops " + record,
+        "ops: ok " + record,
+        "ops: ok " + record,
+        "MAPA: checked " + record,
+        "re MAPA: bug " + record,
+        "x" * (MAX_ADMIN_COMMENT_CHARS - len(record)),  # it would pass the bound: left as it was
+        "no directive: untouched",
+    ]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.sampled_from([w for w in _WORDS if w.isascii()] + ["mapa:gpus=2", "mapa:sensitive=no"]),
+                         max_size=10).map("".join), min_size=20, max_size=20))
+def test_job_submit_lua_and_python_agree_on_the_admins_text(tmp_path, texts):
+    body = "#!/bin/sh\n#MAPA topology=tree\n"
+    results = run_lua_submit(tmp_path, [(body, text) for text in texts])
+    for text, result in zip(texts, results):
+        kept = split_admin_comment(text)[0]
+        assert result == (f"{kept} " if kept else "") + "mapa:topology=tree sensitive=no", text
