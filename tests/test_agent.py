@@ -168,15 +168,17 @@ def test_the_agent_refuses_bad_requests_and_writes_nothing(live_agent):
     assert not config.ledger.exists() and slurm.calls == []
 
 
-def test_a_prolog_whose_client_went_away_writes_nothing(tmp_path):
+def test_a_prolog_whose_client_went_away_keeps_only_its_provisional_choice(tmp_path):
     config = config_from_text(f'ledger = "{tmp_path}/l.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\n[nodes]\n"dgx*" = "dgx1-v100"\n', "t")
     slurm, logs = FakeSlurm(), []
     slurm.running = {"7"}
+    slurm.admin["7"] = "mapa:topology=ring sensitive=yes"
     assert run_prolog(env_for("7", "0,1"), config, slurm, logs.append, still_wanted=lambda: False) is None
-    assert not (config.jobs_dir / "7").exists() and "7" not in LedgerFile(config.ledger, 8).read().holdings
+    # The search's choice is not written; the safe provisional one (Slurm's GPUs, free here) is.
+    assert (config.jobs_dir / "7").read_text() == "MAPA_GPUS=0,1\n"
+    assert LedgerFile(config.ledger, 8).read().holdings["7"].gpus == (0, 1)
     assert any("went away" in line for line in logs)
-    # The next Prolog sees job 7 running without an entry and adopts Slurm's GPUs for it.
-    slurm.gres["7"] = ["gpu:2(IDX:0-1)"]
+    assert not any(call[1] == "update" for call in slurm.calls)  # nor is anything recorded in the AdminComment
     slurm.running.add("8")
     decision = run_prolog(env_for("8", "2,3"), config, slurm, logs.append)
     assert not {0, 1} & set(decision.gpus)
@@ -191,17 +193,29 @@ def test_wrapper_text_literal():
     assert wrapper_text("epilog", "/usr/bin/python3", "/opt/site", "/etc/slurm/mapa.toml") == (
         "#!/bin/sh\n"
         "# slurm-mapa epilog wrapper, written by `mapa hooks`. Slurm gives hooks no PATH, and a hook that\n"
-        "# fails drains the node: absolute paths only, and exit 0 whatever happens.\n"
+        "# fails drains the node: absolute paths only, no programs but Python, and exit 0 whatever happens.\n"
+        "# Whatever umask slurmd has: nothing root writes here (log, byte code) may be writable by others.\n"
+        "umask 022\n"
+        "read -r MAPA_WRAPPER_STARTED rest < /proc/uptime || MAPA_WRAPPER_STARTED=0\n"
         "MAPA_CONFIG=/etc/slurm/mapa.toml\n"
-        "export MAPA_CONFIG\n"
+        "export MAPA_CONFIG MAPA_WRAPPER_STARTED\n"
         "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
         "/usr/bin/python3 -I -S /opt/site/slurm_mapa/slurm/agent_client.py epilog && exit 0\n"
         "/usr/bin/python3 -I -c 'import sys; sys.path.insert(0, \"/opt/site\"); from slurm_mapa.slurm.epilog import epilog_main; "
         "sys.exit(epilog_main())'\n"
+        "# Killed by a signal (the OOM killer, say) early enough to stay inside Slurm's timeout: once more;\n"
+        "# that run finds what the first one left and finishes it.\n"
+        "status=$?\n"
+        "read -r now rest < /proc/uptime || now=0\n"
+        'if [ "$status" -gt 128 ] && [ $(( ${now%.*} - ${MAPA_WRAPPER_STARTED%.*} )) -lt 30 ]; then\n'
+        "  MAPA_HOOK_RETRY_AFTER_SIGNAL=$((status - 128)) /usr/bin/python3 -I -c 'import sys; sys.path.insert(0, \"/opt/site\"); "
+        "from slurm_mapa.slurm.epilog import epilog_main; sys.exit(epilog_main())'\n"
+        "fi\n"
         "exit 0\n"
     )
     with_cache = wrapper_text("prolog", "/usr/bin/python3", "/opt/site", "/etc/slurm/mapa.toml", "/var/cache/mapa")
     assert "\n/usr/bin/python3 -I -X pycache_prefix=/var/cache/mapa -c 'import sys;" in with_cache
+    assert "RETRY_AFTER_SIGNAL=$((status - 128)) /usr/bin/python3 -I -X pycache_prefix=/var/cache/mapa -c 'import sys;" in with_cache
     assert slurm_conf_lines("/usr/local/sbin") == (
         "PrologFlags=Alloc\nProlog=/usr/local/sbin/mapa-prolog-wrapper\nEpilog=/usr/local/sbin/mapa-epilog-wrapper\n"
         "TaskProlog=/usr/local/sbin/mapa-taskprolog\n"

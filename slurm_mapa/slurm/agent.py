@@ -8,8 +8,14 @@ the AdminComment are the same code and the same files either way.
 
 Only root may ask (the socket lives in a root-only directory and the peer's uid is checked), a
 request carries only the few SLURM_* variables the hooks read, and it is parsed strictly and
-bounded in size. A client that goes away before the decision is written (slurmd killed the
-Prolog) gets nothing written: its job keeps Slurm's GPUs and the next Prolog adopts them.
+bounded in size and in time (one deadline for the whole request, however slowly it trickles in).
+A client that goes away before the decision is written (slurmd killed the Prolog) gets nothing
+written: its job keeps Slurm's GPUs and the next Prolog adopts them.
+
+A burst of Prologs (32 or more jobs allocated at once) queues in a deep listen backlog instead of
+falling back; past MAX_HANDLERS concurrent requests a client is told ``error busy`` at once and
+runs the hook in-process. The agent answers within the Prolog's configured budget
+(``prolog_budget``), well inside the client's ANSWER_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import socketserver
 import stat
 import struct
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -32,7 +40,14 @@ from .config import load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
 
+# One deadline for reading the whole request: a client that trickles a byte every few seconds
+# must not hold a thread (a timeout per recv would let it go on for ever).
 REQUEST_READ_TIMEOUT_S = 5.0
+# Slurm starts the Prologs of jobs allocated together at the same moment; socketserver's default
+# backlog (5) made bursts of 16-32 fall back to the slow in-process path.
+LISTEN_BACKLOG = 256
+# Each request holds a thread; past this many at once the client is told to run the hook itself.
+MAX_HANDLERS = 128
 
 
 def parse_header(line: bytes) -> tuple[str, int]:
@@ -86,18 +101,30 @@ def client_still_there(conn: socket.socket) -> bool:
         return False
 
 
-def read_request(conn: socket.socket) -> tuple[str, dict[str, str]]:
-    conn.settimeout(REQUEST_READ_TIMEOUT_S)
+def read_request(conn: socket.socket, timeout: float = REQUEST_READ_TIMEOUT_S) -> tuple[str, dict[str, str]]:
+    """The request's kind and variables, read within ``timeout`` seconds in all; InputError otherwise."""
+    deadline = time.monotonic() + timeout
+
+    def receive(size: int) -> bytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise InputError(f"request not complete within {timeout:g} s")
+        conn.settimeout(left)
+        try:
+            return conn.recv(size)
+        except TimeoutError:
+            raise InputError(f"request not complete within {timeout:g} s") from None
+
     header = b""
     while not header.endswith(b"\n"):
-        chunk = conn.recv(1)
+        chunk = receive(1)
         if not chunk or len(header) >= MAX_HEADER_BYTES:
             raise InputError("request header missing or too long")
         header += chunk
     kind, length = parse_header(header)
     payload = b""
     while len(payload) < length:
-        chunk = conn.recv(min(65536, length - len(payload)))
+        chunk = receive(min(65536, length - len(payload)))
         if not chunk:
             raise InputError(f"request ended after {len(payload)} of {length} bytes")
         payload += chunk
@@ -160,7 +187,7 @@ class _Handler(socketserver.BaseRequestHandler):
             if uid != 0:
                 conn.sendall(b"error only root may ask mapa-agent\n")
                 return
-            kind, env = read_request(conn)
+            kind, env = read_request(conn, self.server.request_read_timeout)
         except (InputError, OSError) as error:
             self.server.agent.log_errors(f"mapa-agent: refused a request: {error}")
             try:
@@ -182,12 +209,71 @@ class _Handler(socketserver.BaseRequestHandler):
                 self.server.agent.log_errors(f"mapa-agent: deferred work failed: {error}")
 
 
+def _discard_unread(conn: socket.socket) -> None:
+    """Read and drop what the client has sent, without waiting (at most one request's worth)."""
+    try:
+        for _ in range(MAX_REQUEST_BYTES // 65536 + 2):
+            if not conn.recv(65536, socket.MSG_DONTWAIT):
+                return
+    except OSError:
+        return
+
+
 class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+    request_read_timeout = REQUEST_READ_TIMEOUT_S
 
-    def __init__(self, path: str, agent: Agent) -> None:
+    def __init__(self, path: str, agent: Agent, max_handlers: int = MAX_HANDLERS) -> None:
         self.agent = agent
+        self.handler_slots = threading.BoundedSemaphore(max_handlers)
+        self.refused: list[tuple[float, socket.socket]] = []  # told busy, closed by service_actions
         super().__init__(path, _Handler)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        """A thread for the request if fewer than max_handlers run; else ``error busy`` at once."""
+        if not self.handler_slots.acquire(blocking=False):
+            self.agent.log_errors("mapa-agent: too many requests at once; told one client to run its hook itself")
+            self._refuse_busy(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.handler_slots.release()  # the thread never started
+            raise
+
+    def _refuse_busy(self, request: socket.socket) -> None:
+        """Answer ``error busy`` without waiting on the client. The socket is closed a moment later
+        (service_actions), once its request has arrived and been discarded: closed with unread data,
+        the client would see a reset instead of the answer (it falls back either way)."""
+        try:
+            request.setblocking(False)
+            request.send(b"error busy\n")
+            request.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self.refused.append((time.monotonic(), request))
+
+    def service_actions(self) -> None:
+        """Called by serve_forever between requests: close refused sockets older than 0.2 s."""
+        super().service_actions()
+        now = time.monotonic()
+        while self.refused and (now - self.refused[0][0] > 0.2 or len(self.refused) > MAX_HANDLERS):
+            _, request = self.refused.pop(0)
+            _discard_unread(request)
+            self.shutdown_request(request)
+
+    def server_close(self) -> None:
+        for _, request in self.refused:
+            request.close()
+        self.refused.clear()
+        super().server_close()
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.handler_slots.release()
 
 
 def prepare_socket_dir(path: Path) -> None:
@@ -202,13 +288,13 @@ def prepare_socket_dir(path: Path) -> None:
         path.unlink()
 
 
-def serve(socket_path: str, agent: Agent) -> AgentServer:
+def serve(socket_path: str, agent: Agent, max_handlers: int = MAX_HANDLERS) -> AgentServer:
     """A server bound to ``socket_path`` (mode 600 in a root-only directory); call serve_forever on it."""
     path = Path(socket_path)
     prepare_socket_dir(path)
     old_umask = os.umask(0o077)
     try:
-        server = AgentServer(str(path), agent)
+        server = AgentServer(str(path), agent, max_handlers)
     finally:
         os.umask(old_umask)
     return server
@@ -220,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help="where to listen (default %(default)s)")
     parser.add_argument("--node", default=os.uname().nodename.split(".")[0], help="this node's Slurm name, for the warm-up (default: the host name)")
     args = parser.parse_args(argv)
+    os.umask(0o022)  # whatever started us: nothing the hooks create may be writable by others
     if os.geteuid() != 0:
         print("mapa-agent: must run as root, like the Prolog it replaces", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ runs the hook in-process (the slow path, same code). Nothing here may import the
 
 The protocol (version 1): the client sends ``MAPA1 <kind> <length>\\n`` and then ``length`` bytes of
 ``KEY=VALUE`` pairs separated by NUL bytes (environment values cannot hold NUL); the agent answers
-one line, ``done`` or ``error <why>``. The client keeps its end open until it has the answer, so
+one line, ``done`` or ``error <why>`` (``error busy`` when it runs too many requests already). The client keeps its end open until it has the answer, so
 the agent can tell that a killed client no longer wants its decision.
 """
 
@@ -29,9 +29,11 @@ KEYS = ("SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_JOB_GPUS", "SLURM_JOB_COMMENT"
 MAX_VALUE_BYTES = 8192
 MAX_REQUEST_BYTES = len(KEYS) * (MAX_VALUE_BYTES + 64)
 MAX_HEADER_BYTES = 64
-# The agent bounds its own work (a lock wait and a few Slurm calls, each with a timeout); past
-# this the client gives up and the hook runs in-process.
-ANSWER_TIMEOUT_S = 60.0
+# The agent answers within the Prolog's configured wall-time budget (prolog_budget, at most
+# config.MAX_PROLOG_BUDGET_S); past this the client gives up and the wrapper runs the hook
+# in-process, which has the same budget. Worst case about 25 s + the budget, inside the 60 s+
+# PrologEpilogTimeout the docs recommend (slurmd drains the node past it).
+ANSWER_TIMEOUT_S = 25.0
 CONNECT_TIMEOUT_S = 2.0
 FALL_BACK = 3
 

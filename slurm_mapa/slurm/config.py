@@ -6,6 +6,7 @@
     jobs_dir = "/run/slurm-mapa/jobs"          # per-job files the TaskProlog reads
     log = "/var/log/slurm-mapa.log"
     command_timeout = 5.0                      # seconds, for every scontrol/squeue call
+    prolog_budget = 15.0                       # seconds: the Prolog's whole wall time, whatever Slurm's latency
     scontrol = "/usr/bin/scontrol"
     squeue = "/usr/bin/squeue"
     model = ""                                 # an effective-bandwidth model file, or the paper's
@@ -34,10 +35,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..errors import InputError, MapaError
+from . import paths
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
-         "preserve_ahead"}
+         "preserve_ahead", "prolog_budget"}
+# The agent answers within the budget and its client gives up after 25 s; the wrapper then runs
+# the Prolog in-process with the same budget: 25 + 20 s stays inside the 60 s PrologEpilogTimeout
+# Slurm's docs suggest.
+MAX_PROLOG_BUDGET_S = 20.0
 _OTHER_TOOLS_SECTIONS = {"cluster", "defaults", "rules", "replay"}
 
 
@@ -49,6 +55,7 @@ class HookConfig:
     jobs_dir: Path = Path("/run/slurm-mapa/jobs")
     log: Path = Path("/var/log/slurm-mapa.log")
     command_timeout: float = 5.0
+    prolog_budget: float = 15.0
     scontrol: str = "/usr/bin/scontrol"
     squeue: str = "/usr/bin/squeue"
     model: str = ""
@@ -111,6 +118,11 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
             raise InputError(f"{source}: command_timeout must be seconds in (0, 60], got {timeout!r}")
         values["command_timeout"] = float(timeout)
+    if "prolog_budget" in data:
+        budget = data["prolog_budget"]
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 2 <= budget <= MAX_PROLOG_BUDGET_S:
+            raise InputError(f"{source}: prolog_budget must be seconds in [2, {MAX_PROLOG_BUDGET_S:g}], got {budget!r}")
+        values["prolog_budget"] = float(budget)
     nodes = data.get("nodes", {})
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
         raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')
@@ -123,28 +135,61 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
     return HookConfig(**values)
 
 
+# A config is a few lines; bounding the read keeps a huge or endless file from stalling every hook.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_hook_config(env: Mapping[str, str], *, validate: bool = True) -> tuple[HookConfig, str]:
     """The hooks' config (``$MAPA_CONFIG`` or /etc/slurm/mapa.toml) and, if it is unusable, why.
 
     An unusable config never stops a hook: the defaults still find the ledger, and the Prolog
-    falls back for every job, saying so.
+    falls back for every job, saying so. Like sshd's StrictModes, a config that anyone but root
+    could have written is unusable (it names programs root runs), and so is one naming a
+    scontrol or squeue that anyone but root could replace; a program that does not exist only
+    fails when it is run.
     """
     path = Path(env.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH)))
     try:
-        return config_from_text(path.read_text(encoding="utf-8"), source=str(path), validate=validate), ""
-    except (OSError, UnicodeDecodeError, MapaError) as error:
+        paths.check_trusted_file(path)
+    except paths.UnsafePath as error:
+        if not os.path.lexists(path):
+            return HookConfig(), f"bad-config: {path} does not exist"
+        return HookConfig(), f"bad-config: refused the config, as sshd's StrictModes would: {error}"
+    try:
+        raw = paths.read_bytes(path, MAX_CONFIG_BYTES)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise InputError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes; accepted: a config up to 1 MiB")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InputError(f"{path}: byte {raw[error.start]:#04x} at offset {error.start} is not UTF-8; accepted: UTF-8 text") from None
+        config = config_from_text(text, source=str(path), validate=validate)
+    except (OSError, MapaError) as error:
         return HookConfig(), f"bad-config: {error}"
+    for key, command in (("scontrol", config.scontrol), ("squeue", config.squeue)):
+        program = paths.command_path(command)
+        if program is None:
+            continue  # not there: the call fails when it is made, like a missing scontrol on any node
+        try:
+            paths.resolve_trusted_file(program)
+        except paths.UnsafePath as error:
+            return HookConfig(), f"bad-config: refused {key} = {command!r} in {path}, as sshd's StrictModes would: {error}"
+    return config, ""
 
 
 def hook_logger(path: Path) -> Callable[[str], None]:
-    """Appends timestamped lines to the hooks' log file (stderr if it cannot be written)."""
+    """Appends timestamped lines to the hooks' log file, never through a symlink, FIFO or hard
+    link and never making it writable by others (paths.append_log_line); to stderr if it cannot."""
+    failed: list[str] = []
 
     def log(message: str) -> None:
         line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mapa[{os.getpid()}] {message}\n"
         try:
-            with open(path, "a", encoding="utf-8") as handle:
-                handle.write(line)
-        except OSError:
+            paths.append_log_line(path, line)
+        except (OSError, MapaError) as error:
+            if not failed:  # say once per hook why the log is not where the config says
+                failed.append(str(error))
+                sys.stderr.write(f"mapa: cannot log to {path} ({error}); logging here\n")
             sys.stderr.write(line)
 
     return log

@@ -4,6 +4,9 @@ Slurm runs hooks with no PATH and a bare environment, and a hook that fails drai
 the wrappers name every path absolutely and always exit 0. Each tries the node's mapa-agent first
 (a client that imports only built-in modules) and runs the hook in-process when there is none.
 The text is built by pure functions (tested on literal output); only ``cmd_hooks`` writes files.
+
+Root runs what the wrappers name, so ``mapa hooks`` refuses an interpreter, a config or a
+directory that anyone but root could change (the checks of :mod:`slurm_mapa.slurm.paths`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from . import paths as trusted
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 TASKPROLOG = PACKAGE_DIR / "data" / "hooks" / "mapa-taskprolog"
@@ -23,11 +27,20 @@ ENTRY = {"prolog": ("slurm_mapa.slurm.hooks", "prolog_main"), "epilog": ("slurm_
 WRAPPER_NAMES = {"prolog": "mapa-prolog-wrapper", "epilog": "mapa-epilog-wrapper"}
 
 
-def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycache_prefix: str | None = None) -> str:
+# A hook killed by a signal is run once more only if the wrapper started less than this long ago:
+# the retry then ends within the 60 s PrologEpilogTimeout the docs recommend (a Prolog's budget is
+# at most config.MAX_PROLOG_BUDGET_S), where a hook past the timeout would drain the node.
+RETRY_WINDOW_S = 30
+
+
+def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycache_prefix: str | None = None,
+                 retry_window_s: int = RETRY_WINDOW_S) -> str:
     """The POSIX shell wrapper for ``kind`` (prolog or epilog) of an installation.
 
     ``pycache_prefix``: where the in-process hook keeps byte code when the package directory is
-    read-only (compiling on every job costs about 50 ms).
+    read-only (compiling on every job costs about 50 ms). The wrapper exports
+    MAPA_WRAPPER_STARTED (seconds since boot, from /proc/uptime, 0 if unreadable) for the hooks'
+    budget, and MAPA_HOOK_RETRY_AFTER_SIGNAL (the signal number) to a retried hook.
     """
     paths = [("python", python), ("package directory", package_parent), ("config", config)]
     if pycache_prefix is not None:
@@ -38,15 +51,27 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
     module, function = ENTRY[kind]
     client = os.path.join(package_parent, "slurm_mapa", "slurm", "agent_client.py")
     code = f'import sys; sys.path.insert(0, "{package_parent}"); from {module} import {function}; sys.exit({function}())'
+    in_process = (f"{shlex.quote(python)} -I{' -X pycache_prefix=' + shlex.quote(pycache_prefix) if pycache_prefix else ''}"
+                  f" -c {shlex.quote(code)}")
     return (
         "#!/bin/sh\n"
         f"# slurm-mapa {kind} wrapper, written by `mapa hooks`. Slurm gives hooks no PATH, and a hook that\n"
-        "# fails drains the node: absolute paths only, and exit 0 whatever happens.\n"
+        "# fails drains the node: absolute paths only, no programs but Python, and exit 0 whatever happens.\n"
+        "# Whatever umask slurmd has: nothing root writes here (log, byte code) may be writable by others.\n"
+        "umask 022\n"
+        "read -r MAPA_WRAPPER_STARTED rest < /proc/uptime || MAPA_WRAPPER_STARTED=0\n"
         f"MAPA_CONFIG={shlex.quote(config)}\n"
-        "export MAPA_CONFIG\n"
+        "export MAPA_CONFIG MAPA_WRAPPER_STARTED\n"
         "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
         f"{shlex.quote(python)} -I -S {shlex.quote(client)} {kind} && exit 0\n"
-        f"{shlex.quote(python)} -I{' -X pycache_prefix=' + shlex.quote(pycache_prefix) if pycache_prefix else ''} -c {shlex.quote(code)}\n"
+        f"{in_process}\n"
+        "# Killed by a signal (the OOM killer, say) early enough to stay inside Slurm's timeout: once more;\n"
+        "# that run finds what the first one left and finishes it.\n"
+        "status=$?\n"
+        "read -r now rest < /proc/uptime || now=0\n"
+        f'if [ "$status" -gt 128 ] && [ $(( ${{now%.*}} - ${{MAPA_WRAPPER_STARTED%.*}} )) -lt {int(retry_window_s)} ]; then\n'
+        f"  MAPA_HOOK_RETRY_AFTER_SIGNAL=$((status - 128)) {in_process}\n"
+        "fi\n"
         "exit 0\n"
     )
 
@@ -60,20 +85,61 @@ def slurm_conf_lines(directory: str) -> str:
     )
 
 
+def check_interpreter(python: str) -> Path:
+    """The file ``python`` runs, if root may run it for every job: a regular executable that only
+    root can change, reached through symlinks in directories only root can change. Raises InputError."""
+    accepted = "accepted: an executable owned by root, not writable by group or others, in directories only root can change"
+    if not os.path.isabs(python):
+        raise InputError(f"--python {python!r} is not an absolute path; {accepted}")
+    try:
+        resolved = trusted.resolve_trusted_file(Path(python))
+    except trusted.UnsafePath as error:
+        raise InputError(f"--python {python}: root would run it for every job, refused: {error} "
+                         "(symlinks such as /usr/bin/python3 -> python3.X are followed, and each is judged)") from None
+    if not os.access(resolved, os.X_OK):
+        raise InputError(f"--python {python}: {resolved} is not executable; {accepted}")
+    return resolved
+
+
+def check_config(config: str) -> str | None:
+    """Refuse (InputError) a config the hooks would refuse; a warning line if it is not there yet."""
+    if not os.path.lexists(config):
+        return (f"warning: --config {config} does not exist yet; the hooks will use it only if it is a regular file "
+                "owned by root, not writable by group or others, in directories only root can change")
+    try:
+        trusted.check_trusted_file(Path(config))
+    except trusted.UnsafePath as error:
+        raise InputError(f"--config {config}: the hooks would refuse it and fall back for every job: {error}") from None
+    return None
+
+
+def package_warning(package_dir: Path) -> str | None:
+    """A warning line when root would import slurm-mapa from a directory others can change."""
+    try:
+        trusted.check_trusted_dir(package_dir)
+    except trusted.UnsafePath as error:
+        return f"warning: root will import slurm-mapa from {package_dir}, which others could change: {error}"
+    return None
+
+
 def cmd_hooks(args: argparse.Namespace) -> int:
     directory = Path(args.directory).resolve()
     python = args.python or sys.executable
-    if not os.access(python, os.X_OK):
-        raise InputError(f"--python {python!r} is not an executable file")
+    check_interpreter(python)
+    for warning in (check_config(args.config), package_warning(PACKAGE_DIR)):
+        if warning:
+            print(warning, file=sys.stderr)
     texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix) for kind in ENTRY}
     texts["mapa-taskprolog"] = TASKPROLOG.read_text()
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
+    except trusted.UnsafePath as error:
+        raise InputError(f"cannot write the hooks into {directory}: {error}") from None
     for name, text in texts.items():
         target = directory / name
-        tmp = directory / f".{name}.tmp"
-        tmp.write_text(text)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # a hook being replaced while slurmd runs it sees old or new, never half
+        # A fresh unpredictable name renamed over the target: slurmd sees the old hook or the new, never
+        # half of one, and a planted symlink is replaced, not followed.
+        trusted.replace_file(target, text.encode(), mode=0o755)
         print(f"wrote {target}", file=sys.stderr)
     print(slurm_conf_lines(str(directory)), end="")
     return 0
@@ -87,7 +153,8 @@ def add_commands(commands: Any) -> None:
         "and print the slurm.conf lines that use them.",
     )
     hooks.add_argument("directory", help="where to write them, e.g. /usr/local/sbin")
-    hooks.add_argument("--python", help="the Python that has slurm-mapa installed (default: this one)")
+    hooks.add_argument("--python", help="the Python that has slurm-mapa installed (default: this one); root runs it, so it "
+                                        "must be root's and not writable by others, in directories only root can change")
     hooks.add_argument("--config", default="/etc/slurm/mapa.toml", help="the hooks' config (default %(default)s)")
     hooks.add_argument("--pycache-prefix", help="byte-code cache for the in-process hooks, when the package directory is read-only")
     hooks.set_defaults(handler=cmd_hooks)

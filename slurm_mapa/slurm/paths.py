@@ -62,11 +62,13 @@ def check_trusted_dir(path: Path) -> None:
 
 def ensure_trusted_dir(path: Path, mode: int = 0o755) -> None:
     """Create ``path`` (and missing parents, mode 755) if needed, then check it as check_trusted_dir."""
-    path = Path(path)
+    path = Path(os.path.abspath(path))
     if not os.path.lexists(path):
         try:
-            path.mkdir(mode=0o755, parents=True, exist_ok=True)
-            os.chmod(path, mode)
+            for missing in [*reversed(path.parents), path]:
+                if not os.path.lexists(missing):
+                    os.mkdir(missing)
+                    os.chmod(missing, mode if missing == path else 0o755)  # whatever the umask
         except OSError as error:
             raise UnsafePath(f"cannot create directory {path}: {error.strerror}") from None
     check_trusted_dir(path)
