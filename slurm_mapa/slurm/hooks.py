@@ -566,6 +566,9 @@ def prolog_failing_open(
     log = hook_logger(config.log)
     if problem:
         log(f"config problem, every job falls back: {problem}")
+    retry = config_env.get("MAPA_HOOK_RETRY_AFTER_SIGNAL", "")
+    if retry.isdigit() and len(retry) < 4:
+        log(f"job {str(env.get('SLURM_JOB_ID', ''))[:20]}: the Prolog was killed by signal {retry}; running it once more")
     try:
         run_prolog(env, config, make_runner(config.command_timeout), log, problem, nvml_health_probe(config), **agent_options)
     except Exception:  # noqa: BLE001 - fail open: never drain the node

@@ -117,7 +117,9 @@ class Cluster:
         if user is not None:
             argv = ["runuser", "-u", user, "--", *argv]
         cmd = ["docker", "exec", *(["-i"] if input is not None else []), self.container(node), *argv]
-        proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+        # Slurm prints what users gave it byte for byte (a Latin-1 job name, a batch script): keep
+        # bytes that are not UTF-8 as surrogates instead of failing to decode them.
+        proc = subprocess.run(cmd, input=input, capture_output=True, encoding="utf-8", errors="surrogateescape", timeout=timeout)
         if check and proc.returncode != 0:
             raise ClusterError(
                 f"{' '.join(argv)} on {node} exited {proc.returncode}\n"
@@ -315,7 +317,7 @@ class Cluster:
                 cmd += ["--tail", str(tail)]
             try:
                 proc = subprocess.run(
-                    [*cmd, self.container(service)], capture_output=True, text=True, timeout=60
+                    [*cmd, self.container(service)], capture_output=True, encoding="utf-8", errors="replace", timeout=60
                 )
                 text = proc.stdout + proc.stderr
             except (OSError, subprocess.TimeoutExpired) as exc:

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import re
+import subprocess
 import time
 
 import pytest
@@ -288,6 +289,7 @@ def _restore_node_config(cluster, node: str) -> None:
 
 
 AGENT = "slurm_mapa.slurm.agent import main"
+AGENT_PROCESS = "^/usr/bin/python3 .*" + AGENT  # the agent itself, not a shell loop restarting it
 
 
 def _wait_for(cluster, node: str, argv: list[str], what: str, timeout: float = 60) -> str:
@@ -301,17 +303,19 @@ def _wait_for(cluster, node: str, argv: list[str], what: str, timeout: float = 6
 
 def test_a_prolog_killed_midway_loses_no_gpu(cluster):
     """Both Prolog paths are SIGKILLed while they wait for squeue: first mapa-agent (the wrapper
-    then runs the Prolog in-process), then that in-process Prolog. The job runs on Slurm's GPUs,
-    and the next Prolog (the restarted agent's) adopts them instead of handing them out again."""
+    then runs the Prolog in-process), then that in-process Prolog. The job still runs, on the GPUs
+    of its job file (the wrapper's retry, or the provisional choice, wrote one) or else on Slurm's
+    (the next Prolog then adopts them), and the next job does not get them."""
     node = "summit1"
+    _ensure_agent(cluster, node)
     cluster.exec(node, ["sh", "-c", "printf '#!/bin/sh\\nsleep 4\\nexec /usr/bin/squeue \"$@\"\\n' > /usr/local/bin/slow-squeue"
                                     " && chmod 755 /usr/local/bin/slow-squeue"])
     _set_node_config(cluster, node, 'squeue = "/usr/local/bin/slow-squeue"')  # within command_timeout (5 s)
     try:
         first = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
-        agent = _wait_for(cluster, node, ["pgrep", "-f", AGENT], "no mapa-agent runs").split()
+        agent = _wait_for(cluster, node, ["pgrep", "-f", AGENT_PROCESS], "no mapa-agent runs").split()
         _wait_for(cluster, node, ["pgrep", "-P", ",".join(agent), "-f", "slow-squeue"], "the agent never reached squeue")
-        cluster.exec(node, ["pkill", "-KILL", "-f", AGENT])
+        cluster.exec(node, ["pkill", "-KILL", "-f", AGENT_PROCESS])
         in_process = _wait_for(cluster, node, ["pgrep", "-f", "prolog_main"], "the wrapper did not run the Prolog in-process").split()
         _wait_for(cluster, node, ["pgrep", "-P", ",".join(in_process), "-f", "slow-squeue"], "the in-process Prolog never reached squeue")
         cluster.exec(node, ["pkill", "-KILL", "-f", "prolog_main"])
@@ -319,16 +323,18 @@ def test_a_prolog_killed_midway_loses_no_gpu(cluster):
         _restore_node_config(cluster, node)
     cluster.wait_state(first, "RUNNING")
     first_gpus = _cvd(cluster, first)
-    slurm = re.search(r"^slurm=([0-9,]+)$", cluster.output(first), re.M).group(1)
-    assert first_gpus == tuple(int(g) for g in slurm.split(",")) and len(first_gpus) == 2
-    assert cluster.node(node)["state"] != ["DRAIN"] and "DRAIN" not in cluster.node(node)["state"]
-    _wait_for(cluster, node, ["test", "-S", "/run/slurm-mapa-agent/agent.sock"], "mapa-agent did not come back")
+    assert len(first_gpus) == 2 and _live_usage(cluster, node)[first][0] == frozenset(first_gpus)
+    _assert_node_in_service(cluster, node)
+    _ensure_agent(cluster, node)  # a socket file left by the killed agent does not mean it is back
     second = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
     cluster.wait_state(second, "RUNNING")
     second_gpus = _cvd(cluster, second)
     assert not set(first_gpus) & set(second_gpus)
+    usage = _live_usage(cluster, node)
+    assert not _shared(usage), usage
     log = cluster.exec(node, ["cat", "/var/log/slurm-mapa.log"]).stdout
-    assert f"adopted job {first} with Slurm's GPUs {','.join(map(str, first_gpus))}" in log
+    # Decided by the wrapper's retry, or (wrappers without a retry) adopted by the next Prolog.
+    assert f"job {first} on {node}: " in log or f"adopted job {first} with Slurm's GPUs {','.join(map(str, first_gpus))}" in log
     _release(cluster, first)
     _release(cluster, second)
     _assert_ledger_empties(cluster, node)
@@ -341,6 +347,286 @@ def _assert_ledger_empties(cluster, node: str, timeout: float = 20) -> None:
     left = _ledger(cluster, node)
     log = cluster.exec(node, ["tail", "-n", "15", "/var/log/slurm-mapa.log"], check=False).stdout
     assert left == {}, f"ledger of {node} still holds {left}; log:\n{log}"
+
+
+# -- no GPU in two live jobs, whatever the Prolog met (issue 13) ------------------------------
+
+JOBS_DIR = "/run/slurm-mapa/jobs"
+LIVE_STATES = "RUNNING,CONFIGURING,COMPLETING,SUSPENDED"
+# HOLDING_JOB's body, after its directive lines.
+HOLDING_BODY = HOLDING_JOB.split("#MAPA topology=ring sensitive={sensitive}\n", 1)[1]
+# No #MAPA line, and a comment saved as Latin-1 (0xE9, 0xF4): not UTF-8.
+LATIN1_JOB = b"#!/bin/bash\n#SBATCH --gres=gpu:1\n# Auteur: J\xe9r\xf4me\n" + HOLDING_BODY.encode()
+LATIN1_NAME = b"J\xe9r\xf4me"
+# A plain ASCII script with a directive; its job name is what holds the non-UTF-8 bytes.
+NAMED_JOB = HOLDING_JOB.format(gpus=1, sensitive="yes").encode()
+
+
+def _sbatch_raw(cluster, script: bytes, *args: str, job_name: bytes | None = None, user: str = "alice") -> int:
+    """Submit ``script`` (raw bytes, saved first as a file in the job directory) as ``user``, with
+    a job name given as raw bytes: docker exec carries its argv as JSON strings, which would turn a
+    Latin-1 byte into U+FFFD, so the name is made inside the container with printf."""
+    name = ""
+    if job_name is not None:
+        name = "-J \"$(printf '" + "".join(f"\\{b:03o}" for b in job_name) + "')\""
+    path = f"{cluster.job_dir}/raw-{time.time_ns()}.sh"
+    shell = (f"cat > {path} && exec sbatch --parsable --chdir={cluster.job_dir} --output={cluster.job_dir}/%j.out "
+             f'{name} "$@" {path}')
+    proc = subprocess.run(["docker", "exec", "-i", cluster.container("slurmctld"), "runuser", "-u", user, "--",
+                           "sh", "-c", shell, "sh", *args], input=script, capture_output=True, timeout=60)
+    if proc.returncode != 0:
+        raise cluster.Error(f"sbatch of {path} exited {proc.returncode}: {proc.stderr.decode('utf-8', 'replace')}")
+    jobid = int(proc.stdout.decode().strip().split(";")[0])
+    cluster.submitted.append(jobid)
+    return jobid
+
+
+def _gpu_list(text: str) -> frozenset[int]:
+    gpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        low, _, high = part.partition("-")
+        gpus.update(range(int(low), int(high or low) + 1))
+    return frozenset(gpus)
+
+
+def _slurm_gpus(cluster, jobid: int) -> frozenset[int]:
+    """The GPU indices Slurm gave a one-node job (``scontrol -d show job``'s IDX)."""
+    job = cluster.job(jobid) or {}
+    return frozenset().union(*(_gpu_list(m) for d in job.get("gres_detail") or [] for m in re.findall(r"IDX:([0-9,\-]+)", d)))
+
+
+def _job_file(cluster, node: str, jobid: int) -> frozenset[int] | None:
+    """The GPUs of the job's per-job file on ``node`` (what the TaskProlog binds), None without one."""
+    text = cluster.exec(node, ["cat", f"{JOBS_DIR}/{jobid}"], check=False).stdout
+    match = re.fullmatch(r"MAPA_GPUS=([0-9]+(?:,[0-9]+)*)\n?", text)
+    return frozenset(map(int, match.group(1).split(","))) if match else None
+
+
+def _live_usage(cluster, node: str) -> dict[int, tuple[frozenset[int], str]]:
+    """What every live job on ``node`` uses: the GPUs of its per-job file when it has one, else
+    Slurm's indices; job id -> (GPUs, "file" or "slurm")."""
+    ids = cluster.run("squeue", "-h", "-w", node, "-t", LIVE_STATES, "-o", "%A").split()
+    usage = {}
+    for jobid in map(int, ids):
+        mine = _job_file(cluster, node, jobid)
+        usage[jobid] = (mine, "file") if mine is not None else (_slurm_gpus(cluster, jobid), "slurm")
+    return usage
+
+
+def _shared(usage: dict[int, tuple[frozenset[int], str]]) -> dict[tuple[int, int], frozenset[int]]:
+    """Every pair of live jobs using a GPU in common, with the GPUs."""
+    ids = sorted(usage)
+    return {(a, b): usage[a][0] & usage[b][0] for i, a in enumerate(ids) for b in ids[i + 1:] if usage[a][0] & usage[b][0]}
+
+
+def _log_size(cluster, node: str) -> int:
+    out = cluster.exec(node, ["stat", "-c", "%s", "/var/log/slurm-mapa.log"], check=False).stdout.strip()
+    return int(out) if out.isdigit() else 0
+
+
+def _log_since(cluster, node: str, offset: int) -> str:
+    return cluster.exec(node, ["tail", "-c", f"+{offset + 1}", "/var/log/slurm-mapa.log"], check=False).stdout
+
+
+def _assert_node_in_service(cluster, node: str) -> None:
+    state = set(cluster.node(node)["state"])
+    assert state & {"IDLE", "MIXED", "ALLOCATED"} and not state & {"DRAIN", "DRAINED", "DRAINING", "FAIL"}, \
+        f"node {node} is {sorted(state)} ({cluster.node(node).get('reason')!r})"
+
+
+def test_non_utf8_batch_script_and_job_name_get_gpus_no_other_job_uses(cluster):
+    """On the mock DGX-1, with MAPA jobs holding GPUs other than Slurm's lowest indices, a job whose
+    batch script (no #MAPA line) holds a Latin-1 byte, and one whose job name does, each get GPUs
+    no other live job uses, a per-job file and a MAPA record, without an internal error.
+
+    Before issue 13 the Prolog died with UnicodeDecodeError on them (``scontrol write
+    batch_script`` and ``scontrol --json show job`` output were decoded strictly as UTF-8), wrote
+    nothing, and the jobs ran on Slurm's indices, which the running MAPA jobs held."""
+    node = "dgx1"
+    _assert_ledger_empties(cluster, node, timeout=60)
+    log_start = _log_size(cluster, node)
+    # Slurm counts B on 0 and A on 4-7 (Slurm 24.11.5 with the preset's gres.conf); MAPA gives B
+    # GPU 0 and A the best ring, (1, 2, 5, 6): the next jobs' Slurm indices, 1 and 2, are A's. The
+    # premise is checked below, not assumed.
+    mapa_jobs = {}
+    for gpus, sensitive in [(1, "no"), (4, "yes")]:
+        jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive=sensitive), "-w", node)
+        cluster.wait_state(jobid, "RUNNING")
+        mapa_jobs[jobid] = frozenset(_cvd(cluster, jobid))
+    script_job = _sbatch_raw(cluster, LATIN1_JOB, "-w", node)
+    cluster.wait_state(script_job, "RUNNING")
+    _cvd(cluster, script_job)
+    # sbatch takes a job name with non-UTF-8 bytes as it is, and `scontrol --json show job` prints
+    # those bytes raw inside its JSON (checked on Slurm 24.11.5).
+    name_job = _sbatch_raw(cluster, NAMED_JOB, "-w", node, job_name=LATIN1_NAME)
+    cluster.wait_state(name_job, "RUNNING")
+    _cvd(cluster, name_job)
+    shown = subprocess.run(["docker", "exec", cluster.container("slurmctld"), "scontrol", "--json", "show", "job", str(name_job)],
+                           capture_output=True, timeout=60).stdout
+    assert b'"name": "' + LATIN1_NAME + b'"' in shown  # the premise: the bytes reach the Prolog's scontrol
+
+    odd_jobs = (script_job, name_job)
+    mapa_held = frozenset().union(*mapa_jobs.values())
+    for jobid in odd_jobs:  # the premise: on Slurm's indices, these jobs would share a MAPA job's GPU
+        assert _slurm_gpus(cluster, jobid) & mapa_held, (jobid, _slurm_gpus(cluster, jobid), mapa_jobs)
+    usage = _live_usage(cluster, node)
+    assert set(usage) == {*mapa_jobs, *odd_jobs}, usage
+    assert not _shared(usage), f"live jobs share GPUs {_shared(usage)}; usage {usage}"
+    for jobid in (*mapa_jobs, *odd_jobs):
+        seen = frozenset(_cvd(cluster, jobid))
+        assert usage[jobid] == (seen, "file"), (jobid, seen, usage[jobid])
+        decision = parse_decisions(_admin_comment(cluster, jobid)).get(node)
+        assert decision is not None and frozenset(decision.gpus) == seen, (jobid, _admin_comment(cluster, jobid))
+    _assert_node_in_service(cluster, node)
+    log = _log_since(cluster, node, log_start)
+    assert "internal error" not in log and "Traceback" not in log, log
+    for jobid in odd_jobs:
+        assert f"job {jobid} on {node}: " in log, log
+    for jobid in (*mapa_jobs, *odd_jobs):
+        _release(cluster, jobid)
+    _assert_node_in_service(cluster, node)
+    _assert_ledger_empties(cluster, node)
+
+
+AGENT_SOCKET = "/run/slurm-mapa-agent/agent.sock"
+# The entrypoint's loop (containers/entrypoint.sh), without its `set -e`: there, an agent killed
+# with SIGKILL exits 137 and the loop's subshell exits with it, so the agent never comes back.
+AGENT_LOOP = (
+    "exec 2>/proc/1/fd/2; while true; do /usr/bin/python3 -I -X pycache_prefix=/var/cache/slurm-mapa/pycache -c "
+    "'import sys; sys.path.insert(0, \"/opt/slurm-mapa\"); from slurm_mapa.slurm.agent import main; sys.exit(main())' "
+    "--config /etc/slurm/mapa.toml; echo \"[test] mapa-agent exited ($?); restarting it\" >&2; sleep 1; done"
+)
+
+
+def _agent_listening(cluster, node: str) -> bool:
+    """Whether a mapa-agent listens on the node (a socket file left by a killed one does not count)."""
+    return cluster.exec(node, ["grep", "-q", AGENT_SOCKET, "/proc/net/unix"], check=False).returncode == 0
+
+
+def _ensure_agent(cluster, node: str, timeout: float = 60) -> None:
+    """Wait for the node's mapa-agent to listen; start one (in a restart loop) if none comes back."""
+    deadline = time.monotonic() + timeout
+    started = False
+    while not _agent_listening(cluster, node):
+        if not started and time.monotonic() > deadline - timeout + 5:  # 5 s for the entrypoint's loop
+            subprocess.run(["docker", "exec", "-d", cluster.container(node), "bash", "-c", AGENT_LOOP], check=True, timeout=60)
+            started = True
+        if time.monotonic() > deadline:
+            raise cluster.Error(f"no mapa-agent listens on {node}")
+        time.sleep(0.2)
+
+
+# Holds the node's ledger lock (a Prolog blocks on it right after marking its job) until killed.
+HOLD_LOCK = ("import fcntl, os, sys, time\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+             "open(sys.argv[2], 'w').write(str(os.getpid()))\n"
+             "time.sleep(90)\n")
+LEDGER_LOCK = "/var/lib/slurm-mapa/ledger.json.lock"
+# While the job's Prolog wrapper runs, SIGKILLs whatever runs its Prolog as soon as the job's
+# Prolog mark names it: mapa-agent (the mark names the agent's client), then the in-process
+# Prolog the wrapper falls back to, then its retry. With the ledger lock held, none of them gets
+# past the mark, so the job gets no decision at all. Prints what it killed. (The [r] and [t] keep
+# the patterns from matching this script's own command line; only Python processes are killed,
+# not the shell loop that restarts the agent.)
+KILL_EVERY_PROLOG = r"""
+mark=/run/slurm-mapa/jobs/.prolog-$1
+deadline=$(( $(date +%s) + 60 ))
+until pgrep -f 'mapa-prolog-wrappe[r]' >/dev/null; do
+    [ "$(date +%s)" -lt "$deadline" ] || { echo "no Prolog wrapper ran" >&2; exit 1; }
+    sleep 0.05
+done
+while pgrep -f 'mapa-prolog-wrappe[r]' >/dev/null; do
+    [ "$(date +%s)" -lt "$deadline" ] || { echo "the Prolog wrapper still runs" >&2; exit 1; }
+    pid=$(grep -o '[0-9][0-9]*' "$mark" 2>/dev/null | head -n 1)
+    what=$(tr '\0' ' ' < "/proc/${pid:-0}/cmdline" 2>/dev/null)
+    case "$what" in
+        *agent_client*)
+            for agent in $(pgrep -f '^/usr/bin/python3 .*slurm_mapa.slurm.agent impor[t]'); do
+                kill -KILL "$agent" && echo "killed mapa-agent $agent, serving $pid: $what"
+            done ;;
+        *slurm_mapa*) kill -KILL "$pid" && echo "killed $pid: $what" ;;
+    esac
+    sleep 0.05
+done
+"""
+
+
+def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(cluster):
+    """On the mock DGX-1, with MAPA jobs holding GPUs other than Slurm's lowest indices, every
+    Prolog run of one job is SIGKILLed right after it marked the job (mapa-agent first, then the
+    in-process Prolog the wrapper falls back to, then its retry; the ledger lock is held meanwhile
+    so that none gets further): the job gets no decision and runs on Slurm's index, which a
+    running MAPA job holds. That pair is the only one to share a GPU: a job started next does not
+    get it, and the ledger keeps it held after the MAPA job ends while the killed one runs, so the
+    job after that does not get it either. (A job uses its per-job file's GPUs, else Slurm's.)"""
+    node = "dgx1"
+    _assert_ledger_empties(cluster, node, timeout=60)
+    _ensure_agent(cluster, node)
+    mapa_jobs = {}
+    for gpus, sensitive in [(1, "no"), (4, "yes")]:  # Slurm: 0 and 4-7; MAPA: 0 and (1, 2, 5, 6)
+        jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive=sensitive), "-w", node)
+        cluster.wait_state(jobid, "RUNNING")
+        mapa_jobs[jobid] = frozenset(_cvd(cluster, jobid))
+    pid_file = f"/tmp/ledger-lock-holder-{time.time_ns()}"
+    subprocess.run(["docker", "exec", "-d", cluster.container(node), "python3", "-c", HOLD_LOCK, LEDGER_LOCK, pid_file],
+                   check=True, timeout=60)
+    holder = _wait_for(cluster, node, ["cat", pid_file], "nothing took the ledger lock", timeout=20).strip()
+    try:
+        killed = cluster.sbatch(HOLDING_JOB.format(gpus=1, sensitive="yes"), "-w", node)
+        kills = cluster.exec(node, ["sh", "-c", KILL_EVERY_PROLOG, "sh", str(killed)], timeout=120).stdout
+    finally:
+        cluster.exec(node, ["kill", holder], check=False)
+    print(kills)
+    killed_lines = kills.splitlines()
+    # Both paths were killed: mapa-agent, then the in-process Prolog (and its retry).
+    assert any("mapa-agent" in line for line in killed_lines) and any("prolog_main" in line for line in killed_lines), kills
+    cluster.wait_state(killed, "RUNNING")
+    slurm = _slurm_gpus(cluster, killed)
+    assert _job_file(cluster, node, killed) is None, f"job {killed} got a decision after all; killed:\n{kills}"
+    assert frozenset(_cvd(cluster, killed)) == slurm, kills
+    partner = next((j for j, gpus in mapa_jobs.items() if gpus & slurm), None)
+    assert partner is not None, (slurm, mapa_jobs)  # the premise: the killed job runs on a MAPA job's GPU
+    shared = mapa_jobs[partner] & slurm
+    _assert_node_in_service(cluster, node)
+    _ensure_agent(cluster, node)
+
+    def assert_only_the_killed_pair_shares(usage):
+        overlaps = _shared(usage)
+        assert set(overlaps) <= {tuple(sorted((killed, partner)))}, f"shared GPUs {overlaps}; usage {usage}"
+        for jobid, (gpus, _) in usage.items():
+            assert jobid in (killed, partner) or not gpus & shared, f"job {jobid} got the shared GPUs {shared}; usage {usage}"
+
+    # A job started while both run does not get the shared GPU.
+    third = cluster.sbatch(HOLDING_JOB.format(gpus=1, sensitive="no"), "-w", node)
+    cluster.wait_state(third, "RUNNING")
+    _cvd(cluster, third)
+    usage = _live_usage(cluster, node)
+    assert set(usage) == {*mapa_jobs, killed, third}, usage
+    assert_only_the_killed_pair_shares(usage)
+
+    # The MAPA job ends; the killed one still runs on the shared GPU, so the ledger keeps it held.
+    _release(cluster, partner)
+    deadline = time.monotonic() + 30  # COMPLETED comes before the Epilog is done: wait for it too
+    while partner in _live_usage(cluster, node) or str(partner) in _ledger(cluster, node):
+        if time.monotonic() > deadline:
+            raise cluster.Error(f"job {partner} still live or in the ledger {_ledger(cluster, node)} 30 s after it completed")
+        time.sleep(0.3)
+    ledger = _ledger(cluster, node)
+    held = {g for entry in ledger.values() for g in entry["gpus"]}
+    assert shared <= held, f"GPUs {sorted(shared)} of running job {killed} are free in the ledger {ledger}"
+    # A job asking for every GPU Slurm still has free gets them all, none of them the shared one.
+    slurm_free = 8 - sum(len(_slurm_gpus(cluster, j)) for j in _live_usage(cluster, node))
+    last = cluster.sbatch(HOLDING_JOB.format(gpus=slurm_free, sensitive="no"), "-w", node)
+    cluster.wait_state(last, "RUNNING")
+    _cvd(cluster, last)
+    usage = _live_usage(cluster, node)
+    assert partner not in usage and last in usage, usage
+    assert not _shared(usage), f"live jobs share GPUs {_shared(usage)}; usage {usage}"
+    _assert_node_in_service(cluster, node)
+    for jobid in (*(j for j in mapa_jobs if j != partner), killed, third, last):
+        _release(cluster, jobid)
+    _assert_ledger_empties(cluster, node)
 
 
 def test_slurmd_restarted_during_a_job(cluster):
