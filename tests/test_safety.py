@@ -408,3 +408,17 @@ def test_an_untrusted_ledger_directory_is_refused(tmp_path):
     with pytest.raises(UnsafePath, match="writable by group or others"):
         with LedgerFile(config.ledger, 8).locked():
             pass
+
+
+def test_with_a_shared_gpu_the_policy_still_decides_and_never_uses_it(tmp_path):
+    """The shared GPU is left out of preserve-ahead's running groups: select() gets disjoint
+    groups, so the next job gets a real MAPA choice, not a fallback."""
+    config = make_config(tmp_path, policy="preserve-ahead")
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"1", "2", "3"}
+    write_job_file_trusted(config, "1", (0, 1))
+    write_mark(config.jobs_dir, "2", Mark(0, 0, (1, 2)))
+    assert Ledger({"1": Holding((0, 1), "p", 0), "2": Holding((1, 2), "slurm", 0)}).running_groups() == ((0,), (2,))
+    decision = run_prolog(env_for("3", "3,4"), config, slurm, logs.append)
+    assert decision.policy == "preserve-ahead" and not {0, 1, 2} & set(decision.gpus)
+    assert any("job 2's Prolog died before choosing" in line and "SHARED with job(s) 1" in line for line in logs)

@@ -262,7 +262,14 @@ def current_ledger(
         ledger = Ledger()
     records, leftovers = jobfiles.scan(config.jobs_dir)
     records.pop(job_id, None)
+    before = ledger
     ledger, ended = reconcile(ledger.without([job_id]), records, size, running, listed_at, time.time())
+    shared = ledger.shared()
+    for job, holding in ledger.holdings.items():
+        if holding.policy == "slurm" and before.holdings.get(job) != holding:
+            with_others = sorted({other for g in holding.gpus for other in shared.get(g, []) if other != job})
+            log(f"job {job_id}: job {job}'s Prolog died before choosing; it runs on Slurm's GPUs "
+                f"{','.join(map(str, holding.gpus))}, now held" + (f"; SHARED with job(s) {','.join(with_others)}" if with_others else ""))
     return ledger, ended, leftovers
 
 

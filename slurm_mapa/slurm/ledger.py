@@ -57,8 +57,13 @@ class Ledger:
         return {gpu for holding in self.holdings.values() for gpu in holding.gpus}
 
     def running_groups(self) -> tuple[tuple[int, ...], ...]:
-        """The GPUs of each job in the ledger (sorted), as preserve-ahead's outlook reads them."""
-        return tuple(sorted(tuple(sorted(h.gpus)) for h in self.holdings.values() if h.gpus))
+        """The GPUs of each job in the ledger (sorted), as preserve-ahead's outlook reads them.
+
+        A GPU two jobs share comes free only when both have ended, not when either does, so it is
+        left out of every group (and stays held)."""
+        shared = self.shared()
+        groups = (tuple(sorted(g for g in h.gpus if g not in shared)) for h in self.holdings.values())
+        return tuple(sorted(group for group in groups if group))
 
     def free(self, size: int, unusable: Iterable[int] = ()) -> tuple[int, ...]:
         taken = self.held() | set(unusable)

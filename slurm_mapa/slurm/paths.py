@@ -67,7 +67,10 @@ def ensure_trusted_dir(path: Path, mode: int = 0o755) -> None:
         try:
             for missing in [*reversed(path.parents), path]:
                 if not os.path.lexists(missing):
-                    os.mkdir(missing)
+                    try:
+                        os.mkdir(missing)
+                    except FileExistsError:
+                        continue  # made by a concurrent hook just now; judged below like any other
                     os.chmod(missing, mode if missing == path else 0o755)  # whatever the umask
         except OSError as error:
             raise UnsafePath(f"cannot create directory {path}: {error.strerror}") from None
