@@ -146,8 +146,9 @@ def test_concurrent_requests_to_the_agent_never_share_a_gpu(live_agent):
     jobs = [str(100 + i) for i in range(8)]
     slurm.running = set(jobs)
     answers: list[str | None] = []
-    threads = [threading.Thread(target=lambda j=j: answers.append(agent_client.ask_agent("prolog", env_for(j, "0"), server.server_address)))
-               for j in jobs]
+    threads = [threading.Thread(target=lambda j=j: answers.append(agent_client.ask_agent("prolog", env_for(j, str(int(j) - 100)),
+                                                                                         server.server_address)))
+               for j in jobs]  # Slurm gives each job its own GPU
     for thread in threads:
         thread.start()
     for thread in threads:

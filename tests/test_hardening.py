@@ -441,7 +441,7 @@ def test_a_burst_of_40_prologs_all_reach_the_agent(agent_64):
     answers: dict[str, str | None] = {}
 
     def ask(job: str) -> None:
-        answers[job] = agent_client.ask_agent("prolog", env_for(job, "0"), server.server_address)
+        answers[job] = agent_client.ask_agent("prolog", env_for(job, str(int(job) - 1000)), server.server_address)  # one GPU each
 
     clients = [threading.Thread(target=ask, args=(job,)) for job in jobs]
     # All 40 connect while the agent is not accepting yet (slurmd starts the Prologs of jobs

@@ -165,7 +165,7 @@ def test_concurrent_prologs_never_share_a_gpu(tmp_path):
     def one(job):
         slurm = FakeSlurm()
         slurm.running = set(jobs)
-        results[job] = run_prolog(env_for(job, "0"), config, slurm, lambda _: None)
+        results[job] = run_prolog(env_for(job, str(int(job) - 100)), config, slurm, lambda _: None)  # Slurm: one GPU each
 
     threads = [threading.Thread(target=one, args=(job,)) for job in jobs]
     for t in threads:

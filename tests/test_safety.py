@@ -190,9 +190,62 @@ def test_a_gpu_shared_after_a_killed_prolog_stays_held_until_both_jobs_end(tmp_p
     assert status["shared"] == {"4": ["1", "2"]} and not {3, 4, 5} & set(status["free"])
     run_epilog({"SLURM_JOB_ID": "1"}, config, logs.append)  # job 1 ends; job 2 still uses GPU 4
     slurm.running = {"2", "3", "4"}
-    decision = run_prolog(env_for("4", "2,3,4,6"), config, slurm, logs.append)
+    decision = run_prolog(env_for("4", "2,3,6,7"), config, slurm, logs.append)  # Slurm: 4,5 are job 2's, 0,1 job 3's
     assert 4 not in decision.gpus and 5 not in decision.gpus
-    assert_disjoint(usage(config, {"2": (4, 5), "3": (0, 1), "4": (2, 3, 4, 6)}))
+    assert_disjoint(usage(config, {"2": (4, 5), "3": (0, 1), "4": (2, 3, 6, 7)}))
+
+
+def test_a_job_whose_slurm_gpus_slurm_gave_again_has_ended_even_when_squeue_fails(tmp_path):
+    config = make_config(tmp_path)
+    slurm, logs = FakeSlurm(), []
+    slurm.broken = {"squeue"}
+    write_job_file_trusted(config, "1", (0, 1, 2, 3))  # ended; its Epilog was killed before removing anything
+    write_mark(config.jobs_dir, "1", Mark(0, 0, (4, 5, 6, 7)))
+    write_job_file_trusted(config, "2", (4, 5))
+    write_mark(config.jobs_dir, "2", Mark(0, 0, (0, 1)))  # still runs: Slurm's 0,1 are not given to job 3
+    decision = run_prolog(env_for("3", "6,7"), config, slurm, logs.append)  # Slurm gives job 1's 6,7 again
+    assert set(decision.gpus) <= {0, 1, 2, 3, 6, 7} and not (config.jobs_dir / "1").exists()
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"2", "3"}
+
+
+def test_a_since_in_the_future_is_taken_as_now_so_the_entry_can_be_reaped(tmp_path):
+    config = make_config(tmp_path)
+    config.ledger.parent.mkdir(parents=True)
+    LedgerFile(config.ledger, 8).write(Ledger({"5": Holding((0, 1), "preserve", time.time() + 10 ** 6)}))
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"6"}
+    run_prolog(env_for("6", "2"), config, slurm, logs.append)  # clamped when first read, reaped by the listing after it
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"6"}
+    assert ledger_from_json(ledger_to_json(Ledger({"5": Holding((0,), "p", 10.0 ** 11)})), 8).holdings["5"].since == 10.0 ** 11
+    clamped, _ = reconcile(Ledger({"5": Holding((0,), "p", 10.0 ** 11)}), {}, 8, now=100.0)
+    assert clamped.holdings["5"].since == 100.0
+
+
+def test_a_prolog_run_that_was_taken_over_writes_nothing_more(tmp_path):
+    config = make_config(tmp_path)
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"5"}
+
+    class TakenOver(FakeSlurm):
+        def __call__(self, argv):  # while this run reads the directive, a newer run marks the job
+            write_mark(config.jobs_dir, "5", Mark(os.getpid(), 1, (0, 1)))
+            return super().__call__(argv)
+
+    slow = TakenOver()
+    slow.running = {"5"}
+    assert run_prolog(env_for("5", "0,1"), config, slow, logs.append) is None
+    assert any("took the job over" in line for line in logs)
+    assert LedgerFile(config.ledger, 8).read().holdings["5"].policy == "provisional"
+
+
+def test_the_in_process_budget_counts_from_the_wrappers_start(tmp_path):
+    from slurm_mapa.slurm.hooks import seconds_since_wrapper_start
+
+    uptime = tmp_path / "uptime"
+    uptime.write_text("1000.50 2000.00\n")
+    assert seconds_since_wrapper_start({"MAPA_WRAPPER_STARTED": "975.25"}, uptime) == pytest.approx(25.25)
+    for bad in ("", "x", "2000", "-3", "1e9", "9" * 40):
+        assert seconds_since_wrapper_start({"MAPA_WRAPPER_STARTED": bad}, uptime) == 0.0
 
 
 def test_process_start_time_tells_a_reused_pid_from_the_prolog():

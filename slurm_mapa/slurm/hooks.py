@@ -28,6 +28,7 @@ import os
 import random
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -251,7 +252,7 @@ def job_file_text(gpus: Sequence[int]) -> str:
 
 def current_ledger(
     ledger_file: LedgerFile, config: HookConfig, size: int, job_id: str, log: Log, running: set[str] | None = None,
-    listed_at: float | None = None,
+    listed_at: float | None = None, slurm_gave: tuple[int, ...] = (),
 ) -> tuple[Ledger, list[str], list[tuple[str, float]]]:
     """The ledger reconciled with the jobs directory, without ``job_id`` (which chooses afresh),
     the jobs found to have ended and leftover temporary files. Local files only: no Slurm call."""
@@ -263,7 +264,7 @@ def current_ledger(
     records, leftovers = jobfiles.scan(config.jobs_dir)
     records.pop(job_id, None)
     before = ledger
-    ledger, ended = reconcile(ledger.without([job_id]), records, size, running, listed_at, time.time())
+    ledger, ended = reconcile(ledger.without([job_id]), records, size, running, listed_at, time.time(), slurm_gave=slurm_gave)
     shared = ledger.shared()
     for job, holding in ledger.holdings.items():
         if holding.policy == "slurm" and before.holdings.get(job) != holding:
@@ -292,24 +293,53 @@ def size_without_topology(ctx: PrologContext, config: HookConfig) -> int:
     return max(max(ctx.slurm_gpus) + 1, jobfiles.highest_known_gpu(records) + 1, jobfiles.device_count())
 
 
-def record_provisional(ctx: PrologContext, config: HookConfig, size: int, lock_wait: float, log: Log) -> tuple[int, ...]:
-    """Step 2: a safe choice made from local files only, recorded before anything slow happens."""
+def owns_job(config: HookConfig, job_id: str, mark: jobfiles.Mark) -> bool:
+    """Whether the job's mark is still ours: a newer run of its Prolog (the wrapper's in-process
+    run after the agent's client was killed, a retry) takes the job over, and this one must then
+    write nothing more about it."""
+    try:
+        return jobfiles.parse_mark(paths.read_bytes(jobfiles.mark_path(config.jobs_dir, job_id), jobfiles.MARK_MAX_BYTES)) == mark
+    except (OSError, ValueError):
+        return False
+
+
+def spread(job_id: str, gpus: Sequence[int]) -> tuple[int, ...]:
+    """``gpus`` in an order of this job's own, so Prologs choosing without the lock rarely meet."""
+    return tuple(sorted(gpus, key=lambda gpu: zlib.crc32(f"{job_id}:{gpu}".encode())))
+
+
+def record_provisional(
+    ctx: PrologContext, config: HookConfig, size: int, lock_wait: float, log: Log, mark: jobfiles.Mark | None = None
+) -> tuple[int, ...] | None:
+    """Step 2: a safe choice made from local files only, recorded before anything slow happens.
+    None when a newer run of the job's Prolog owns the job (see owns_job)."""
     ledger_file = LedgerFile(config.ledger, size)
     try:
         with ledger_file.locked(timeout=max(lock_wait, 0.1)):
-            ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log)
+            if mark is not None and not owns_job(config, ctx.job_id, mark):
+                return None
+            ledger, ended, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
             decision = fallback_decision(ctx, ledger, size, "provisional")
             commit(config, ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log)
+            forget_ended(config, ended, [], None, log, ctx.job_id)
             return decision.gpus
     except TimeoutError:
-        # A lock holder is stuck (held for milliseconds otherwise). Decide from what the files say and
-        # write only the job file: the next Prolog that gets the lock enters it into the ledger.
-        ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log)
-        decision = fallback_decision(ctx, ledger, size, "provisional")
-        jobfiles.write_job_file(config.jobs_dir, ctx.job_id, decision.gpus)
+        # The lock was not free for the whole wait: a holder is stuck (it is held for milliseconds
+        # otherwise). Choose from what the files say and write only the job file (the next Prolog
+        # that gets the lock enters it into the ledger): Slurm's own GPUs if no job uses them
+        # (Slurm never gives one GPU to two live jobs), else free ones in an order of this job's own.
+        ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
+        free = ledger.free(size)
+        gpus = ctx.slurm_gpus if set(ctx.slurm_gpus) <= set(free) else None
+        if gpus is None and len(free) >= len(ctx.slurm_gpus):
+            gpus = tuple(sorted(spread(ctx.job_id, free)[: len(ctx.slurm_gpus)]))
+        gpus = gpus or fallback_decision(ctx, ledger, size, "provisional").gpus
+        if mark is not None and not owns_job(config, ctx.job_id, mark):
+            return None
+        jobfiles.write_job_file(config.jobs_dir, ctx.job_id, gpus)
         log(f"job {ctx.job_id}: LEDGER LOCK TIMEOUT ({config.ledger}.lock held by a stuck process?); "
-            f"gave it GPUs {','.join(map(str, decision.gpus))} that no job file names, without the lock")
-        return decision.gpus
+            f"gave it GPUs {','.join(map(str, gpus))} that no job file names, without the lock")
+        return gpus
 
 
 def run_prolog(
@@ -335,7 +365,8 @@ def run_prolog(
     budget = budget or Budget(config.prolog_budget)
     ctx = context_from_env(env)
     paths.ensure_trusted_dir(config.jobs_dir)
-    jobfiles.write_mark(config.jobs_dir, ctx.job_id, jobfiles.mark_for(requester_pid or os.getpid(), ctx.slurm_gpus))
+    mark = jobfiles.mark_for(requester_pid or os.getpid(), ctx.slurm_gpus)
+    jobfiles.write_mark(config.jobs_dir, ctx.job_id, mark)
     if not ctx.slurm_gpus:
         return None  # a CPU-only job: its mark says so, and no Prolog ever needs to ask Slurm about it
     problem = config_problem
@@ -346,9 +377,13 @@ def run_prolog(
         except (MapaError, OSError) as error:
             problem = f"no-topology: {error}"
     size = graph.size if graph is not None else size_without_topology(ctx, config)
-    provisional = record_provisional(ctx, config, size, budget.left() / 2, log)
+    provisional = record_provisional(ctx, config, size, budget.for_step(budget.left()), log, mark)
+    if provisional is None:
+        log(f"job {ctx.job_id}: a newer run of its Prolog took the job over; this one writes nothing")
+        return None
     bounded = within_budget(run, budget, config.command_timeout)
-    return _decide_and_commit(ctx, config, bounded, log, problem, graph, size, provisional, unhealthy_gpus, still_wanted, defer, budget)
+    return _decide_and_commit(ctx, config, bounded, log, problem, graph, size, provisional, unhealthy_gpus, still_wanted, defer,
+                              budget, mark)
 
 
 def _decide_and_commit(
@@ -364,6 +399,7 @@ def _decide_and_commit(
     still_wanted: Callable[[], bool] | None,
     defer: Callable[[Callable[[], None]], None] | None,
     budget: Budget,
+    mark: jobfiles.Mark,
 ) -> Decision | None:
     from .directive import parse_directive
 
@@ -391,7 +427,7 @@ def _decide_and_commit(
     ledger_file = LedgerFile(config.ledger, size)
     decision: Decision | None = None
     while decision is None:
-        snapshot, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at)
+        snapshot, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at, ctx.slurm_gpus)
         try:
             proposal = run_for_at_most(budget.for_step(budget.left()),
                                        lambda: choose(ctx, config, graph, directive, snapshot, size, problem, unhealthy))
@@ -404,7 +440,11 @@ def _decide_and_commit(
             return None
         try:
             with ledger_file.locked(timeout=max(budget.left() - 0.2, 0.1)):
-                fresh, ended, leftovers = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at)
+                if not owns_job(config, ctx.job_id, mark) or (still_wanted is not None and not still_wanted()):
+                    log(f"job {ctx.job_id}: a newer run of its Prolog took the job over, or this one's client went away; "
+                        "this one writes nothing more")
+                    return None
+                fresh, ended, leftovers = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at, ctx.slurm_gpus)
                 unchanged = fresh.free(size, unhealthy) == snapshot.free(size, unhealthy) and fresh.running_groups() == snapshot.running_groups()
                 if proposal is not None and unchanged:
                     decision = proposal
@@ -521,7 +561,8 @@ def adopt_unknown_jobs(
                 "(several nodes, or no readable gres_detail); not adopted")
             continue
         gpus = tuple(g for g in gpus if 0 <= g < size)
-        jobfiles.write_mark(config.jobs_dir, job_id, jobfiles.Mark(0, 0, gpus))
+        if not jobfiles.write_mark_if_none(config.jobs_dir, job_id, jobfiles.Mark(0, 0, gpus)):
+            continue  # its own Prolog has marked it meanwhile
         if gpus:
             log(f"job {ctx.job_id}: adopted job {job_id} with Slurm's GPUs {','.join(map(str, gpus))} (it ran without a MAPA choice)")
     if len(unknown) > MAX_ADOPTED_PER_PROLOG:
@@ -565,10 +606,15 @@ def prolog_failing_open(
     config_env: Mapping[str, str],
     make_runner: Callable[[float], RunCommand] = lambda timeout: Runner(timeout=timeout),
     where: str = "",
+    spent_before: float = 0.0,
     **agent_options,
 ) -> None:
     """Load the config and run the Prolog; any error is logged, never raised (a failed Prolog
-    drains the node). The one body of the in-process Prolog and of mapa-agent's."""
+    drains the node). The one body of the in-process Prolog and of mapa-agent's.
+
+    ``spent_before``: seconds this Prolog already spent before it got here (the wrapper waited
+    for the agent, or a first run was killed), taken from the budget, which still leaves
+    MIN_BUDGET_S to record a safe choice."""
     config, problem = load_hook_config(config_env)
     log = hook_logger(config.log)
     if problem:
@@ -577,7 +623,9 @@ def prolog_failing_open(
     if retry.isdigit() and len(retry) < 4:
         log(f"job {str(env.get('SLURM_JOB_ID', ''))[:20]}: the Prolog was killed by signal {retry}; running it once more")
     try:
-        run_prolog(env, config, make_runner(config.command_timeout), log, problem, nvml_health_probe(config), **agent_options)
+        budget = Budget(max(config.prolog_budget - spent_before, MIN_BUDGET_S))
+        run_prolog(env, config, make_runner(config.command_timeout), log, problem, nvml_health_probe(config), budget=budget,
+                   **agent_options)
     except Exception:  # noqa: BLE001 - fail open: never drain the node
         import traceback
 
@@ -598,8 +646,22 @@ def record_after_error(env: Mapping[str, str], config: HookConfig, log: Log) -> 
         log(f"prolog: could not record a safe choice after the error ({error}); the job runs on Slurm's GPUs")
 
 
+MIN_BUDGET_S = 2.0
+
+
+def seconds_since_wrapper_start(env: Mapping[str, str], uptime: Path = Path("/proc/uptime")) -> float:
+    """How long ago the wrapper started (its MAPA_WRAPPER_STARTED, seconds since boot); 0 if unknown."""
+    started = env.get("MAPA_WRAPPER_STARTED", "")
+    try:
+        now = float(uptime.read_text().split()[0])
+        elapsed = now - float(started) if len(started) < 24 and started.replace(".", "", 1).isdigit() else 0.0
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return elapsed if 0.0 <= elapsed < 3600.0 else 0.0
+
+
 def prolog_main() -> int:
-    prolog_failing_open(os.environ, os.environ)
+    prolog_failing_open(os.environ, os.environ, spent_before=seconds_since_wrapper_start(os.environ))
     return 0
 
 

@@ -127,6 +127,11 @@ def write_mark(jobs_dir: Path, job_id: str, mark: Mark) -> None:
     paths.replace_file(mark_path(jobs_dir, job_id), mark_text(mark).encode(), mode=0o600)
 
 
+def write_mark_if_none(jobs_dir: Path, job_id: str, mark: Mark) -> bool:
+    """Mark a job for its Prolog's sake (adoption) unless its own Prolog has marked it meanwhile."""
+    return paths.create_file(mark_path(jobs_dir, job_id), mark_text(mark).encode(), mode=0o600)
+
+
 def remove_job(jobs_dir: Path, job_id: str) -> None:
     """The job file first: from then on the job's GPUs are Slurm's, which the mark still names."""
     paths.remove(job_file_path(jobs_dir, job_id))

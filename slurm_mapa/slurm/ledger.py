@@ -178,6 +178,7 @@ def reconcile(
     listed_at: float | None = None,
     now: float = 0.0,
     is_live=mark_is_live,
+    slurm_gave: Iterable[int] = (),
 ) -> tuple[Ledger, list[str]]:
     """The ledger brought in line with the jobs directory, and the jobs found to have ended.
 
@@ -187,14 +188,23 @@ def reconcile(
     entry (adopted earlier, or recorded by an older version). ``running``: the jobs Slurm lists
     on the node, asked for at ``listed_at``; a job not in it whose records are all older than
     that has ended and is dropped (returned, so the caller removes its files too).
+    ``slurm_gave``: the GPUs Slurm just gave the job that is choosing. Slurm never gives one GPU
+    to two live jobs (gres/gpu; MAPA nodes use no shards or MPS), so a job whose Prolog is done
+    and whose mark names one of them has ended (even when squeue cannot say so). A ``since`` in the future (a clock stepped back, a corrupt entry) is taken as ``now``.
     """
     holdings: dict[str, Holding] = {}
     ended: list[str] = []
+    reassigned = set(slurm_gave)
     for job in sorted(set(ledger.holdings) | set(records), key=int):
         held = ledger.holdings.get(job)
+        if held is not None and now and held.since > now:
+            held = Holding(held.gpus, held.policy, now, held.note)
         record = records.get(job, JobRecords())
-        newest = max(record.newest, held.since if held else 0.0)
+        newest = max(min(record.newest, now or record.newest), held.since if held else 0.0)
         if running is not None and job not in running and listed_at is not None and newest < listed_at:
+            ended.append(job)
+            continue
+        if record.mark is not None and reassigned & set(record.mark.slurm_gpus) and not is_live(record.mark):
             ended.append(job)
             continue
         if record.gpus is not None:

@@ -140,6 +140,26 @@ def replace_file(target: Path, data: bytes, mode: int = 0o644, durable: bool = F
             os.close(dir_fd)
 
 
+def create_file(target: Path, data: bytes, mode: int = 0o644) -> bool:
+    """Create ``target`` whole with ``data`` unless something is there already (then False):
+    written under a fresh name and hard-linked into place, which fails rather than replaces."""
+    target = Path(target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        try:
+            os.fchmod(fd, mode)
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, target, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.unlink(tmp)
+
+
 def append_line(path: Path, line: str, mode: int = 0o640) -> None:
     """Append one line to a log file, never through a symlink; OSError if it cannot."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
