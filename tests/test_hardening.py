@@ -133,7 +133,7 @@ def _chown_other(path: Path) -> None:
         (lambda path: os.chmod(path, 0o666), "writable by group or others \\(mode 666\\); accepted: not group/world-writable"),
         (lambda path: os.chmod(path, 0o664), "writable by group or others \\(mode 664\\)"),
         (lambda path: (path.rename(path.with_suffix(".real")), path.symlink_to(path.with_suffix(".real"))),
-         "is not a regular file \\(a symlink or a device\\)"),
+         "is not a regular file \\(a symlink or something else\\)"),
     ],
     ids=["other-owner", "mode-666", "mode-664", "symlink"],
 )

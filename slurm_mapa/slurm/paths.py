@@ -48,16 +48,20 @@ def check_ancestors(path: Path) -> None:
         _check_entry(parent, info, "directory above")
 
 
-def check_trusted_dir(path: Path) -> None:
-    """``path`` is a real directory (no symlink) that only root can change; raises UnsafePath."""
+def _check_trusted(path: Path, is_kind, what: str, accepted: str) -> None:
     try:
         info = os.lstat(path)
     except OSError as error:
-        raise UnsafePath(f"cannot inspect directory {path}: {error.strerror}") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise UnsafePath(f"{path} is not a directory (a symlink or a file); accepted: a real directory owned by root")
-    _check_entry(path, info, "directory")
+        raise UnsafePath(f"cannot inspect {what} {path}: {error.strerror}") from None
+    if not is_kind(info.st_mode):
+        raise UnsafePath(f"{path} is not a {accepted} (a symlink or something else); accepted: a {accepted} owned by root")
+    _check_entry(path, info, what)
     check_ancestors(path)
+
+
+def check_trusted_dir(path: Path) -> None:
+    """``path`` is a real directory (no symlink) that only root can change; raises UnsafePath."""
+    _check_trusted(path, stat.S_ISDIR, "directory", "real directory")
 
 
 def ensure_trusted_dir(path: Path, mode: int = 0o755) -> None:
@@ -79,14 +83,7 @@ def ensure_trusted_dir(path: Path, mode: int = 0o755) -> None:
 
 def check_trusted_file(path: Path) -> None:
     """``path`` is a regular file, no symlink, root's, not writable by others, in trusted directories."""
-    try:
-        info = os.lstat(path)
-    except OSError as error:
-        raise UnsafePath(f"cannot inspect {path}: {error.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise UnsafePath(f"{path} is not a regular file (a symlink or a device); accepted: a regular file owned by root")
-    _check_entry(path, info, "file")
-    check_ancestors(path)
+    _check_trusted(path, stat.S_ISREG, "file", "regular file")
 
 
 def read_bytes(path: Path, limit: int) -> bytes:
