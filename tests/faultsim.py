@@ -502,7 +502,10 @@ class Simulation:
         # The TaskProlog as written, reading this run's jobs directory.
         text = (d / "sbin" / "mapa-taskprolog").read_text()
         self.taskprolog = d / "sbin" / "taskprolog-here"
-        self.taskprolog_ok = "JOBS_DIR=/run/slurm-mapa/jobs\n" in text
+        # `mapa hooks` points the TaskProlog at the config's jobs_dir (older versions: the default).
+        self.taskprolog_ok = f"JOBS_DIR={self.jobs_dir}\n" in text or "JOBS_DIR=/run/slurm-mapa/jobs\n" in text
+        if not self.taskprolog_ok and self.sc.package_root == str(REPO):
+            raise RuntimeError(f"the TaskProlog `mapa hooks` wrote reads no JOBS_DIR this harness knows:\n{text[:400]}")
         self.taskprolog.write_text(text.replace("JOBS_DIR=/run/slurm-mapa/jobs\n", f"JOBS_DIR={self.jobs_dir}\n"))
         os.chmod(self.taskprolog, 0o755)
         # A live process unrelated to any job, whose pid stale marks name (a reused pid).

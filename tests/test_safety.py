@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -475,3 +476,25 @@ def test_with_a_shared_gpu_the_policy_still_decides_and_never_uses_it(tmp_path):
     decision = run_prolog(env_for("3", "3,4"), config, slurm, logs.append)
     assert decision.policy == "preserve-ahead" and not {0, 1, 2} & set(decision.gpus)
     assert any("job 2's Prolog died before choosing" in line and "SHARED with job(s) 1" in line for line in logs)
+
+
+def test_the_prolog_wrapper_marks_the_job_before_any_python_starts(tmp_path):
+    """The shell's mark names the wrapper (live while it runs, dead after) and Slurm's GPUs;
+    strange job ids or GPU lists, or a jobs directory that is a symlink, get no mark."""
+    from slurm_mapa.slurm.install import _MARK_JOB
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir(mode=0o755)
+    check = ("import sys; from slurm_mapa.slurm.jobfiles import parse_mark, mark_is_live; "
+             "m = parse_mark(open(sys.argv[1], 'rb').read()); print(m.pid, m.slurm_gpus, mark_is_live(m))")
+    script = f"JOBS_DIR={jobs}\n{_MARK_JOB}\n{sys.executable} -c \"{check}\" {jobs}/.prolog-42\necho wrapper $$\n"
+    done = subprocess.run(["sh", "-c", script], env={"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "0,3", "PATH": os.defpath},
+                          capture_output=True, text=True, check=True)
+    pid, gpus, live = done.stdout.splitlines()[0].split(" ", 1)[0], done.stdout.splitlines()[0], done.stdout.splitlines()[0].endswith("True")
+    assert live and "(0, 3)" in gpus and done.stdout.splitlines()[1] == f"wrapper {pid}"
+    assert not jobfiles.mark_is_live(jobfiles.parse_mark((jobs / ".prolog-42").read_bytes()))  # the wrapper is gone
+    for env in ({"SLURM_JOB_ID": "4x", "SLURM_JOB_GPUS": "0"}, {"SLURM_JOB_ID": "43", "SLURM_JOB_GPUS": "0;rm"}):
+        subprocess.run(["sh", "-c", f"JOBS_DIR={jobs}\n{_MARK_JOB}"], env=env, check=True)
+    (tmp_path / "link").symlink_to(jobs)
+    subprocess.run(["sh", "-c", f"JOBS_DIR={tmp_path / 'link'}\n{_MARK_JOB}"], env={"SLURM_JOB_ID": "44", "SLURM_JOB_GPUS": "1"}, check=True)
+    assert sorted(p.name for p in jobs.iterdir()) == [".prolog-42"]

@@ -33,16 +33,37 @@ WRAPPER_NAMES = {"prolog": "mapa-prolog-wrapper", "epilog": "mapa-epilog-wrapper
 RETRY_WINDOW_S = 30
 
 
+# The Prolog wrapper marks the job before any Python starts (the format of jobfiles.mark_text; the
+# wrapper's own pid and start time, field 22 of /proc/PID/stat: its name, "mapa-prolog-wra",
+# has no blank), so a job whose every Python run is killed still tells later Prologs its GPUs.
+_MARK_JOB = r"""mark_job() {
+    case "$SLURM_JOB_ID" in ''|*[!0-9]*) return 0 ;; esac
+    case "$SLURM_JOB_GPUS" in *[!0-9,]*) return 0 ;; esac
+    [ -d "$JOBS_DIR" ] && [ ! -h "$JOBS_DIR" ] && [ -O "$JOBS_DIR" ] || return 0
+    read -r _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ start _ < /proc/$$/stat || return 0
+    tmp="$JOBS_DIR/.prolog-$SLURM_JOB_ID.$$.tmp"
+    if (set -C; umask 077; printf 'pid=%s start=%s slurm=%s\n' "$$" "$start" "$SLURM_JOB_GPUS" > "$tmp") 2>/dev/null; then
+        /bin/mv -f "$tmp" "$JOBS_DIR/.prolog-$SLURM_JOB_ID" 2>/dev/null || /bin/rm -f "$tmp"
+    fi
+    return 0
+}
+mark_job
+"""
+
+
 def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycache_prefix: str | None = None,
-                 retry_window_s: int = RETRY_WINDOW_S) -> str:
+                 retry_window_s: int = RETRY_WINDOW_S, jobs_dir: str | None = None) -> str:
     """The POSIX shell wrapper for ``kind`` (prolog or epilog) of an installation.
 
     ``pycache_prefix``: where the in-process hook keeps byte code when the package directory is
     read-only (compiling on every job costs about 50 ms). The wrapper exports
     MAPA_WRAPPER_STARTED (seconds since boot, from /proc/uptime, 0 if unreadable) for the hooks'
-    budget, and MAPA_HOOK_RETRY_AFTER_SIGNAL (the signal number) to a retried hook.
+    budget, and MAPA_HOOK_RETRY_AFTER_SIGNAL (the signal number) to a retried hook. ``jobs_dir``
+    (the config's): where the Prolog wrapper marks the job before Python starts.
     """
     paths = [("python", python), ("package directory", package_parent), ("config", config)]
+    if jobs_dir is not None:
+        paths.append(("jobs directory", jobs_dir))
     if pycache_prefix is not None:
         paths.append(("pycache prefix", pycache_prefix))
     for what, path in paths:
@@ -62,7 +83,8 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
         "read -r MAPA_WRAPPER_STARTED rest < /proc/uptime || MAPA_WRAPPER_STARTED=0\n"
         f"MAPA_CONFIG={shlex.quote(config)}\n"
         "export MAPA_CONFIG MAPA_WRAPPER_STARTED\n"
-        "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
+        + (f"JOBS_DIR={shlex.quote(jobs_dir)}\n{_MARK_JOB}" if kind == "prolog" and jobs_dir is not None else "")
+        + "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
         f"{shlex.quote(python)} -I -S {shlex.quote(client)} {kind} && exit 0\n"
         f"{in_process}\n"
         "# Killed by a signal (the OOM killer, say) early enough to stay inside Slurm's timeout: once more;\n"
@@ -122,6 +144,23 @@ def package_warning(package_dir: Path) -> str | None:
     return None
 
 
+def configured_jobs_dir(config: str) -> Path:
+    """The jobs directory the config names (its default when the config is missing or unusable)."""
+    from .config import HookConfig, load_hook_config
+
+    loaded, problem = load_hook_config({"MAPA_CONFIG": config}, validate=False)
+    return HookConfig().jobs_dir if problem else loaded.jobs_dir
+
+
+def taskprolog_text(jobs_dir: str) -> str:
+    """The TaskProlog, reading the per-job files where the config puts them."""
+    text = TASKPROLOG.read_text()
+    default = "JOBS_DIR=/run/slurm-mapa/jobs\n"
+    if default not in text:
+        raise InputError(f"{TASKPROLOG} has no line {default.strip()!r} to point at {jobs_dir}")
+    return text.replace(default, f"JOBS_DIR={shlex.quote(jobs_dir)}\n")
+
+
 def cmd_hooks(args: argparse.Namespace) -> int:
     directory = Path(args.directory).resolve()
     python = args.python or sys.executable
@@ -129,8 +168,10 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     for warning in (check_config(args.config), package_warning(PACKAGE_DIR)):
         if warning:
             print(warning, file=sys.stderr)
-    texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix) for kind in ENTRY}
-    texts["mapa-taskprolog"] = TASKPROLOG.read_text()
+    jobs_dir = str(configured_jobs_dir(args.config))
+    texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix, jobs_dir=jobs_dir)
+             for kind in ENTRY}
+    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir)
     try:
         trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
     except trusted.UnsafePath as error:
