@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -498,3 +499,41 @@ def test_the_prolog_wrapper_marks_the_job_before_any_python_starts(tmp_path):
     (tmp_path / "link").symlink_to(jobs)
     subprocess.run(["sh", "-c", f"JOBS_DIR={tmp_path / 'link'}\n{_MARK_JOB}"], env={"SLURM_JOB_ID": "44", "SLURM_JOB_GPUS": "1"}, check=True)
     assert sorted(p.name for p in jobs.iterdir()) == [".prolog-42"]
+
+
+def test_prologs_without_the_lock_claim_gpus_and_never_take_the_same(tmp_path):
+    """The lock is stuck; MAPA jobs hold every job's Slurm GPUs, so each Prolog must take free
+    GPUs of its own choosing: the claims keep them apart, and the ledger later takes them in."""
+    config = make_config(tmp_path, prolog_budget=2)
+    write_job_file_trusted(config, "1", (0, 1, 2, 3))  # MAPA moved job 1 onto Slurm's idea of the new jobs' GPUs
+    fd = hold_lock(config)
+    results: dict[str, tuple[int, ...]] = {}
+
+    def one(job: str, slurm_gpus: str) -> None:
+        slurm = FakeSlurm()
+        slurm.running = {"1", "5", "6", "7"}
+        run_prolog(env_for(job, slurm_gpus), config, slurm, [].append)
+        results[job] = job_gpus(config, job)
+
+    # Slurm: job 1 has 4-7, jobs 5-7 get 0-2, job 9 (later) 3.
+    threads = [threading.Thread(target=one, args=(job, gpus)) for job, gpus in (("5", "0"), ("6", "1"), ("7", "2"))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        os.close(fd)
+    uses = {"1": (0, 1, 2, 3), **results}
+    assert_disjoint(uses)
+    claims = sorted(p.name for p in config.jobs_dir.iterdir() if p.name.startswith(".claim-"))
+    assert len(claims) == 3 and set(results.values()) <= {(4,), (5,), (6,), (7,)}
+    slurm = FakeSlurm()
+    slurm.running = {"1", "5", "6", "7", "9"}
+    decision = run_prolog(env_for("9", "3"), config, slurm, [].append)  # the lock is free again
+    assert_disjoint({**uses, "9": decision.gpus})
+    assert decision.policy == "preserve"
+    assert {job: h.gpus for job, h in LedgerFile(config.ledger, 8).read().holdings.items() if job != "9"} == uses
+    for job in ("5", "6", "7"):
+        run_epilog({"SLURM_JOB_ID": job}, config, [].append)
+    assert not [p for p in config.jobs_dir.iterdir() if p.name.startswith(".claim-")]

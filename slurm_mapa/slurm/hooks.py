@@ -246,10 +246,6 @@ def fallback_decision(
     return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free, held), "fallback", fallback=token, free=free, running=running)
 
 
-def job_file_text(gpus: Sequence[int]) -> str:
-    return jobfiles.job_file_text(list(gpus))
-
-
 def current_ledger(
     ledger_file: LedgerFile, config: HookConfig, size: int, job_id: str, log: Log, running: set[str] | None = None,
     listed_at: float | None = None, slurm_gave: tuple[int, ...] = (),
@@ -284,6 +280,7 @@ def commit(config: HookConfig, ledger_file: LedgerFile, ledger: Ledger, job_id: 
         new = ledger.with_usage(job_id, holding)
     jobfiles.write_job_file(config.jobs_dir, job_id, holding.gpus)
     ledger_file.write(new)
+    jobfiles.release_claims(config.jobs_dir, job_id, keep=holding.gpus)  # the ledger holds them now
 
 
 def size_without_topology(ctx: PrologContext, config: HookConfig) -> int:
@@ -330,10 +327,12 @@ def record_provisional(
         # (Slurm never gives one GPU to two live jobs), else free ones in an order of this job's own.
         ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
         free = ledger.free(size)
-        gpus = ctx.slurm_gpus if set(ctx.slurm_gpus) <= set(free) else None
-        if gpus is None and len(free) >= len(ctx.slurm_gpus):
-            gpus = tuple(sorted(spread(ctx.job_id, free)[: len(ctx.slurm_gpus)]))
-        gpus = gpus or fallback_decision(ctx, ledger, size, "provisional").gpus
+        mine = tuple(g for g in ctx.slurm_gpus if g in free)
+        # Each GPU is claimed by creating a file, so two Prologs without the lock never take the same one.
+        gpus = jobfiles.claim(config.jobs_dir, ctx.job_id, mine + spread(ctx.job_id, set(free) - set(mine)), len(ctx.slurm_gpus))
+        if len(gpus) < len(ctx.slurm_gpus):  # none left unclaimed: share, as little as possible
+            gpus = fallback_gpus(ctx.slurm_gpus, gpus, [g for h in ledger.holdings.values() for g in h.gpus])
+        gpus = tuple(sorted(gpus))
         if mark is not None and not owns_job(config, ctx.job_id, mark):
             return None
         jobfiles.write_job_file(config.jobs_dir, ctx.job_id, gpus)

@@ -8,6 +8,13 @@ Two small files per job, both written whole or not at all (paths.replace_file):
   too) writes before anything else: which process runs the Prolog (its pid and start time, so a
   reused pid is not mistaken for it) and which GPUs Slurm gave the job. It stays until the Epilog.
 
+The Prolog wrapper writes a first mark in shell, before any Python starts (slurm/install.py);
+the Prolog replaces it with its own.
+
+* ``.claim-GPU``: ``JOBID`` - written only by a Prolog that cannot get the ledger's lock: it
+  claims each GPU it takes by creating this file, which fails if another holds the claim, so two
+  Prologs without the lock never take the same GPU. Removed with the job's other files.
+
 A job uses the GPUs of its job file, or Slurm's indices when it has none (the TaskProlog then
 prints nothing and Slurm's binding stays). So this directory alone says what every job that
 started here uses; the ledger is an index over it (plus what the Prolog learnt from Slurm).
@@ -16,6 +23,7 @@ Parsing and formatting are pure; the scan is the only reader.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -29,6 +37,7 @@ MARK_MAX_BYTES = 8192
 MAX_ENTRIES = 20000  # a node never runs this many jobs; past it the scan stops reading
 _MARK = re.compile(r"pid=([0-9]{1,10}) start=([0-9]{1,20}) slurm=([0-9,]*)")
 MARK_PREFIX = ".prolog-"
+CLAIM_PREFIX = ".claim-"
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class JobRecords:
     gpus: tuple[int, ...] | None = None  # from the job file
     mark: Mark | None = None
     newest: float = 0.0  # newest modification time of its files
+    claimed: tuple[int, ...] = ()  # GPUs it claimed without the lock
 
 
 def job_file_text(gpus: tuple[int, ...] | list[int]) -> str:
@@ -132,9 +142,32 @@ def write_mark_if_none(jobs_dir: Path, job_id: str, mark: Mark) -> bool:
     return paths.create_file(mark_path(jobs_dir, job_id), mark_text(mark).encode(), mode=0o600)
 
 
+def claim_path(jobs_dir: Path, gpu: int) -> Path:
+    return Path(jobs_dir) / f"{CLAIM_PREFIX}{gpu}"
+
+
+def claim(jobs_dir: Path, job_id: str, candidates: tuple[int, ...], wanted: int) -> tuple[int, ...]:
+    """Claim up to ``wanted`` of ``candidates``, in order, skipping GPUs another job has claimed."""
+    claimed: list[int] = []
+    for gpu in candidates:
+        if len(claimed) == wanted:
+            break
+        if paths.create_file(claim_path(jobs_dir, gpu), f"{job_id}\n".encode(), mode=0o600):
+            claimed.append(gpu)
+    return tuple(claimed)
+
+
+def release_claims(jobs_dir: Path, job_id: str, keep: tuple[int, ...] = ()) -> None:
+    """Remove the job's claims, but those on ``keep``."""
+    for gpu in scan(jobs_dir)[0].get(job_id, JobRecords()).claimed:
+        if gpu not in keep:
+            paths.remove(claim_path(jobs_dir, gpu))
+
+
 def remove_job(jobs_dir: Path, job_id: str) -> None:
     """The job file first: from then on the job's GPUs are Slurm's, which the mark still names."""
     paths.remove(job_file_path(jobs_dir, job_id))
+    release_claims(jobs_dir, job_id)
     paths.remove(mark_path(jobs_dir, job_id))
 
 
@@ -161,6 +194,16 @@ def scan(jobs_dir: Path) -> tuple[dict[str, JobRecords], list[tuple[str, float]]
         except OSError:
             continue
         parsed = _job_of(entry.name)
+        if parsed is None and entry.name.startswith(CLAIM_PREFIX) and entry.name[len(CLAIM_PREFIX):].isdigit():
+            try:
+                owner = paths.read_bytes(Path(entry.path), 64).decode("ascii")
+                gpu = parse_gpu_indices(entry.name[len(CLAIM_PREFIX):])[0]
+            except (OSError, ValueError, IndexError):
+                continue
+            if owner.endswith("\n") and is_job_id(owner[:-1]):
+                old = records.get(owner[:-1], JobRecords())
+                records[owner[:-1]] = dataclasses.replace(old, claimed=(*old.claimed, gpu), newest=max(old.newest, mtime))
+            continue
         if parsed is None:
             if entry.name.endswith(".tmp") and entry.name.startswith("."):
                 leftovers.append((entry.name, mtime))
@@ -170,10 +213,10 @@ def scan(jobs_dir: Path) -> tuple[dict[str, JobRecords], list[tuple[str, float]]
         try:
             data = paths.read_bytes(Path(entry.path), MARK_MAX_BYTES)
             if kind == "job":
-                old = JobRecords(parse_job_file(data), old.mark, max(old.newest, mtime))
+                old = dataclasses.replace(old, gpus=parse_job_file(data), newest=max(old.newest, mtime))
             else:
-                old = JobRecords(old.gpus, parse_mark(data), max(old.newest, mtime))
+                old = dataclasses.replace(old, mark=parse_mark(data), newest=max(old.newest, mtime))
         except (OSError, ValueError):
-            old = JobRecords(old.gpus, old.mark, max(old.newest, mtime))  # unreadable: as if absent, but seen
+            old = dataclasses.replace(old, newest=max(old.newest, mtime))  # unreadable: as if absent, but seen
         records[job_id] = old
     return records, leftovers

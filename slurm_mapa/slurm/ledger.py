@@ -212,11 +212,11 @@ def reconcile(
         elif record.mark is not None and not is_live(record.mark):
             gpus, policy, note = record.mark.slurm_gpus, "slurm", "its Prolog died before choosing: runs on Slurm's GPUs"
         elif held is not None:
-            holdings[job] = held
-            continue
+            gpus, policy, note = held.gpus, held.policy, held.note
         else:
-            continue  # its Prolog runs right now and has chosen nothing yet
+            gpus, policy, note = (), "claimed", "its Prolog runs and has chosen nothing yet"
         gpus = tuple(g for g in gpus if 0 <= g < size)
+        gpus += tuple(g for g in record.claimed if g not in gpus and 0 <= g < size)  # claimed without the lock: held too
         if held is not None and held.gpus == gpus:
             holdings[job] = held  # keep what the Prolog recorded about its choice
         elif gpus or record.gpus is not None:
