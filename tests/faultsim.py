@@ -831,6 +831,8 @@ class Simulation:
             category = "shared-after-killed-prolog"  # MAPA gave it to `a` first; Slurm then to `b`, whose Prolog died
         elif a.binding_source == "slurm" and a.killed_all and b.prolog_started < (a.live_at or 0):
             category = "shared-after-killed-prolog"  # concurrent Prologs: `a` died while `b` chose
+        elif self._announced_sharing(a, b):
+            category = "announced-sharing"  # the Prolog found too few free GPUs and said it SHARES (a documented limit)
         else:
             category = "double-use"
         detail = ""
@@ -853,6 +855,14 @@ class Simulation:
             "at_s": round(time.monotonic() - self.started_at, 2),
             "ledger_corruptions_before": [what for t, what in self.events if what.startswith("ledger-")],
         }
+
+    def _announced_sharing(self, *jobs: JobState) -> bool:
+        """Whether one of the jobs' Prologs logged that it found too few free GPUs and shares."""
+        try:
+            text = (self.dir / "mapa.log").read_text(errors="replace")
+        except OSError:
+            return False
+        return any(f"job {j.plan.job_id}: too few GPUs are free" in text for j in jobs)
 
     def _job_summary(self, js: JobState) -> dict[str, Any]:
         p = js.plan
@@ -1106,6 +1116,7 @@ class Simulation:
             truncated=self.truncated, wall_s=time.monotonic() - self.started_at,
             double_uses=by_category.get("double-use", 0) + by_category.get("harness-bug (Slurm gave one GPU twice)", 0),
             shared_after_killed_prolog=by_category.get("shared-after-killed-prolog", 0),
+            announced_sharing=by_category.get("announced-sharing", 0),
             violations=violations, counts=dict(self.counts), slurm_calls=dict(calls),
             prolog_walls=self.prolog_walls, gpu_prolog_walls=self.gpu_prolog_walls, epilog_walls=self.epilog_walls,
             anomalies=self.anomalies, final=self.final, log_lines=log_lines, stderr_samples=self.stderr_samples,
@@ -1121,6 +1132,7 @@ class Report:
     truncated: bool
     wall_s: float
     double_uses: int
+    announced_sharing: int
     shared_after_killed_prolog: int
     violations: list[dict[str, Any]]
     counts: dict[str, int]
@@ -1174,6 +1186,7 @@ class Report:
         return {
             "scenario": self.scenario.name(), "jobs": self.jobs_run, "truncated": self.truncated, "wall_s": round(self.wall_s, 1),
             "double_uses": self.double_uses, "shared_after_killed_prolog": self.shared_after_killed_prolog,
+            "announced_sharing": self.announced_sharing,
             "wrapper_failures": self.wrapper_failures, "converged": self.converged,
             "prolog_median_s": round(statistics.median(self.prolog_walls), 3) if self.prolog_walls else 0.0,
             "prolog_p99_s": round(stat(self.prolog_walls, 0.99), 3),
@@ -1203,6 +1216,7 @@ class Report:
                  + (" (CUT SHORT by the deadline)" if self.truncated else "")
                  + f"; package {self.scenario.package_root}; prolog_budget in config: {self.budget_supported}",
                  f"   double uses: {self.double_uses}   shared-after-killed-prolog: {self.shared_after_killed_prolog}   "
+                 f"announced sharing (too few free): {self.announced_sharing}   "
                  f"wrapper failures: {self.wrapper_failures}   converged: {self.converged}",
                  f"   Prolog wall: median {s['prolog_median_s']} s, p99 {s['prolog_p99_s']} s, max {s['prolog_max_s']} s; "
                  f"Epilog max {s['epilog_max_s']} s; max simultaneous Prologs {self.counts.get('max simultaneous Prologs', 0)}"

@@ -332,6 +332,7 @@ def record_provisional(
         gpus = jobfiles.claim(config.jobs_dir, ctx.job_id, mine + spread(ctx.job_id, set(free) - set(mine)), len(ctx.slurm_gpus))
         if len(gpus) < len(ctx.slurm_gpus):  # none left unclaimed: share, as little as possible
             gpus = fallback_gpus(ctx.slurm_gpus, gpus, [g for h in ledger.holdings.values() for g in h.gpus])
+            log(f"job {ctx.job_id}: too few GPUs are free without the lock; it SHARES GPUs of {','.join(map(str, gpus))} with other jobs")
         gpus = tuple(sorted(gpus))
         if mark is not None and not owns_job(config, ctx.job_id, mark):
             return None
