@@ -29,6 +29,7 @@ import random
 import threading
 import time
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -193,7 +194,7 @@ def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...], held: Sequ
     if len(free) >= wanted:
         return free[:wanted]
     chosen = list(free)
-    load = {gpu: list(held).count(gpu) for gpu in set(held)}
+    load = Counter(held)
     for gpu in sorted(slurm_gpus, key=lambda g: (load.get(g, 0), g)) + sorted(load, key=lambda g: (load[g], g)):
         if len(chosen) == wanted:
             break
@@ -434,15 +435,12 @@ def _decide_and_commit(
         except TimeoutError:
             proposal = None
             log(f"job {ctx.job_id}: the search did not finish within the Prolog's budget; keeping the provisional choice")
-        if still_wanted is not None and not still_wanted():
-            log(f"job {ctx.job_id}: its Prolog went away before the decision was written; it keeps the provisional GPUs "
-                f"{','.join(map(str, provisional))}")
-            return None
         try:
             with ledger_file.locked(timeout=max(budget.left() - 0.2, 0.1)):
+                # Checked under the lock, so that no write can follow a takeover or a client gone meanwhile.
                 if not owns_job(config, ctx.job_id, mark) or (still_wanted is not None and not still_wanted()):
-                    log(f"job {ctx.job_id}: a newer run of its Prolog took the job over, or this one's client went away; "
-                        "this one writes nothing more")
+                    log(f"job {ctx.job_id}: a newer run of its Prolog took the job over, or its Prolog went away; this one "
+                        f"writes nothing more (the job keeps the provisional GPUs {','.join(map(str, provisional))})")
                     return None
                 fresh, ended, leftovers = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at, ctx.slurm_gpus)
                 unchanged = fresh.free(size, unhealthy) == snapshot.free(size, unhealthy) and fresh.running_groups() == snapshot.running_groups()

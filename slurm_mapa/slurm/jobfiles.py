@@ -157,11 +157,31 @@ def claim(jobs_dir: Path, job_id: str, candidates: tuple[int, ...], wanted: int)
     return tuple(claimed)
 
 
+def _is_claim(name: str) -> bool:
+    return name.startswith(CLAIM_PREFIX) and name[len(CLAIM_PREFIX):].isdigit()
+
+
+def _read_claim(path: Path) -> tuple[int, str] | None:
+    """(GPU, owning job) of a claim file, None if it is unreadable or not what claim() writes."""
+    try:
+        owner = paths.read_bytes(path, 64).decode("ascii")
+        gpu = parse_gpu_indices(path.name[len(CLAIM_PREFIX):])[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (gpu, owner[:-1]) if owner.endswith("\n") and is_job_id(owner[:-1]) else None
+
+
 def release_claims(jobs_dir: Path, job_id: str, keep: tuple[int, ...] = ()) -> None:
-    """Remove the job's claims, but those on ``keep``."""
-    for gpu in scan(jobs_dir)[0].get(job_id, JobRecords()).claimed:
-        if gpu not in keep:
-            paths.remove(claim_path(jobs_dir, gpu))
+    """Remove the job's claims, but those on ``keep``. Reads only the claim files (there are
+    none unless a Prolog ran without the lock): it runs at every commit and Epilog, under the lock."""
+    try:
+        names = [name for name in os.listdir(jobs_dir) if _is_claim(name)]
+    except FileNotFoundError:
+        return
+    for name in names:
+        held = _read_claim(Path(jobs_dir) / name)
+        if held is not None and held[1] == job_id and held[0] not in keep:
+            paths.remove(Path(jobs_dir) / name)
 
 
 def remove_job(jobs_dir: Path, job_id: str) -> None:
@@ -194,15 +214,12 @@ def scan(jobs_dir: Path) -> tuple[dict[str, JobRecords], list[tuple[str, float]]
         except OSError:
             continue
         parsed = _job_of(entry.name)
-        if parsed is None and entry.name.startswith(CLAIM_PREFIX) and entry.name[len(CLAIM_PREFIX):].isdigit():
-            try:
-                owner = paths.read_bytes(Path(entry.path), 64).decode("ascii")
-                gpu = parse_gpu_indices(entry.name[len(CLAIM_PREFIX):])[0]
-            except (OSError, ValueError, IndexError):
-                continue
-            if owner.endswith("\n") and is_job_id(owner[:-1]):
-                old = records.get(owner[:-1], JobRecords())
-                records[owner[:-1]] = dataclasses.replace(old, claimed=(*old.claimed, gpu), newest=max(old.newest, mtime))
+        if parsed is None and _is_claim(entry.name):
+            held = _read_claim(Path(entry.path))
+            if held is not None:
+                gpu, owner = held
+                old = records.get(owner, JobRecords())
+                records[owner] = dataclasses.replace(old, claimed=(*old.claimed, gpu), newest=max(old.newest, mtime))
             continue
         if parsed is None:
             if entry.name.endswith(".tmp") and entry.name.startswith("."):
