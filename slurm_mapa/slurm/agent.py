@@ -10,7 +10,8 @@ Only root may ask (the socket lives in a root-only directory and the peer's uid 
 request carries only the few SLURM_* variables the hooks read, and it is parsed strictly and
 bounded in size and in time (one deadline for the whole request, however slowly it trickles in).
 A client that goes away before the decision is written (slurmd killed the Prolog) gets nothing
-written: its job keeps Slurm's GPUs and the next Prolog adopts them.
+more written: its job keeps the provisional choice the Prolog recorded first, and the wrapper's
+in-process run decides again.
 
 A burst of Prologs (32 or more jobs allocated at once) queues in a deep listen backlog instead of
 falling back; past MAX_HANDLERS concurrent requests a client is told ``error busy`` at once and

@@ -105,65 +105,47 @@ def read_bytes(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
-def replace_file(target: Path, data: bytes, mode: int = 0o644, durable: bool = False) -> None:
-    """Write ``target`` whole or not at all, through a fresh unpredictable temporary name.
-
-    ``durable``: fsync the file and its directory, so the write survives a crash of the machine.
-    """
-    target = Path(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # O_EXCL|O_NOFOLLOW
+def _write_temporary(target: Path, data: bytes, mode: int) -> str:
+    """``data`` in a new file beside ``target`` under a fresh unpredictable name (O_EXCL, so never
+    through a planted link); returns its path. Nothing is left behind if writing fails."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         try:
             os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
         finally:
             os.close(fd)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def replace_file(target: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``target`` whole or not at all, through a fresh unpredictable temporary name."""
+    target = Path(target)
+    tmp = _write_temporary(target, data, mode)
+    try:
         os.replace(tmp, target)  # replaces a planted symlink itself, never what it points to
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        os.unlink(tmp)
         raise
-    if durable:
-        dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 def create_file(target: Path, data: bytes, mode: int = 0o644) -> bool:
     """Create ``target`` whole with ``data`` unless something is there already (then False):
     written under a fresh name and hard-linked into place, which fails rather than replaces."""
     target = Path(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    tmp = _write_temporary(target, data, mode)
     try:
-        try:
-            os.fchmod(fd, mode)
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, target, follow_symlinks=False)
-        except FileExistsError:
-            return False
-        return True
+        os.link(tmp, target, follow_symlinks=False)
+    except FileExistsError:
+        return False
     finally:
         os.unlink(tmp)
-
-
-def append_line(path: Path, line: str, mode: int = 0o640) -> None:
-    """Append one line to a log file, never through a symlink; OSError if it cannot."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        os.write(fd, line.encode("utf-8", "backslashreplace"))
-    finally:
-        os.close(fd)
+    return True
 
 
 def remove(path: Path) -> None:
