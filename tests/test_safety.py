@@ -389,7 +389,9 @@ def test_files_left_by_killed_epilogs_are_removed_once_slurm_no_longer_lists_the
     slurm.running = {"8"}
     decision = run_prolog(env_for("8", "0,1"), config, slurm, logs.append)
     assert decision.gpus == (0, 1) or set(decision.gpus) <= set(range(8))
-    assert sorted(p.name for p in config.jobs_dir.iterdir()) == [".prolog-8", "8"]
+    names = sorted(p.name for p in config.jobs_dir.iterdir())
+    assert [n for n in names if not n.startswith(".claim-")] == [".prolog-8", "8"]
+    assert [n for n in names if n.startswith(".claim-")] == [f".claim-{g}" for g in sorted(decision.gpus)]  # job 8's own
     assert set(LedgerFile(config.ledger, 8).read().holdings) == {"8"}
 
 
@@ -417,6 +419,81 @@ def test_an_epilog_that_cannot_lock_still_removes_the_job_files(tmp_path, monkey
     time.sleep(0.05)
     run_prolog(env_for("6", "2"), config, slurm, logs.append)
     assert set(LedgerFile(config.ledger, 8).read().holdings) == {"6"}
+
+
+def test_an_epilog_that_cannot_lock_leaves_word_that_the_job_ended_even_when_squeue_fails(tmp_path, monkeypatch):
+    """Stale entries of ended jobs used to fill the ledger while squeue failed, forcing sharing."""
+    monkeypatch.setattr("slurm_mapa.slurm.epilog.LOCK_WAIT_S", 0.3)
+    config = make_config(tmp_path)
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"5"}
+    run_prolog(env_for("5", "0-7"), config, slurm, logs.append)  # the whole node
+    fd = hold_lock(config)
+    try:
+        run_epilog({"SLURM_JOB_ID": "5"}, config, logs.append)
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in config.jobs_dir.iterdir()) == [".ended-5"]
+    slurm.broken = {"squeue", "scontrol"}
+    decision = run_prolog(env_for("6", "0-7"), config, slurm, logs.append)
+    assert sorted(decision.gpus) == list(range(8)) and not any("SHARES" in line for line in logs)
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"6"}
+    assert not (config.jobs_dir / ".ended-5").exists()
+
+
+def test_a_requeued_job_clears_the_word_that_its_earlier_run_ended(tmp_path):
+    config = make_config(tmp_path)
+    config.jobs_dir.mkdir(mode=0o755)
+    jobfiles.write_ended(config.jobs_dir, "5")  # its first run's Epilog could not finish
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"5"}
+    run_prolog(env_for("5", "0,1"), config, slurm, logs.append)
+    assert not (config.jobs_dir / ".ended-5").exists() and job_gpus(config, "5")
+    run_prolog(env_for("6", "2"), config, slurm, logs.append)
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"5", "6"}
+
+
+def test_a_commit_never_takes_a_gpu_claimed_after_the_ledger_was_read(tmp_path):
+    """A Prolog without the lock claims GPU 0 between a lock holder's read and its write: the
+    holder must not write GPU 0 (the claim file decides who has it)."""
+    from slurm_mapa.slurm.hooks import ClaimTaken, commit
+
+    config = make_config(tmp_path)
+    config.jobs_dir.mkdir(mode=0o755)
+    config.ledger.parent.mkdir()
+    ledger_file = LedgerFile(config.ledger, 8)
+    snapshot = Ledger()  # read before the claim
+    assert jobfiles.claim(config.jobs_dir, "2", (0,), 1) == (0,)
+    with pytest.raises(ClaimTaken):
+        commit(config, ledger_file, snapshot, "1", Holding((0, 1), "preserve", time.time(), ""), [].append)
+    assert sorted(p.name for p in config.jobs_dir.iterdir()) == [".claim-0"]  # nothing of job 1's, GPU 1 not kept
+    commit(config, ledger_file, snapshot, "1", Holding((1, 2), "preserve", time.time(), ""), [].append)
+    assert {p.name: p.read_text() for p in config.jobs_dir.iterdir() if p.name.startswith(".claim-")} == {
+        ".claim-0": "2\n", ".claim-1": "1\n", ".claim-2": "1\n"}
+
+
+def test_a_prolog_chooses_again_when_a_gpu_is_claimed_between_its_read_and_its_write(tmp_path, monkeypatch):
+    from slurm_mapa.slurm import hooks
+
+    config = make_config(tmp_path)
+    real = hooks.current_ledger
+    raced: list[str] = []
+
+    def read_then_lose_the_race(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if not raced:  # job 2, without the lock, claims Slurm's GPUs of job 1 right after job 1 read the files
+            write_mark(config.jobs_dir, "2", mark_for(os.getpid(), (0, 1)))
+            raced.extend(jobfiles.claim(config.jobs_dir, "2", (0, 1), 2))
+            write_job_file(config.jobs_dir, "2", (0, 1))
+        return result
+
+    monkeypatch.setattr(hooks, "current_ledger", read_then_lose_the_race)
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"1", "2"}
+    # Its client goes away after the provisional record: that record is what the job runs on.
+    assert run_prolog(env_for("1", "0,1"), config, slurm, logs.append, still_wanted=lambda: False) is None
+    assert raced == [0, 1]
+    assert_disjoint({"1": job_gpus(config, "1"), "2": (0, 1)})
 
 
 def test_a_stuck_lock_still_gives_the_job_gpus_no_job_file_names(tmp_path):
@@ -501,6 +578,25 @@ def test_the_prolog_wrapper_marks_the_job_before_any_python_starts(tmp_path):
     assert sorted(p.name for p in jobs.iterdir()) == [".prolog-42"]
 
 
+def test_the_epilog_wrapper_says_the_job_ended_before_any_python_starts(tmp_path):
+    """Even when every Python run of the Epilog is killed, the next Prolog learns the job ended;
+    the Prolog wrapper of a requeued job clears it; strange ids or a symlinked directory: nothing."""
+    from slurm_mapa.slurm.install import _END_JOB, _MARK_JOB
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir(mode=0o755)
+    for _ in range(2):  # twice: the second finds it there and is quiet
+        done = subprocess.run(["sh", "-c", f"JOBS_DIR={jobs}\n{_END_JOB}"], env={"SLURM_JOB_ID": "42"}, capture_output=True, check=True)
+        assert done.stderr == b""
+    assert jobfiles.scan(jobs)[0]["42"].ended
+    subprocess.run(["sh", "-c", f"JOBS_DIR={jobs}\n{_END_JOB}"], env={"SLURM_JOB_ID": "4;x"}, check=True)
+    (tmp_path / "link").symlink_to(jobs)
+    subprocess.run(["sh", "-c", f"JOBS_DIR={tmp_path / 'link'}\n{_END_JOB}"], env={"SLURM_JOB_ID": "44"}, check=True)
+    assert sorted(p.name for p in jobs.iterdir()) == [".ended-42"]
+    subprocess.run(["sh", "-c", f"JOBS_DIR={jobs}\n{_MARK_JOB}"], env={"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "1"}, check=True)
+    assert sorted(p.name for p in jobs.iterdir()) == [".prolog-42"]
+
+
 def test_prologs_without_the_lock_claim_gpus_and_never_take_the_same(tmp_path):
     """The lock is stuck; MAPA jobs hold every job's Slurm GPUs, so each Prolog must take free
     GPUs of its own choosing: the claims keep them apart, and the ledger later takes them in."""
@@ -536,4 +632,19 @@ def test_prologs_without_the_lock_claim_gpus_and_never_take_the_same(tmp_path):
     assert {job: h.gpus for job, h in LedgerFile(config.ledger, 8).read().holdings.items() if job != "9"} == uses
     for job in ("5", "6", "7"):
         run_epilog({"SLURM_JOB_ID": job}, config, [].append)
-    assert not [p for p in config.jobs_dir.iterdir() if p.name.startswith(".claim-")]
+    left = {p.name: p.read_text() for p in config.jobs_dir.iterdir() if p.name.startswith(".claim-")}
+    assert left == {f".claim-{g}": "9\n" for g in decision.gpus}  # only the live job 9's
+
+
+def test_temporary_files_of_killed_writers_go_even_while_squeue_fails(tmp_path):
+    config = make_config(tmp_path)
+    config.jobs_dir.mkdir(mode=0o755)
+    for name in ("..prolog-7.x1.tmp", ".7.y2.tmp", ".claim-3.z3.tmp"):
+        (config.jobs_dir / name).write_text("half")
+    old = time.time() - 3600
+    os.utime(config.jobs_dir / "..prolog-7.x1.tmp", (old, old))
+    os.utime(config.jobs_dir / ".7.y2.tmp", (old, old))  # ".claim-3.z3.tmp" is recent: its writer may still run
+    slurm, logs = FakeSlurm(), []
+    slurm.broken = {"squeue"}
+    run_prolog(env_for("8", "0"), config, slurm, logs.append)
+    assert sorted(p.name for p in config.jobs_dir.iterdir() if p.name.endswith(".tmp")) == [".claim-3.z3.tmp"]

@@ -19,19 +19,22 @@ LOCK_WAIT_S = 10.0  # the lock is held for milliseconds; past this a holder is s
 def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], None]) -> None:
     """Remove the job's files and its ledger entry.
 
-    Under the lock, files first: a job without files or a ledger entry holds nothing, and one
-    killed half-way keeps its ledger entry until a Prolog sees Slurm no longer runs it. If the
-    lock cannot be had, the files still go (the entry is then reaped the same way).
+    First the job's .ended file (the wrapper writes it too, before Python starts), so that a
+    Prolog drops the job's ledger entry and files whatever happens to this Epilog. Then under the
+    lock, files first, the ledger entry, and the .ended file last. If the lock cannot be had, the
+    files go and the .ended file stays: the next Prolog that holds the lock drops the entry.
     """
     job_id = env.get("SLURM_JOB_ID", "")
     if not is_job_id(job_id):
         raise ValueError(f"SLURM_JOB_ID {job_id[:40]!r} is not what slurmd sets")
-    if os.path.lexists(config.jobs_dir):
+    jobs_dir_there = os.path.lexists(config.jobs_dir)
+    if jobs_dir_there:
         paths.check_trusted_dir(config.jobs_dir)  # never remove files through a directory others control
+        jobfiles.write_ended(config.jobs_dir, job_id)
     ledger_file = LedgerFile(config.ledger, 1 << 10)
     try:
         with ledger_file.locked(timeout=min(LOCK_WAIT_S, config.prolog_budget)):
-            jobfiles.remove_job(config.jobs_dir, job_id)
+            jobfiles.remove_job(config.jobs_dir, job_id, keep_ended=True)
             try:
                 ledger = ledger_file.read()
                 if job_id in ledger.holdings:
@@ -39,9 +42,10 @@ def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], 
                     log(f"job {job_id}: released GPUs {','.join(map(str, ledger.holdings[job_id].gpus))}")
             except LedgerCorrupt as error:
                 log(f"job {job_id}: ledger corrupt ({error}); the next Prolog rebuilds it")
+            paths.remove(jobfiles.ended_path(config.jobs_dir, job_id))
     except TimeoutError as error:
-        jobfiles.remove_job(config.jobs_dir, job_id)
-        log(f"job {job_id}: {error}; removed its files, its ledger entry goes once Slurm no longer lists the job")
+        jobfiles.remove_job(config.jobs_dir, job_id, keep_ended=jobs_dir_there)
+        log(f"job {job_id}: {error}; removed its files; the next Prolog that gets the lock drops its ledger entry")
 
 
 def epilog_failing_open(env: Mapping[str, str], config_env: Mapping[str, str], where: str = "") -> None:

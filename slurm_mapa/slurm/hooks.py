@@ -271,17 +271,27 @@ def current_ledger(
     return ledger, ended, leftovers
 
 
+class ClaimTaken(Exception):
+    """A GPU the Prolog chose was claimed meanwhile by a Prolog that runs without the lock."""
+
+
 def commit(config: HookConfig, ledger_file: LedgerFile, ledger: Ledger, job_id: str, holding: Holding, log: Log) -> None:
-    """Record ``holding`` for ``job_id`` (under the lock): the job file first, as it is what the job uses."""
+    """Record ``holding`` for ``job_id`` (under the lock): its GPUs claimed, then the job file (what
+    the job uses), then the ledger. ClaimTaken, with nothing written, if a GPU was claimed by a
+    Prolog without the lock after ``ledger`` was read: the caller reads the files and chooses again."""
+    held = ledger.held()
+    shared = sorted(set(holding.gpus) & held)
+    taken = jobfiles.claim_all(config.jobs_dir, job_id, tuple(g for g in holding.gpus if g not in held))
+    if taken:
+        raise ClaimTaken(f"GPUs {','.join(map(str, taken))} were claimed meanwhile")
     try:
         new = ledger.with_job(job_id, holding)
     except ValueError:
-        shared = sorted(set(holding.gpus) & ledger.held())
         log(f"job {job_id}: too few GPUs are free; it SHARES GPUs {','.join(map(str, shared))} with other jobs")
         new = ledger.with_usage(job_id, holding)
     jobfiles.write_job_file(config.jobs_dir, job_id, holding.gpus)
     ledger_file.write(new)
-    jobfiles.release_claims(config.jobs_dir, job_id, keep=holding.gpus)  # the ledger holds them now
+    jobfiles.release_claims(config.jobs_dir, job_id, keep=holding.gpus)  # those of an earlier choice
 
 
 def size_without_topology(ctx: PrologContext, config: HookConfig) -> int:
@@ -301,6 +311,9 @@ def owns_job(config: HookConfig, job_id: str, mark: jobfiles.Mark) -> bool:
         return False
 
 
+MAX_CLAIM_RACES = 8  # a claim lost to a Prolog without the lock is rare; more in a row means a stuck node
+
+
 def spread(job_id: str, gpus: Sequence[int]) -> tuple[int, ...]:
     """``gpus`` in an order of this job's own, so Prologs choosing without the lock rarely meet."""
     return tuple(sorted(gpus, key=lambda gpu: zlib.crc32(f"{job_id}:{gpu}".encode())))
@@ -316,11 +329,16 @@ def record_provisional(
         with ledger_file.locked(timeout=max(lock_wait, 0.1)):
             if mark is not None and not owns_job(config, ctx.job_id, mark):
                 return None
-            ledger, ended, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
-            decision = fallback_decision(ctx, ledger, size, "provisional")
-            commit(config, ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log)
-            forget_ended(config, ended, [], None, log, ctx.job_id)
-            return decision.gpus
+            for _ in range(MAX_CLAIM_RACES):
+                ledger, ended, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
+                decision = fallback_decision(ctx, ledger, size, "provisional")
+                try:
+                    commit(config, ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log)
+                except ClaimTaken:
+                    continue  # the claim is in the files now: read them again
+                forget_ended(config, ended, [], None, log, ctx.job_id)
+                return decision.gpus
+            raise TimeoutError("Prologs without the lock kept claiming the GPUs this one chose")
     except TimeoutError:
         # The lock was not free for the whole wait: a holder is stuck (it is held for milliseconds
         # otherwise). Choose from what the files say and write only the job file (the next Prolog
@@ -368,6 +386,7 @@ def run_prolog(
     paths.ensure_trusted_dir(config.jobs_dir)
     mark = jobfiles.mark_for(requester_pid or os.getpid(), ctx.slurm_gpus)
     jobfiles.write_mark(config.jobs_dir, ctx.job_id, mark)
+    jobfiles.clear_ended(config.jobs_dir, ctx.job_id)  # a requeued job runs again under its id
     if not ctx.slurm_gpus:
         return None  # a CPU-only job: its mark says so, and no Prolog ever needs to ask Slurm about it
     problem = config_problem
@@ -427,6 +446,7 @@ def _decide_and_commit(
         log(f"job {ctx.job_id}: squeue failed ({error}); keeping every ledger entry")
     ledger_file = LedgerFile(config.ledger, size)
     decision: Decision | None = None
+    claim_races = 0
     while decision is None:
         snapshot, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at, ctx.slurm_gpus)
         try:
@@ -446,7 +466,7 @@ def _decide_and_commit(
                 unchanged = fresh.free(size, unhealthy) == snapshot.free(size, unhealthy) and fresh.running_groups() == snapshot.running_groups()
                 if proposal is not None and unchanged:
                     decision = proposal
-                elif proposal is None or budget.for_step(budget.left()) < 0.2:
+                elif proposal is None or budget.for_step(budget.left()) < 0.2 or claim_races >= MAX_CLAIM_RACES:
                     keep = provisional if not set(provisional) & fresh.held() else None
                     decision = fallback_decision(ctx, fresh, size, problem or "prolog-budget-spent")
                     if keep is not None:
@@ -454,7 +474,16 @@ def _decide_and_commit(
                 else:
                     continue  # another job took or freed GPUs meanwhile: search again on the new free set
                 note = f"directive from {source}" + (f"; {problem}" if problem else "")
-                commit(config, ledger_file, fresh, ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note), log)
+                try:
+                    commit(config, ledger_file, fresh, ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note), log)
+                except ClaimTaken as taken:
+                    claim_races += 1
+                    if claim_races <= MAX_CLAIM_RACES:
+                        log(f"job {ctx.job_id}: {taken}; choosing again")
+                        decision = None
+                        continue
+                    log(f"job {ctx.job_id}: {taken}, {claim_races} times; it keeps the provisional GPUs {','.join(map(str, provisional))}")
+                    decision = dataclasses.replace(decision, gpus=provisional)
                 forget_ended(config, ended, leftovers, listed_at, log, ctx.job_id)
         except TimeoutError:
             log(f"job {ctx.job_id}: LEDGER LOCK TIMEOUT at commit; it keeps the provisional GPUs {','.join(map(str, provisional))}")
@@ -481,10 +510,9 @@ def forget_ended(config: HookConfig, ended: list[str], leftovers: list[tuple[str
         jobfiles.remove_job(config.jobs_dir, job)
     if ended:
         log(f"job {job_id}: reaped the ledger entries and files of jobs that ended: {','.join(ended)}")
-    if listed_at is not None:
-        for name, mtime in leftovers:
-            if mtime < listed_at - 60:  # a writer that was killed: none takes a minute
-                paths.remove(Path(config.jobs_dir) / name)
+    for name, mtime in leftovers:
+        if mtime < (listed_at or time.time()) - 60:  # a writer that was killed: none takes a minute
+            paths.remove(Path(config.jobs_dir) / name)
 
 
 class RunningJobs:

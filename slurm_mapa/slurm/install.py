@@ -41,6 +41,7 @@ _MARK_JOB = r"""mark_job() {
     case "$SLURM_JOB_GPUS" in *[!0-9,]*) return 0 ;; esac
     [ -d "$JOBS_DIR" ] && [ ! -h "$JOBS_DIR" ] && [ -O "$JOBS_DIR" ] || return 0
     read -r _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ start _ < /proc/$$/stat || return 0
+    /bin/rm -f "$JOBS_DIR/.ended-$SLURM_JOB_ID"
     tmp="$JOBS_DIR/.prolog-$SLURM_JOB_ID.$$.tmp"
     if (set -C; umask 077; printf 'pid=%s start=%s slurm=%s\n' "$$" "$start" "$SLURM_JOB_GPUS" > "$tmp") 2>/dev/null; then
         /bin/mv -f "$tmp" "$JOBS_DIR/.prolog-$SLURM_JOB_ID" 2>/dev/null || /bin/rm -f "$tmp"
@@ -48,6 +49,17 @@ _MARK_JOB = r"""mark_job() {
     return 0
 }
 mark_job
+"""
+
+# The Epilog wrapper says the job has ended before any Python starts (jobfiles.ended_path): if
+# every Python run is killed, the next Prolog still drops the job's ledger entry and files.
+_END_JOB = r"""end_job() {
+    case "$SLURM_JOB_ID" in ''|*[!0-9]*) return 0 ;; esac
+    [ -d "$JOBS_DIR" ] && [ ! -h "$JOBS_DIR" ] && [ -O "$JOBS_DIR" ] || return 0
+    (set -C; : > "$JOBS_DIR/.ended-$SLURM_JOB_ID") 2>/dev/null
+    return 0
+}
+end_job
 """
 
 
@@ -59,7 +71,8 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
     read-only (compiling on every job costs about 50 ms). The wrapper exports
     MAPA_WRAPPER_STARTED (seconds since boot, from /proc/uptime, 0 if unreadable) for the hooks'
     budget, and MAPA_HOOK_RETRY_AFTER_SIGNAL (the signal number) to a retried hook. ``jobs_dir``
-    (the config's): where the Prolog wrapper marks the job before Python starts.
+    (the config's): where the Prolog wrapper marks the job, and the Epilog wrapper says it has
+    ended, before Python starts.
     """
     paths = [("python", python), ("package directory", package_parent), ("config", config)]
     if jobs_dir is not None:
@@ -83,7 +96,7 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
         "read -r MAPA_WRAPPER_STARTED rest < /proc/uptime || MAPA_WRAPPER_STARTED=0\n"
         f"MAPA_CONFIG={shlex.quote(config)}\n"
         "export MAPA_CONFIG MAPA_WRAPPER_STARTED\n"
-        + (f"JOBS_DIR={shlex.quote(jobs_dir)}\n{_MARK_JOB}" if kind == "prolog" and jobs_dir is not None else "")
+        + (f"JOBS_DIR={shlex.quote(jobs_dir)}\n{_MARK_JOB if kind == 'prolog' else _END_JOB}" if jobs_dir is not None else "")
         + "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
         f"{shlex.quote(python)} -I -S {shlex.quote(client)} {kind} && exit 0\n"
         f"{in_process}\n"

@@ -11,9 +11,16 @@ Two small files per job, both written whole or not at all (paths.replace_file):
 The Prolog wrapper writes a first mark in shell, before any Python starts (slurm/install.py);
 the Prolog replaces it with its own.
 
-* ``.claim-GPU``: ``JOBID`` - written only by a Prolog that cannot get the ledger's lock: it
-  claims each GPU it takes by creating this file, which fails if another holds the claim, so two
-  Prologs without the lock never take the same GPU. Removed with the job's other files.
+* ``.claim-GPU``: ``JOBID`` - every GPU a job takes for itself alone is claimed by creating this
+  file, which fails if another job holds the claim, before the job file names the GPU. Creating
+  a file is atomic, so two Prologs never take the same GPU, with the ledger's lock or without it
+  (a Prolog that cannot get the lock chooses from the files and claims its GPUs the same way).
+  Removed with the job's other files. GPUs a job shares because too few are free are not claimed.
+* ``.ended-JOBID`` (empty): written by the Epilog (its wrapper, in shell) before anything else, and
+  removed last. A job with this file has ended, whatever else is left of it: when the Epilog could
+  not get the lock or was killed, the next Prolog that holds the lock drops the job's ledger entry
+  and files (no call to Slurm needed). A Prolog of the job (a requeued job runs again under its
+  id) removes it first.
 
 A job uses the GPUs of its job file, or Slurm's indices when it has none (the TaskProlog then
 prints nothing and Slurm's binding stays). So this directory alone says what every job that
@@ -38,6 +45,7 @@ MAX_ENTRIES = 20000  # a node never runs this many jobs; past it the scan stops 
 _MARK = re.compile(r"pid=([0-9]{1,10}) start=([0-9]{1,20}) slurm=([0-9,]*)")
 MARK_PREFIX = ".prolog-"
 CLAIM_PREFIX = ".claim-"
+ENDED_PREFIX = ".ended-"
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class JobRecords:
     mark: Mark | None = None
     newest: float = 0.0  # newest modification time of its files
     claimed: tuple[int, ...] = ()  # GPUs it claimed without the lock
+    ended: bool = False  # its Epilog has run (its .ended file is there)
 
 
 def job_file_text(gpus: tuple[int, ...] | list[int]) -> str:
@@ -133,6 +142,20 @@ def write_job_file(jobs_dir: Path, job_id: str, gpus: tuple[int, ...]) -> None:
     paths.replace_file(job_file_path(jobs_dir, job_id), job_file_text(gpus).encode())  # 644: the TaskProlog reads it as the user
 
 
+def ended_path(jobs_dir: Path, job_id: str) -> Path:
+    return Path(jobs_dir) / f"{ENDED_PREFIX}{job_id}"
+
+
+def write_ended(jobs_dir: Path, job_id: str) -> None:
+    """Say that the job's Epilog runs (kept if it is there already)."""
+    paths.create_file(ended_path(jobs_dir, job_id), b"", mode=0o644)
+
+
+def clear_ended(jobs_dir: Path, job_id: str) -> None:
+    """A Prolog of the job runs (again): an .ended file left by an earlier run no longer holds."""
+    paths.remove(ended_path(jobs_dir, job_id))
+
+
 def write_mark(jobs_dir: Path, job_id: str, mark: Mark) -> None:
     paths.replace_file(mark_path(jobs_dir, job_id), mark_text(mark).encode(), mode=0o600)
 
@@ -157,6 +180,24 @@ def claim(jobs_dir: Path, job_id: str, candidates: tuple[int, ...], wanted: int)
     return tuple(claimed)
 
 
+def claim_all(jobs_dir: Path, job_id: str, gpus: tuple[int, ...]) -> tuple[int, ...]:
+    """Claim every one of ``gpus`` for the job (its own claims count); the GPUs another job has
+    claimed, in which case the claims this call made are taken back and the job must choose again."""
+    made: list[int] = []
+    taken: list[int] = []
+    for gpu in gpus:
+        if paths.create_file(claim_path(jobs_dir, gpu), f"{job_id}\n".encode(), mode=0o600):
+            made.append(gpu)
+            continue
+        held = _read_claim(claim_path(jobs_dir, gpu))
+        if held is None or held[1] != job_id:  # another job's (an unreadable claim is taken as another's)
+            taken.append(gpu)
+    if taken:
+        for gpu in made:
+            paths.remove(claim_path(jobs_dir, gpu))
+    return tuple(taken)
+
+
 def _is_claim(name: str) -> bool:
     return name.startswith(CLAIM_PREFIX) and name[len(CLAIM_PREFIX):].isdigit()
 
@@ -172,8 +213,8 @@ def _read_claim(path: Path) -> tuple[int, str] | None:
 
 
 def release_claims(jobs_dir: Path, job_id: str, keep: tuple[int, ...] = ()) -> None:
-    """Remove the job's claims, but those on ``keep``. Reads only the claim files (there are
-    none unless a Prolog ran without the lock): it runs at every commit and Epilog, under the lock."""
+    """Remove the job's claims, but those on ``keep``. Reads only the claim files (one per GPU
+    in use at most): it runs at every commit and Epilog."""
     try:
         names = [name for name in os.listdir(jobs_dir) if _is_claim(name)]
     except FileNotFoundError:
@@ -184,19 +225,24 @@ def release_claims(jobs_dir: Path, job_id: str, keep: tuple[int, ...] = ()) -> N
             paths.remove(Path(jobs_dir) / name)
 
 
-def remove_job(jobs_dir: Path, job_id: str) -> None:
-    """The job file first: from then on the job's GPUs are Slurm's, which the mark still names."""
+def remove_job(jobs_dir: Path, job_id: str, keep_ended: bool = False) -> None:
+    """The job file first: from then on the job's GPUs are Slurm's, which the mark still names.
+    The .ended file last, unless ``keep_ended`` (the Epilog could not drop the ledger entry)."""
     paths.remove(job_file_path(jobs_dir, job_id))
     release_claims(jobs_dir, job_id)
     paths.remove(mark_path(jobs_dir, job_id))
+    if not keep_ended:
+        paths.remove(ended_path(jobs_dir, job_id))
 
 
 def _job_of(name: str) -> tuple[str, str] | None:
-    """(job id, "job" or "mark") for a name of the jobs directory, None for anything else."""
+    """(job id, "job", "mark" or "ended") for a name of the jobs directory, None for anything else."""
     if is_job_id(name):
         return name, "job"
     if name.startswith(MARK_PREFIX) and is_job_id(name[len(MARK_PREFIX):]):
         return name[len(MARK_PREFIX):], "mark"
+    if name.startswith(ENDED_PREFIX) and is_job_id(name[len(ENDED_PREFIX):]):
+        return name[len(ENDED_PREFIX):], "ended"
     return None
 
 
@@ -227,6 +273,9 @@ def scan(jobs_dir: Path) -> tuple[dict[str, JobRecords], list[tuple[str, float]]
             continue
         job_id, kind = parsed
         old = records.get(job_id, JobRecords())
+        if kind == "ended":
+            records[job_id] = dataclasses.replace(old, ended=True)  # its time is not the job's: newest stays
+            continue
         try:
             data = paths.read_bytes(Path(entry.path), MARK_MAX_BYTES)
             if kind == "job":

@@ -187,7 +187,8 @@ def reconcile(
     and has written nothing, its ledger entry; a job with neither files nor mark keeps its ledger
     entry (adopted earlier, or recorded by an older version). ``running``: the jobs Slurm lists
     on the node, asked for at ``listed_at``; a job not in it whose records are all older than
-    that has ended and is dropped (returned, so the caller removes its files too).
+    that has ended and is dropped (returned, so the caller removes its files too), as is a job
+    whose Epilog has run (its .ended file).
     ``slurm_gave``: the GPUs Slurm just gave the job that is choosing. Slurm never gives one GPU
     to two live jobs (gres/gpu; MAPA nodes use no shards or MPS), so a job whose Prolog is done
     and whose mark names one of them has ended (even when squeue cannot say so). A ``since`` in the future (a clock stepped back, a corrupt entry) is taken as ``now``.
@@ -200,6 +201,9 @@ def reconcile(
         if held is not None and now and held.since > now:
             held = Holding(held.gpus, held.policy, now, held.note)
         record = records.get(job, JobRecords())
+        if record.ended:  # its Epilog ran (and could not finish, or was killed)
+            ended.append(job)
+            continue
         newest = max(min(record.newest, now or record.newest), held.since if held else 0.0)
         if running is not None and job not in running and listed_at is not None and newest < listed_at:
             ended.append(job)
