@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from . import __version__
 from .core.effbw import EffectiveBandwidthModel, load_model_file, paper_model
-from .core.explain import alternatives
+from .core.explain import alternatives, reported_allocation
 from .core.hardware import HardwareGraph
 from .core.policies import Allocation, NoFit, Request, all_policies, select
 from .errors import InputError, MapaError
@@ -96,6 +96,8 @@ def cmd_select(args: argparse.Namespace) -> int:
     request = to_request(directive, gpus)
     running = _parse_running(args.running)
     result = select(args.policy, graph, free, request, model, _configured(args), running)
+    if isinstance(result, Allocation):
+        result = reported_allocation(graph, request, result, model)  # one number per GPU set for collectives
     out = allocation_as_dict(result, graph, free, request, model)
     if args.explain and isinstance(result, Allocation):
         out["alternatives"] = [

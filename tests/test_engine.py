@@ -161,3 +161,27 @@ def test_decisions_are_deterministic():
     request = Request(make_pattern("ring", 5), True)
     first = select("preserve", graph, range(16), request)
     assert all(select("preserve", graph, range(16), request).gpus == first.gpus for _ in range(3))
+
+
+def test_one_bandwidth_per_gpu_set_for_collectives_and_order_for_rank_patterns():
+    """Issue 17 item 5: NCCL builds its own rings, so a collective's set is scored by its best order;
+    a rank-order pattern (chain, mesh, custom) is scored in the order the policy gave."""
+    from slurm_mapa.core.explain import alternatives, reported_allocation
+
+    graph = preset("dgx1-v100")
+    model = paper_model()
+    ring = Request(make_pattern("ring", 8), sensitive=False)
+    shown = {name: reported_allocation(graph, ring, select(name, graph, range(8), ring, model), model) for name in ("greedy", "preserve", "baseline")}
+    assert len({round(a.placement.effective_bandwidth, 9) for a in shown.values()}) == 1
+    raw = select("greedy", graph, range(8), ring, model)
+    assert raw.placement.effective_bandwidth < shown["greedy"].placement.effective_bandwidth  # greedy wrote an aggregated-best order
+    chain = Request(make_pattern("chain", 4), sensitive=False)
+    chosen = select("greedy", graph, range(8), chain, model)
+    assert reported_allocation(graph, chain, chosen, model) is chosen
+    # mapa select --explain: each alternative set is reported by its best ring
+    four = Request(make_pattern("ring", 4), sensitive=False)
+    chosen = select("greedy", graph, range(8), four, model)
+    sensitive_four = Request(make_pattern("ring", 4), sensitive=True)
+    for alt in alternatives(graph, tuple(range(8)), four, chosen, model):
+        best = select("preserve", graph, alt.placement.gpus, sensitive_four, model).placement.effective_bandwidth
+        assert alt.placement.effective_bandwidth == pytest.approx(best)

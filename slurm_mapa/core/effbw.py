@@ -14,13 +14,20 @@ edge, up and down, so the same bound holds, and so for any pattern whose edges a
 of the traffic at the same time (mesh, torus, hypercube, all-to-all). It is still a function of
 the per-class edge counts only, which the exact search needs. :func:`bottleneck_model` derives
 one from a hardware graph (see docs/calibration.md for the numbers and why).
+
+A model may name the pattern sizes it was fitted on (``fitted_gpus = [2, 5]``: the paper's
+regression saw rings of 2 to 5 GPUs). Outside that range its numbers are extrapolations; the
+replay marks them and, by default, reports the :class:`LinkBoundModel` instead: a physically
+grounded estimate from the links themselves (``data/models/link-bound.toml``; see
+docs/replay.md for how it compares with public nccl-tests figures).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Mapping
@@ -56,6 +63,11 @@ class EffectiveBandwidthModel:
     description: str = ""
     kind: str = "regression"  # or "bottleneck"
     class_bandwidths: tuple[float, ...] = ()  # GB/s per class, bottleneck models only
+    fitted_gpus: tuple[int, int] | None = None  # pattern sizes the model was fitted on; None: no stated limit
+
+    def fitted_for(self, gpus: int) -> bool:
+        """Whether a pattern over ``gpus`` GPUs lies inside the sizes the model was fitted on."""
+        return self.fitted_gpus is None or self.fitted_gpus[0] <= gpus <= self.fitted_gpus[1]
 
     def classify(self, link: Link) -> int:
         """The index of the class that counts ``link``; the first class that matches wins."""
@@ -75,7 +87,7 @@ class EffectiveBandwidthModel:
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.name, self.class_names, self.selectors, self.terms, self.kind, self.class_bandwidths))
+        return hash((self.name, self.class_names, self.selectors, self.terms, self.kind, self.class_bandwidths, self.fitted_gpus))
 
     def __hash__(self) -> int:
         # Models key the search's caches: hash the terms once, not on every lookup.
@@ -107,8 +119,10 @@ def model_from_dict(data: Mapping[str, Any], *, source: str = "model") -> Effect
         raise InputError(f"{source}: unknown model kind {kind!r} (accepted: {', '.join(MODEL_KINDS)})")
     if not isinstance(classes, Mapping) or not classes:
         raise InputError(f"{source}: needs a [classes] table, e.g. x1 = [\"NV>=2\", \"NVS\"]")
+    fitted = _fitted_gpus(data.get("fitted_gpus"), source)
     if kind == "bottleneck":
-        return _bottleneck_from_dict(data, classes, source=source)
+        model = _bottleneck_from_dict(data, classes, source=source)
+        return replace(model, fitted_gpus=fitted) if fitted else model
     if not isinstance(terms, Mapping) or not terms:
         raise InputError(f"{source}: needs a [terms] table of term = coefficient, e.g. \"x1*x2\" = -7.97")
     names, selectors = _parse_classes(classes, source=source)
@@ -131,7 +145,21 @@ def model_from_dict(data: Mapping[str, Any], *, source: str = "model") -> Effect
         selectors=selectors,
         terms=tuple(parsed),
         description=str(data.get("description", "")),
+        fitted_gpus=fitted,
     )
+
+
+def _fitted_gpus(value: Any, source: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+        or value[0] > value[1]
+    ):
+        raise InputError(f"{source}: fitted_gpus must be [LOW, HIGH], two GPU counts with LOW <= HIGH (e.g. [2, 5]), got {value!r}")
+    return (value[0], value[1])
 
 
 def _parse_classes(classes: Mapping[str, Any], *, source: str) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
@@ -232,6 +260,8 @@ def model_to_toml(model: EffectiveBandwidthModel, *, comments: tuple[str, ...] =
         lines.append(f"description = {_toml_string(model.description)}")
     if model.kind != "regression":
         lines.append(f"kind = {_toml_string(model.kind)}")
+    if model.fitted_gpus is not None:
+        lines.append(f"fitted_gpus = [{model.fitted_gpus[0]}, {model.fitted_gpus[1]}]")
     lines += ["", "[classes]"]
     for name, selectors in zip(model.class_names, model.selectors):
         lines.append(f"{name} = [{', '.join(_toml_string(s) for s in selectors)}]")
@@ -271,12 +301,130 @@ def load_model_file(path: str) -> EffectiveBandwidthModel:
         raise InputError(f"cannot read model file {path!r}: {error.strerror}") from None
 
 
+_MODELS_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
+GROUNDED_MODEL_FILE = "link-bound.toml"
+
+
 @lru_cache(maxsize=None)
 def paper_model() -> EffectiveBandwidthModel:
     """The MAPA paper's DGX-1 V100 model, shipped as package data."""
     # A path next to the package, not importlib.resources: the Prolog pays for every import.
-    text = (Path(__file__).resolve().parent.parent / "data" / "models" / "mapa-dgx1-v100.toml").read_text()
+    text = (_MODELS_DIR / "mapa-dgx1-v100.toml").read_text()
     return load_model_text(text, source="mapa-dgx1-v100.toml")
+
+
+def bundled_model_names() -> list[str]:
+    """Names of the model files shipped with the package (``--model NAME``)."""
+    return sorted(p.stem for p in _MODELS_DIR.glob("*.toml") if p.name != GROUNDED_MODEL_FILE)
+
+
+def load_model(name_or_path: str) -> EffectiveBandwidthModel:
+    """A model file by path, or a bundled model by name (``mapa-dgx1-v100``, ``bottleneck-generic``)."""
+    if os.path.isfile(name_or_path):
+        return load_model_file(name_or_path)
+    stem = name_or_path[:-5] if name_or_path.endswith(".toml") else name_or_path
+    if stem == GROUNDED_MODEL_FILE[:-5]:
+        raise InputError(
+            f"model {name_or_path!r} is the link-bound reporting model: it scores a chosen GPU set but cannot rank "
+            f"placements (accepted: a model file or one of {', '.join(bundled_model_names())})"
+        )
+    if stem in bundled_model_names():
+        return load_model_text((_MODELS_DIR / f"{stem}.toml").read_text(), source=f"{stem}.toml")
+    raise InputError(f"no model file or bundled model {name_or_path!r} (accepted: a model file path or one of {', '.join(bundled_model_names())})")
+
+
+@dataclass(frozen=True)
+class LinkBoundModel:
+    """A physically grounded estimate of the bus bandwidth a job gets, from its links alone.
+
+    Collectives (``Pattern.scored_by_set``): NCCL and RCCL run several rings at once over every
+    link among the job's GPUs, and in a ring all-reduce each GPU sends at the bus bandwidth, so
+    the bus bandwidth is at most the slowest GPU's outgoing bandwidth to the rest of the set: the
+    sum of its point-to-point NVLink bandwidths (or its NVSwitch port bandwidth). When the set's
+    fast links do not connect all of it, every ring crosses PCIe, and the slowest PCIe path among
+    the GPUs that must cross it bounds it instead. Rank-order patterns are bounded by the slowest
+    link one of their edges uses. ``efficiency`` is the share of that bound a tuned library
+    reaches; it is an assumption, set in the model file (see docs/replay.md).
+    """
+
+    name: str
+    efficiency: float
+    pcie_efficiency: float
+    description: str = ""
+
+    def predict(self, graph: Any, gpus: tuple[int, ...], pattern: Any) -> float | None:
+        if len(gpus) < 2 or not pattern.edges:
+            return None
+        if not pattern.scored_by_set:
+            slowest = min(self._pair(graph, gpus[a], gpus[b]) for a, b in pattern.edges)
+            return round(slowest, 6)
+        components = self._fast_components(graph, gpus)
+        if len(components) > 1:
+            # Every ring leaves each fast island at least once: the island whose best way out is
+            # slowest bounds the rings.
+            best_exit = [
+                max(self._pair(graph, a, b) for a in group for b in gpus if b not in group) for group in components
+            ]
+            return round(min(best_exit), 6)
+        outgoing = []
+        for a in gpus:
+            point_to_point = 0.0
+            switch = 0.0
+            for b in gpus:
+                if a == b:
+                    continue
+                link = graph.link(a, b)
+                if link.kind == "nvswitch":
+                    switch = max(switch, graph.bandwidths.of(link))
+                elif link.kind != "pcie":
+                    point_to_point += graph.bandwidths.of(link)
+            outgoing.append(point_to_point + switch)
+        return round(self.efficiency * min(outgoing), 6)
+
+    def _pair(self, graph: Any, a: int, b: int) -> float:
+        link = graph.link(a, b)
+        value = graph.bandwidths.of(link)
+        if link.kind == "pcie":
+            pcie_values = {graph.bandwidths.pcie[level] for level in PCIE_LEVELS}
+            if len(pcie_values) == 1:
+                value *= DEFAULT_PCIE_PATH_FACTORS.get(link.level, 1.0)
+            return self.pcie_efficiency * value
+        return self.efficiency * value
+
+    @staticmethod
+    def _fast_components(graph: Any, gpus: tuple[int, ...]) -> list[list[int]]:
+        left = list(gpus)
+        groups = []
+        while left:
+            group = [left.pop(0)]
+            grew = True
+            while grew:
+                grew = False
+                for b in list(left):
+                    if any(graph.link(a, b).kind != "pcie" for a in group):
+                        group.append(b)
+                        left.remove(b)
+                        grew = True
+            groups.append(group)
+        return groups
+
+
+@lru_cache(maxsize=None)
+def grounded_model() -> LinkBoundModel:
+    """The link-bound model shipped as ``data/models/link-bound.toml``."""
+    path = _MODELS_DIR / GROUNDED_MODEL_FILE
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise InputError(f"{path}: not valid TOML: {error}") from None
+    values = []
+    for key in ("efficiency", "pcie_efficiency"):
+        value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise InputError(f"{path}: {key} must be a fraction in (0, 1], got {value!r}")
+        values.append(float(value))
+    return LinkBoundModel(name=str(data.get("name", "link-bound")), efficiency=values[0], pcie_efficiency=values[1],
+                          description=str(data.get("description", "")))
 
 
 @lru_cache(maxsize=None)

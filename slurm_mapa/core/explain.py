@@ -1,4 +1,10 @@
-"""Why a policy chose what it chose: the best alternative GPU sets and why each one lost."""
+"""Why a policy chose what it chose: the best alternative GPU sets and why each one lost.
+
+Also the one rule every report of a choice follows (:func:`reported_placement`): for a
+collective pattern (``Pattern.scored_by_set``) a GPU set is scored by its best order under the
+model, whatever order the policy wrote, because NCCL and RCCL build their own rings over the GPUs
+they get; for rank-order patterns the policy's order is the mapping and is scored as it is.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,43 @@ from math import comb
 
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
+from .patterns import Pattern
 from .policies import Allocation, Request
 from .search import Placement, best_placement, objective_key, score_placement
 
 MAX_SETS_EXPLAINED = 20000
+
+
+def reported_placement(
+    graph: HardwareGraph, pattern: Pattern, placement: Placement, model: EffectiveBandwidthModel
+) -> Placement:
+    """The placement whose scores are reported for a choice: one number per GPU set for collectives.
+
+    For a collective pattern the set is re-ordered to its best order under ``model`` (highest
+    predicted effective bandwidth, then aggregated bandwidth, then the lexicographically smallest
+    sequence), so every policy that picks the same set reports the same bandwidth. Rank-order
+    patterns, 1-GPU jobs and patterns without edges are returned unchanged. The preserved
+    bandwidth depends on the set only and is kept.
+    """
+    if not pattern.scored_by_set or pattern.size < 2 or not pattern.edges:
+        return placement
+    best = best_placement(graph, placement.gpus, pattern, "effective", model)
+    assert best is not None
+    return Placement(
+        gpus=best.gpus,
+        aggregated_bandwidth=best.aggregated_bandwidth,
+        link_counts=best.link_counts,
+        effective_bandwidth=best.effective_bandwidth,
+        preserved_bandwidth=placement.preserved_bandwidth,
+    )
+
+
+def reported_allocation(graph: HardwareGraph, request: Request, chosen: Allocation, model: EffectiveBandwidthModel) -> Allocation:
+    """``chosen`` with the placement :func:`reported_placement` reports (what ``eff=`` and ``mapa select`` show)."""
+    placement = reported_placement(graph, request.pattern, chosen.placement, model)
+    if placement is chosen.placement:
+        return chosen
+    return Allocation(policy=chosen.policy, placement=placement, objective=chosen.objective)
 
 
 @dataclass(frozen=True)
@@ -38,8 +77,9 @@ def alternatives(
 ) -> list[Alternative]:
     """The ``limit`` best other GPU sets under the chosen allocation's objective, each with the reason it lost.
 
-    Sets are scored by their best placement; for a policy whose objective is not a score
-    (baseline, topo-aware) the alternatives are ranked by the score it ordered GPUs with.
+    Sets are ranked by the policy's objective on their best placement; for a policy whose
+    objective is not a score (baseline, topo-aware) the alternatives are ranked by the score it
+    ordered GPUs with. Each alternative's placement is the one :func:`reported_placement` reports.
     """
     objective = chosen.objective if chosen.objective in _TERMS else ("effective" if request.sensitive and request.gpus > 1 else "preserved")
     if comb(len(free), request.gpus) > MAX_SETS_EXPLAINED:
@@ -54,7 +94,7 @@ def alternatives(
         inside = best_placement(graph, subset, request.pattern, inner_objective, model)
         assert inside is not None
         placement = score_placement(graph, free, request.pattern, inside.gpus, model)
-        scored.append((objective_key(objective, placement), placement.gpus, placement))
+        scored.append((objective_key(objective, placement), placement.gpus, reported_placement(graph, request.pattern, placement, model)))
     scored.sort(key=lambda item: (tuple(-v for v in item[0]), item[1]))
     return [Alternative(placement=p, key=key, reason=_why_lost(objective, key, chosen_key)) for key, _, p in scored[:limit]]
 

@@ -9,6 +9,13 @@ model counts edges.
 Shapes: ring, chain, tree (binary, heap order), ring+tree (the paper's figure 8: both NCCL
 patterns at once), all (every pair), star (vertex 0 is the hub), mesh2d and torus2d of R x C,
 hypercube, and custom edge lists.
+
+Set or order: a collective library (NCCL, RCCL) builds its own rings and trees over whatever
+GPUs a job is given, so for the collective shapes (ring, tree, ring+tree, all) the bandwidth a
+job gets depends on its GPU *set*, and every report scores a set by its best order
+(:data:`SET_SCORED_SHAPES`). For the other shapes a pattern vertex is the job's rank (a pipeline
+stage, a stencil neighbour, a hub, a custom edge list), so the order the GPUs are handed out in
+is the mapping and the score follows it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from ..errors import InputError
 
 SHAPES = ("ring", "chain", "tree", "ring+tree", "all", "star", "mesh2d", "torus2d", "hypercube", "custom")
 MAX_PATTERN_GPUS = 64
+SET_SCORED_SHAPES = ("ring", "tree", "ring+tree", "all")  # collectives: the score depends on the GPU set only
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,11 @@ class Pattern:
         if self.grid:
             return f"{self.shape}:{self.grid[0]}x{self.grid[1]}"
         return self.shape
+
+    @property
+    def scored_by_set(self) -> bool:
+        """Whether the bandwidth this pattern gets depends on its GPU set only (a collective) or on the order too."""
+        return self.shape in SET_SCORED_SHAPES
 
     @property
     def total_weight(self) -> float:

@@ -125,6 +125,7 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
 def _best_order(graph, job: Job, request, decider: Decider) -> tuple[int, ...]:
     from ..core.search import best_placement
 
-    objective = "effective" if job.sensitive and job.gpus > 1 else "aggregated"
+    # A collective is scored by its set's best order, as every reported number is (core.explain).
+    objective = "effective" if (job.sensitive and job.gpus > 1) or request.pattern.scored_by_set else "aggregated"
     found = best_placement(graph, job.recorded, request.pattern, objective, decider.model)
     return found.gpus if found is not None else tuple(job.recorded)

@@ -1,12 +1,14 @@
 """``mapa-replay``: replay sacct logs, MAPA job files or generated workloads through every policy.
 
     mapa-replay                          the demo: bundled data on a built-in default (= mapa-replay demo)
-    mapa-replay run LOG [options]        a sacct --parsable2 / -p / --json log, or a MAPA job file
+    mapa-replay run LOG [options]        a sacct --parsable2 / -p / --json log, a public trace
+                                         (--format philly|helios|acme|pai|openb), or a MAPA job file
     mapa-replay generate paper|amaral    write a workload in the MAPA job-file format
     mapa-replay policies                 list the policies
 
 All file and terminal I/O of the replay is here; errors end in one handler
-(``mapa-replay: error: ...``, exit 2).
+(``mapa-replay: error: ...``, exit 2). A reader that closes the pipe early (``| head``) ends the
+run quietly, with the status a command killed by SIGPIPE has (141).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import argparse
 import json
 import os
 import sys
+import zlib
+from math import ceil
 from importlib import resources
 from typing import Callable, Iterable, Iterator, Sequence
 
-from ..core.effbw import paper_model
+from ..core.effbw import EffectiveBandwidthModel, grounded_model, load_model, paper_model
 from ..errors import InputError, MapaError
 from ..hardware.presets import PRESETS
 from . import report
@@ -28,14 +32,17 @@ from .generate import GENERATORS, generate
 from .jobfile import read_jobfile, write_jobfile
 from .jobs import Job, ReadStats
 from .plots import boxplot_png, have_matplotlib, series_png
-from .sacct import read_sacct_json, read_sacct_text
+from .sacct import SACCT_FIELDS, read_sacct_json, read_sacct_text
 from .simulate import ALL_POLICIES, Decider, Node, Options, RunResult, simulate
 from .timemodel import parse_curve
+from .traces import TRACE_FORMATS, detect_csv, read_philly, trace_reader
 
 PROG = "mapa-replay"
 DEFAULT_POLICIES = ("baseline", "topo-aware", "greedy", "preserve", "slurm-native", "slurm-native-gpus",
                     "nvidia-besteffort", "first-fit", "round-robin", "hami-topology")
-FORMATS = ("auto", "sacct", "json", "jobfile")
+FORMATS = ("auto", "sacct", "json", "jobfile", *TRACE_FORMATS)
+LOG_FORMATS = ("sacct", "json", *TRACE_FORMATS)  # logs of real clusters: recorded times, maybe node names
+DEFAULT_AUTO_TOPOLOGY = "dgx1-v100"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,35 +70,59 @@ def _detect(first: str) -> str:
     stripped = first.lstrip()
     if stripped.startswith("{"):
         return "json"
+    if stripped.startswith("["):
+        return "philly"
     head = stripped.splitlines()[0].lower() if stripped else ""
     if "|" in head and "jobid" in head:
         return "sacct"
-    return "jobfile"
+    return detect_csv(head) or "jobfile"
+
+
+def _share_pick(job_id: str, share: float) -> bool:
+    """The deterministic --sensitive-share draw: a hash of the job id, the same on every run and policy."""
+    return zlib.crc32(job_id.encode("utf-8", "replace")) / 2**32 < share
 
 
 class Source:
-    """A re-readable job stream: each policy run reads the input again (streaming, no job list kept)."""
+    """A re-readable job stream: each policy run reads the input again (streaming, no job list kept).
 
-    def __init__(self, opener: Callable[[], Iterable[str]] | None, fmt: str, config: Config, text: str | None = None) -> None:
+    ``share``: the --sensitive-share assumption, applied here so every reader and every pass sees
+    the same jobs as sensitive.
+    """
+
+    def __init__(self, opener: Callable[[], Iterable[str]] | None, fmt: str, config: Config, text: str | None = None,
+                 share: float | None = None) -> None:
         self.opener = opener
         self.fmt = fmt
         self.config = config
         self.text = text
+        self.share = share
         self.stats = ReadStats()
-        self._json_jobs: list[Job] | None = None
+        self._cached: list[Job] | None = None
 
     def jobs(self, stats: ReadStats | None = None) -> Iterator[Job]:
         stats = stats if stats is not None else ReadStats()
+        for job in self._read(stats):
+            stats.sources[job.source] += 1
+            if self.share and job.source == "default" and job.gpus >= 2 and not job.sensitive and _share_pick(job.id, self.share):
+                job.sensitive = True
+                stats.assumed_sensitive += 1
+            yield job
+
+    def _read(self, stats: ReadStats) -> Iterator[Job]:
         kwargs = dict(rules=self.config.rules, default_shape=self.config.default_shape, default_sensitive=self.config.default_sensitive)
-        if self.fmt == "json":
-            if self._json_jobs is None:
+        if self.fmt in ("json", "philly"):
+            if self._cached is None:
                 text = self.text if self.text is not None else "".join(self.opener())
-                self._json_jobs = list(read_sacct_json(text, self.stats, **kwargs))
-            yield from (Job(**{s: getattr(j, s) for s in Job.__slots__}) for j in self._json_jobs)
+                reader = read_sacct_json if self.fmt == "json" else read_philly
+                self._cached = list(reader(text, self.stats, **kwargs))
+            yield from (Job(**{s: getattr(j, s) for s in Job.__slots__}) for j in self._cached)
             return
         lines = self.opener()
         if self.fmt == "sacct":
             yield from read_sacct_text(lines, stats, **kwargs)
+        elif self.fmt in TRACE_FORMATS:
+            yield from trace_reader(self.fmt)(lines, stats, **kwargs)
         else:
             yield from read_jobfile(lines, stats)
 
@@ -123,7 +154,7 @@ def _progress(policy: str, enabled: bool) -> Callable[[int], None] | None:
 
 def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options: Options, *, csv_path: str | None,
              progress: bool) -> list[RunResult]:
-    decider = Decider(options.model, configured=options.configured)
+    decider = Decider(options.model, configured=options.configured, extrapolate=options.extrapolate)
     results = []
     csv_handle = open(csv_path, "w", encoding="utf-8") if csv_path else None
     try:
@@ -153,19 +184,92 @@ def _node_names(source: Source) -> list[str]:
     return list(names)
 
 
-def _build_nodes(args, source: Source, config: Config) -> list[Node]:
+def log_peak(jobs: Iterable[Job]) -> dict:
+    """What the log itself ran at once: the peak of GPUs in use (recorded start/end) and when."""
+    events = []
+    widest = 0
+    for job in jobs:
+        widest = max(widest, job.nodes)
+        if job.start is None:
+            continue
+        gpus = job.gpus * job.nodes
+        events.append((job.start, 1, gpus))
+        events.append((job.start + job.runtime, 0, -gpus))  # ends sort before starts at the same time
+    events.sort()
+    peak = used = 0
+    at = None
+    for t, _, change in events:
+        used += change
+        if used > peak:
+            peak, at = used, t
+    return {"peak_gpus": peak, "at": at, "jobs_with_times": len(events) // 2, "widest_job_nodes": widest}
+
+
+def _parse_nodes(text: str | None) -> int | str | None:
+    if text is None:
+        return None
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise InputError(f"--nodes {text!r} (accepted: a node count of 1 or more, or 'auto' to size the cluster from the log)")
+    return count
+
+
+def _preset_nodes(topology: str | None, count: int) -> list[Node]:
+    topo = topology or DEFAULT_AUTO_TOPOLOGY
+    if topo not in PRESETS and not os.path.isfile(topo):
+        raise InputError(f"unknown topology preset {topo!r} (accepted: a topology file or one of {', '.join(PRESETS)})")
+    return [Node(f"node{i + 1}", graph_of(topo)) for i in range(count)]
+
+
+def _build_nodes(args, source: Source, config: Config, label: str) -> tuple[list[Node], list[str], dict | None]:
+    """The replayed cluster, the header lines that say how it was made, and the log's own peak (logs only)."""
+    notes: list[str] = []
+    nodes_arg = _parse_nodes(args.nodes)
+    is_log = source.fmt in LOG_FORMATS
+    peak = log_peak(source.jobs(ReadStats())) if is_log else None
     if args.cluster:
-        return [Node(name, graph_of(topo)) for name, topo in expand_cluster(args.cluster)]
-    if source.fmt in ("sacct", "json"):
-        names = _node_names(source)
-        if names:
-            return nodes_for(names, config, args.topology)
-    if config.cluster:
-        return [Node(name, graph_of(topo)) for name, topo in config.cluster]
-    topo = args.topology or "dgx1-v100"
-    if topo not in PRESETS:
-        raise InputError(f"unknown topology preset {topo!r} (accepted: {', '.join(PRESETS)})")
-    return [Node(f"node{i + 1}", graph_of(topo)) for i in range(args.nodes)]
+        nodes = [Node(name, graph_of(topo)) for name, topo in expand_cluster(args.cluster)]
+    elif is_log and (names := _node_names(source)):
+        nodes = nodes_for(names, config, args.topology)
+    elif config.cluster:
+        nodes = [Node(name, graph_of(topo)) for name, topo in config.cluster]
+    elif is_log and nodes_arg is None:
+        raise InputError(
+            f"{label} names no nodes, so it would replay on one node and every job would queue behind the others; "
+            "say which cluster to replay it on: --nodes N (with --topology PRESET), --cluster COUNTxPRESET[,...], "
+            "a config with a [cluster] section (--config FILE), or --nodes auto to size the cluster from the log's own "
+            "peak of GPUs in use at once"
+        )
+    elif nodes_arg == "auto":
+        if not is_log or not peak or not peak["jobs_with_times"]:
+            raise InputError("--nodes auto sizes the cluster from a log's recorded start and end times; this input has none "
+                             "(accepted: --nodes N or --cluster)")
+        topo = args.topology or DEFAULT_AUTO_TOPOLOGY
+        size = graph_of(topo).size if (topo in PRESETS or os.path.isfile(topo)) else 0
+        if not size:
+            raise InputError(f"unknown topology preset {topo!r} (accepted: a topology file or one of {', '.join(PRESETS)})")
+        count = max(1, ceil(peak["peak_gpus"] / size), peak["widest_job_nodes"])
+        nodes = _preset_nodes(topo, count)
+        notes.append(
+            f"cluster sized from the log (--nodes auto): at most {peak['peak_gpus']} GPUs were in use at once, "
+            f"so {count} x {topo} ({size} GPUs each" + (", --topology not given: assumed" if not args.topology else "") + ")"
+        )
+    else:
+        nodes = _preset_nodes(args.topology, nodes_arg if isinstance(nodes_arg, int) else 1)
+    if peak and peak["jobs_with_times"]:
+        total = sum(n.graph.size for n in nodes)
+        if peak["peak_gpus"] > total:
+            notes.append(
+                f"warning: the replayed cluster has {total} GPUs but the log had {peak['peak_gpus']} in use at once: "
+                "jobs will queue where they did not, so waits and makespan are not comparable with the log's "
+                "(give the real cluster with --cluster or --config, or --nodes auto)"
+            )
+    return nodes, notes, peak
 
 
 def _emit(args, out: dict, text_parts: list[str]) -> None:
@@ -217,31 +321,96 @@ def _configured_ahead(args, source: Source, config: Config) -> dict | None:
     return {"preserve-ahead": make_preserve_ahead(sizes, tolerance)}
 
 
+def _model(args, config: Config) -> EffectiveBandwidthModel:
+    """--model FILE|NAME, else the config's `model` (the hooks' key), else the paper's model."""
+    if args.model:
+        return load_model(args.model)
+    if config.model:
+        path = config.model
+        if not os.path.isabs(path) and not os.path.isfile(path) and config.source_dir:
+            candidate = os.path.join(config.source_dir, path)
+            if os.path.isfile(candidate):
+                path = candidate
+        return load_model(path)
+    return paper_model()
+
+
+def _model_line(model: EffectiveBandwidthModel, extrapolate: bool) -> str:
+    line = f"model: {model.name}"
+    if model.fitted_gpus is None:
+        return line + " (no fitted range stated)"
+    low, high = model.fitted_gpus
+    line += f", fitted on {low}-{high} GPU patterns; "
+    if extrapolate:
+        return line + "other sizes are its extrapolations (--extrapolate), marked * below"
+    grounded = grounded_model()
+    return line + (f"other sizes come from the {grounded.name} model ({grounded.efficiency:g} x the slowest GPU's link "
+                   "bandwidth to its set), marked * below; --extrapolate keeps the model's own numbers")
+
+
+def _directive_lines(stats: ReadStats, share: float | None) -> list[str]:
+    counts = stats.sources
+    if not counts:
+        return []
+    names = {"directive": "from the log (#MAPA / --comment / AdminComment)", "rule": "from site rules",
+             "default": "site default", "file": "from the job file", "generator": "from the generator"}
+    lines = ["directives: " + ", ".join(f"{counts[k]} {names.get(k, k)}" for k in names if counts.get(k))]
+    if share is not None:
+        lines.append(
+            f"assumption (--sensitive-share {share:g}): {stats.assumed_sensitive} of the jobs with 2+ GPUs on a node and no "
+            "directive or rule are taken as bandwidth-sensitive, picked by a hash of the job id (the same jobs for every policy)"
+        )
+    return lines
+
+
 def _replay(args, source: Source, config: Config, label: str) -> int:
     policies = _policies(args.policies)
-    nodes = _build_nodes(args, source, config)
+    nodes, cluster_notes, peak = _build_nodes(args, source, config, label)
+    model = _model(args, config)
+    extrapolate = bool(getattr(args, "extrapolate", False))
     options = Options(
         backfill=args.backfill,
         time_model=parse_curve(args.time_model) if args.time_model is not None else None,
         pin_nodes=not args.no_pin,
-        model=paper_model(),
+        model=model,
         configured=_configured_ahead(args, source, config),
+        extrapolate=extrapolate,
     )
     progress = args.progress or (args.progress is None and sys.stderr.isatty() and not args.json)
-    results = _run_all(source, nodes, policies, options, csv_path=args.csv, progress=bool(progress and source.fmt != "json"))
+    results = _run_all(source, nodes, policies, options, csv_path=args.csv,
+                       progress=bool(progress and source.fmt not in ("json", "philly")))
+    share = getattr(args, "sensitive_share", None)
+    warnings = [n for n in cluster_notes if n.startswith("warning:")]
     out: dict = {
         "input": label,
         "nodes": [{"name": n.name, "topology": n.graph.name} for n in nodes],
         "read": source.stats.as_dict(),
         "options": {"backfill": options.backfill, "pin_nodes": options.pin_nodes,
-                    "time_model": [list(p) for p in options.time_model.points] if options.time_model else None},
+                    "time_model": [list(p) for p in options.time_model.points] if options.time_model else None,
+                    "sensitive_share": share, "extrapolate": extrapolate},
+        "model": {"name": model.name, "fitted_gpus": list(model.fitted_gpus) if model.fitted_gpus else None,
+                  "outside_fitted_range": "extrapolated" if extrapolate else grounded_model().name},
+        "cluster": {"notes": [n for n in cluster_notes if not n.startswith("warning:")],
+                    "log_peak_gpus": peak["peak_gpus"] if peak else None},
+        "warnings": warnings,
         "policies": [report.summary(r) for r in results],
     }
     topo_names = sorted({n.graph.name for n in nodes})
-    parts = [
-        f"{label}: {len(nodes)} node(s) ({', '.join(topo_names)}); {source.stats.summary()}",
-        report.table(results),
-    ]
+    header = [f"{label}: {len(nodes)} node(s) ({', '.join(topo_names)}); {source.stats.summary()}"]
+    header += _directive_lines(source.stats, share)
+    header += cluster_notes
+    header.append(_model_line(model, extrapolate))
+    parts = ["\n".join(header), report.table(results)]
+    dropped = report.dropped_text(results)
+    if dropped:
+        parts.append(dropped)
+    if options.time_model is None:
+        note = ("note: without --time-model every job runs as long as it did in the input under every policy, so waits, "
+                "makespan and jobs/h differ between policies only where one cannot place a job that another can; "
+                "they are not an effect of the placement (--time-model makes sensitive jobs slower on poor bandwidth)")
+        parts.append(note)
+        out["notes"] = [note]
+    parts.append(report.by_gpus_text(results))
     if options.time_model is not None:
         rows = report.table3(results)
         if rows:
@@ -250,7 +419,7 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
     if source.fmt in ("sacct", "json"):
         jobs = [j for j in source.jobs(ReadStats()) if j.recorded is not None or j.start is not None]
         if any(j.recorded is not None for j in jobs):
-            result = audit(jobs, nodes, policies, Decider(options.model, configured=options.configured))
+            result = audit(jobs, nodes, policies, Decider(options.model, configured=options.configured, extrapolate=extrapolate))
             out["recorded_decisions"] = result
             parts.append(report.audit_text(result))
     notes: list[str] = []
@@ -260,6 +429,8 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
     parts.extend(notes)
     if source.stats.malformed_total:
         parts.append(f"note: {source.stats.malformed_total} malformed record(s) were skipped (see 'read' above)")
+    if source.stats.notes:
+        parts.append("reader assumptions: " + "; ".join(f"{n} x {what}" for what, n in sorted(source.stats.notes.items())))
     _emit(args, out, parts)
     return 0
 
@@ -270,7 +441,16 @@ def _load_config(path: str | None) -> Config:
     if not os.path.exists(path):
         raise InputError(f"config file {path!r} does not exist")
     with open(path, encoding="utf-8") as handle:
-        return parse_config(handle.read(), path)
+        config = parse_config(handle.read(), path)
+    config.source_dir = os.path.dirname(os.path.abspath(path))
+    return config
+
+
+def _share(args) -> float | None:
+    share = getattr(args, "sensitive_share", None)
+    if share is not None and not 0 <= share <= 1:
+        raise InputError(f"--sensitive-share must be a fraction from 0 to 1, got {share:g}")
+    return share
 
 
 def cmd_run(args) -> int:
@@ -278,7 +458,7 @@ def cmd_run(args) -> int:
     if args.generate:
         kind, _, count = args.generate.partition(":")
         jobs = int(count) if count.isdigit() else 300
-        src = Source(None, "generated", config)
+        src = Source(None, "generated", config, share=_share(args))
         src.jobs = lambda stats=None: _counting(generate(kind, jobs, seed=args.seed, load=args.load), stats if stats is not None else src.stats)  # type: ignore[method-assign]
         return _replay(args, src, config, f"generated {kind} workload ({jobs} jobs, seed {args.seed})")
     if not args.input:
@@ -290,7 +470,7 @@ def cmd_run(args) -> int:
         fmt = _detect(head)
     if fmt not in FORMATS:
         raise InputError(f"unknown format {fmt!r} (accepted: {', '.join(FORMATS)})")
-    return _replay(args, Source(opener, fmt, config), config, args.input)
+    return _replay(args, Source(opener, fmt, config, share=_share(args)), config, args.input)
 
 
 def _take(lines: Iterable[str], n: int) -> list[str]:
@@ -305,6 +485,7 @@ def _take(lines: Iterable[str], n: int) -> list[str]:
 def _counting(jobs: Iterable[Job], stats: ReadStats) -> Iterator[Job]:
     for job in jobs:
         stats.jobs += 1
+        stats.sources[job.source] += 1
         yield job
 
 
@@ -353,12 +534,22 @@ def cmd_policies(args) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", help="comma-separated policies (default: all ten; 'all' for every registered one)")
     p.add_argument("--topology", help=f"topology preset of every node ({', '.join(PRESETS)})")
-    p.add_argument("--nodes", type=int, default=1, help="node count for job files and generated workloads (default 1)")
+    p.add_argument("--nodes", default=None, metavar="N|auto",
+                   help="node count (of --topology) for inputs that name no nodes: job files and generated workloads "
+                        "(default 1), logs without node names (required, or 'auto': sized from the log's peak of GPUs in use)")
     p.add_argument("--cluster", help="nodes as COUNTxPRESET or NAME:PRESET, comma-separated (e.g. 2xdgx1-v100,1xtorus2d-16)")
     p.add_argument("--config", help="TOML config: node patterns to presets, site rules, defaults")
     p.add_argument("--time-model", nargs="?", const="default", default=None, metavar="CURVE",
                    help="run times depend on effective bandwidth (BW:SLOWDOWN points, default: the paper's curve)")
     p.add_argument("--backfill", action="store_true", help="let later jobs start when the queue head does not fit")
+    p.add_argument("--model", metavar="FILE|NAME",
+                   help="effective-bandwidth model: a model file or a bundled name (default: the config's `model`, "
+                        "else the MAPA paper's mapa-dgx1-v100)")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="report the model's own numbers outside the sizes it was fitted on (marked) instead of the link-bound model's")
+    p.add_argument("--sensitive-share", type=float, default=None, metavar="F",
+                   help="assume a share F (0-1) of the jobs with 2+ GPUs on a node and no directive or rule are "
+                        "bandwidth-sensitive, picked by a hash of the job id")
     p.add_argument("--ahead-sizes", metavar="GPUS:WEIGHT,...|log",
                    help="preserve-ahead's likely job sizes, e.g. 1:0.5,2:0.3,4:0.2, or 'log' to learn them from the input (default: uniform 1..5)")
     p.add_argument("--ahead-tolerance", type=float, default=None, metavar="FRACTION",
@@ -377,9 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     demo = sub.add_parser("demo", help="replay the bundled data (the default command)")
     _common(demo)
-    run = sub.add_parser("run", help="replay a sacct log, sacct --json output or a MAPA job file")
+    run = sub.add_parser("run", help="replay a sacct log, sacct --json output, a public trace or a MAPA job file")
     run.add_argument("input", nargs="?", help="the input file ('-' for stdin)")
-    run.add_argument("--format", default="auto", choices=FORMATS)
+    run.add_argument("--format", default="auto", choices=FORMATS,
+                     help="input format (default: detected): sacct text, sacct --json, a MAPA job file, or a public trace: "
+                          "philly (cluster_job_log JSON), helios (cluster_log.csv), acme (AcmeTrace trace_*.csv), "
+                          "pai (pai_task_table.csv), openb (openb_pod_list_*.csv)")
     run.add_argument("--generate", metavar="KIND[:JOBS]", help=f"replay a generated workload instead ({', '.join(GENERATORS)})")
     _common(run)
     gen = sub.add_parser("generate", help="write a generated workload as a MAPA job file")
@@ -397,6 +591,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_stdout() -> None:
+    """The reader of stdout is gone (``| head``): point stdout at /dev/null so the interpreter's
+    final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -406,6 +611,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         handler = {"demo": cmd_demo, "run": cmd_run, "generate": cmd_generate, "policies": cmd_policies}[args.command]
         return handler(args)
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
     except MapaError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

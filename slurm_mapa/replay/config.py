@@ -18,6 +18,9 @@
     [preserve_ahead]             # as for the Prolog: the likely job sizes and the tolerance
     sizes = { 1 = 0.4, 2 = 0.3, 4 = 0.3 }
     tolerance = 0.0
+
+    model = "/etc/slurm/mapa-model.toml"   # the hooks' effective-bandwidth model (a file or a
+                                           # bundled name): the replay uses it too unless --model
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class Config:
     ahead_tolerance: float = 0.0
     default_shape: str = "ring"
     default_sensitive: bool = False
+    model: str | None = None  # the hooks' `model` key: a model file or a bundled model name
+    source_dir: str | None = None  # the config file's folder: a relative `model` path is looked up there too
 
 
 def parse_config(text: str, source: str = "config") -> Config:
@@ -84,6 +89,11 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
         raise InputError(f"{source}: [defaults] sensitive must be true or false, got {sensitive!r}")
     config.default_sensitive = sensitive
     config.rules = make_rules(data.get("rules") or [])
+    model = data.get("model")
+    if model is not None:
+        if not isinstance(model, str) or not model.strip():
+            raise InputError(f"{source}: model must be a model file path or a bundled model name, got {model!r}")
+        config.model = model.strip()
     from ..core.ahead import settings_from_table
 
     config.ahead_sizes, config.ahead_tolerance = settings_from_table(data.get("preserve_ahead"), source)

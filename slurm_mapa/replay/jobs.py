@@ -37,6 +37,9 @@ class ReadStats:
     skipped: Counter = field(default_factory=Counter)
     malformed: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)  # reason -> first line number it happened on
+    sources: Counter = field(default_factory=Counter)  # where each job's directive came from: directive, rule, default, ...
+    assumed_sensitive: int = 0  # jobs without a directive taken as sensitive by --sensitive-share
+    notes: Counter = field(default_factory=Counter)  # what a reader assumed, with counts (e.g. fractional GPUs rounded up)
 
     def bad(self, reason: str, line: int | str) -> None:
         self.malformed[reason] += 1
@@ -52,6 +55,9 @@ class ReadStats:
     def as_dict(self) -> dict:
         return {
             "jobs": self.jobs,
+            "directive_sources": dict(self.sources),
+            "assumed_sensitive": self.assumed_sensitive,
+            "reader_notes": dict(self.notes),
             "skipped": dict(self.skipped),
             "malformed": {reason: {"count": n, "first": self.examples.get(reason)} for reason, n in self.malformed.items()},
         }

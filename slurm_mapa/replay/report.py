@@ -36,6 +36,19 @@ def summary(result: RunResult) -> dict:
         "makespan": _r(result.makespan),
         "throughput_per_hour": _r(result.throughput_per_hour),
         "out_of_order_arrivals": result.out_of_order,
+        "grounded_predictions": result.grounded,
+        "extrapolated_predictions": result.extrapolated,
+        "by_gpus": {
+            str(gpus): {
+                "jobs": size.jobs,
+                "effective_bw_sensitive": five(size.eff_sensitive),
+                "effective_bw_insensitive": five(size.eff_insensitive),
+                "wait": five(size.wait),
+                "grounded_predictions": size.grounded,
+                "extrapolated_predictions": size.extrapolated,
+            }
+            for gpus, size in sorted(result.by_gpus.items())
+        },
         "over_time": [
             {"t": _r(t), "preserved_bw": _r(p), "fragmentation": _r(f, 4), "queued": q, "running": r}
             for t, p, f, q, r in result.series.points
@@ -84,6 +97,49 @@ def table(results: Sequence[RunResult]) -> str:
             + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
             + f"{_fmt(r.wait.mean, 9)} {_fmt(r.wait.quantile(0.95), 8)} | {_fmt(r.makespan, 9, 0)} {_fmt(r.throughput_per_hour, 8)}"
         )
+    return "\n".join(lines)
+
+
+def dropped_text(results: Sequence[RunResult]) -> str:
+    """The jobs no policy replayed, and why (the same for every policy unless said)."""
+    by_policy = {r.policy: r.dropped for r in results if r.dropped}
+    if not by_policy:
+        return ""
+    distinct = {tuple(sorted(d.items())) for d in by_policy.values()}
+
+    def words(dropped: dict) -> str:
+        return ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
+
+    hint = ""
+    if any("larger than every node" in reason for d in by_policy.values() for reason in d):
+        hint = (" (a multi-node job needs its node count: NNodes in the sacct fields, or node=N in AllocTRES; "
+                "or the cluster needs larger nodes)")
+    if len(distinct) == 1 and len(by_policy) == len(results):
+        return f"not replayed: {words(next(iter(by_policy.values())))}{hint}"
+    return "not replayed: " + "; ".join(f"{p}: {words(d)}" for p, d in by_policy.items()) + hint
+
+
+def by_gpus_text(results: Sequence[RunResult]) -> str:
+    """Results per job size (GPUs per node): effective bandwidth p10/median/p90, mean wait."""
+    sizes = sorted({g for r in results for g in r.by_gpus})
+    if not sizes:
+        return ""
+    head = (f"{'GPUs':>4} {'policy':<18} {'jobs':>6} | {'sensitive eff. BW (GB/s)':^27} | {'insensitive':^20} | {'wait mean':>9}")
+    sub = f"{'':>4} {'':<18} {'':>6} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} | {'p10':>6} {'med':>6} {'p90':>6} | {'(s)':>9}"
+    lines = ["by GPUs per node (* = outside the model's fitted range: see the model line above)", head, sub, "-" * len(head)]
+    for gpus in sizes:
+        for r in results:
+            size = r.by_gpus.get(gpus)
+            if size is None:
+                continue
+            mark = "*" if size.grounded or size.extrapolated else " "
+            s, i = size.eff_sensitive, size.eff_insensitive
+            lines.append(
+                f"{gpus:>3}{mark} {r.policy:<18} {size.jobs:>6} | {s.count:>6} "
+                + " ".join(_fmt(s.quantile(q), 6) for q in (0.1, 0.5, 0.9))
+                + " | " + " ".join(_fmt(i.quantile(q), 6) for q in (0.1, 0.5, 0.9))
+                + f" | {_fmt(size.wait.mean, 9)}"
+            )
     return "\n".join(lines)
 
 

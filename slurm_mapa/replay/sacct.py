@@ -20,8 +20,11 @@ from .jobs import Job, ReadStats
 
 REQUIRED = ("jobid", "submit")
 _GPU_TRES = re.compile(r"(?:^|,)gres/gpu(?::([^=,]+))?=(\d+)")
+_NODE_TRES = re.compile(r"(?:^|,)node=(\d+)")
+SACCT_FIELDS = ("JobID,JobName,User,Account,Partition,Submit,Start,End,Elapsed,State,NNodes,NodeList,"
+                "AllocTRES,ReqTRES,Comment,AdminComment")
 _ELAPSED = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)(?:\.\d+)?$")
-_UNKNOWN = {"", "unknown", "none", "n/a", "invalid"}
+_UNKNOWN = {"", "unknown", "none", "n/a", "invalid", "nan", "null"}
 
 
 def parse_time(text: str) -> float | None:
@@ -67,6 +70,12 @@ def gpus_in_tres(text: str) -> int | None:
     if plain is not None:
         return plain
     return typed if found_typed else None
+
+
+def nodes_in_tres(text: str) -> int | None:
+    """The node count of a TRES string (``node=2`` in AllocTRES), None if it has none."""
+    match = _NODE_TRES.search(text or "")
+    return int(match.group(1)) if match else None
 
 
 def first_node(nodelist: str) -> str | None:
@@ -165,6 +174,10 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
         except ValueError:
             stats.bad("unreadable NNodes", where)
             return None
+    else:  # no NNodes column: the node count Slurm put in the TRES (node=N)
+        counted = nodes_in_tres(values.get("alloctres", "")) or nodes_in_tres(values.get("reqtres", ""))
+        if counted:
+            nodes = counted
     per_node = -(-gpus // nodes)
     intent, source = _intent(values, rules, stats, where)
     shape = default_shape
@@ -209,6 +222,9 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
     )
 
 
+make_job = _make_job  # the trace readers (traces.py) build their jobs the same way
+
+
 def read_sacct_text(
     lines: Iterable[str],
     stats: ReadStats | None = None,
@@ -236,7 +252,7 @@ def read_sacct_text(
                 raise InputError(
                     f"line {number}: not a sacct --parsable2 header (got {line[:120]!r}); it needs the fields "
                     "JobID, Submit, Start, End or Elapsed, and AllocTRES or ReqTRES, e.g. "
-                    "sacct --parsable2 -X -o JobID,JobName,Account,Partition,Submit,Start,End,State,NodeList,AllocTRES,Comment,AdminComment"
+                    f"sacct --parsable2 -X -o {SACCT_FIELDS}"
                 )
             header = names
             continue

@@ -7,7 +7,10 @@ may start while the head waits (up to ``backfill_depth`` of them are looked at).
 queue stops at the first job that does not fit, as in the paper's simulator.
 
 Every decision is memoised per (topology, policy, free set, request): a node has at most 2^n free
-sets, so a long log costs a bounded number of searches. Jobs stream through: the simulator keeps
+sets, so a long log costs a bounded number of searches. The scores kept for a decision are the
+reported ones (:func:`~slurm_mapa.core.explain.reported_placement`: one number per GPU set for
+collectives); for a job size outside the model's fitted range the effective bandwidth comes from
+the link-bound model unless the run asks to extrapolate, and the decision says so. Jobs stream through: the simulator keeps
 the queue, the running jobs and fixed-size accumulators, never the whole log.
 """
 
@@ -20,7 +23,8 @@ from math import inf
 from typing import Callable, Iterable, Iterator, Sequence
 
 from ..core import peers
-from ..core.effbw import EffectiveBandwidthModel, paper_model
+from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel, grounded_model, paper_model
+from ..core.explain import reported_placement
 from ..core.hardware import HardwareGraph
 from ..core.ahead import AHEAD_POLICIES
 from ..core.peers import PEER_POLICIES
@@ -51,6 +55,8 @@ class Decision:
     effective: float | None
     aggregated: float
     preserved: float
+    grounded: bool = False  # effective bandwidth from the link-bound model: the size is outside the model's fitted range
+    extrapolated: bool = False  # effective bandwidth from the model outside its fitted range (--extrapolate)
 
 
 @dataclass
@@ -62,13 +68,25 @@ class Options:
     reorder_window: int = 10_000
     model: EffectiveBandwidthModel | None = None
     configured: dict | None = None  # policies built with site settings (preserve-ahead's sizes)
+    extrapolate: bool = False  # keep the model's own predictions outside its fitted range (marked)
 
 
 class Decider:
     """Memoised policy decisions and per-topology tables, shared by every run in one process."""
 
-    def __init__(self, model: EffectiveBandwidthModel | None = None, limit: int = 2_000_000, configured: dict | None = None) -> None:
+    def __init__(
+        self,
+        model: EffectiveBandwidthModel | None = None,
+        limit: int = 2_000_000,
+        configured: dict | None = None,
+        *,
+        extrapolate: bool = False,
+        grounded: LinkBoundModel | None = None,
+    ) -> None:
         self.model = model or paper_model()
+        self.extrapolate = extrapolate
+        self.grounded = grounded
+        self._reported: dict = {}
         self.policies = {**ALL_POLICIES, **(configured or {})}  # configured: preserve-ahead with site sizes
         self.memo: dict = {}
         self.limit = limit
@@ -125,8 +143,7 @@ class Decider:
                 graph = self.graphs[gid]
                 free = tuple(i for i in range(graph.size) if mask >> i & 1)
                 result = order_within(policy, graph, free, picked[0], self._request_list[rid], self.model)
-                p = result.placement
-                found = Decision(p.gpus, chosen, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth)
+                found = self._decision(gid, rid, result.placement, chosen)
                 self._store(key, found)
             return found, picked[1]
         key = (gid, policy, mask, rid, running)
@@ -146,14 +163,39 @@ class Decider:
         if not isinstance(result, Allocation):
             self._store(key, None)
             return None
-        p = result.placement
         used = 0
-        for g in p.gpus:
+        for g in result.placement.gpus:
             used |= 1 << g
-        decision = Decision(p.gpus, used, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth)
+        decision = self._decision(gid, rid, result.placement, used)
         value = (decision, new_queue)
         self._store(key, value)
         return value
+
+    def _decision(self, gid: int, rid: int, placement, used: int) -> Decision:
+        """The reported scores of a placement: the set's best order for collectives, and the
+        link-bound model's bandwidth outside the model's fitted range (unless extrapolating)."""
+        request = self._request_list[rid]
+        pattern = request.pattern
+        graph = self.graphs[gid]
+        key = (gid, used, rid) if pattern.scored_by_set else None
+        found = self._reported.get(key) if key is not None else None
+        if found is None:
+            shown = reported_placement(graph, pattern, placement, self.model)
+            effective = shown.effective_bandwidth
+            grounded = extrapolated = False
+            if effective is not None and not self.model.fitted_for(pattern.size):
+                if self.extrapolate:
+                    extrapolated = True
+                else:
+                    effective = (self.grounded or grounded_model()).predict(graph, shown.gpus, pattern)
+                    grounded = True
+            found = (shown.gpus, effective, shown.aggregated_bandwidth, grounded, extrapolated)
+            if key is not None:
+                if len(self._reported) >= self.limit:
+                    self._reported.clear()
+                self._reported[key] = found
+        gpus, effective, aggregated, grounded, extrapolated = found
+        return Decision(gpus, used, effective, aggregated, placement.preserved_bandwidth, grounded, extrapolated)
 
     def preserved_table(self, gid: int) -> list[float] | None:
         """Preserved bandwidth (Eq. 3) of every free mask of a node of up to 16 GPUs."""
@@ -214,6 +256,18 @@ class Record:
 
 
 @dataclass
+class SizeStats:
+    """The results of the jobs of one size (GPUs per node) in one run."""
+
+    jobs: int = 0
+    eff_sensitive: Dist = field(default_factory=Dist)
+    eff_insensitive: Dist = field(default_factory=Dist)
+    wait: Dist = field(default_factory=Dist)
+    grounded: int = 0
+    extrapolated: int = 0
+
+
+@dataclass
 class RunResult:
     policy: str
     jobs: int = 0
@@ -233,6 +287,15 @@ class RunResult:
     out_of_order: int = 0
     decisions: int = 0
     stuck: int = 0
+    by_gpus: dict = field(default_factory=dict)  # GPUs per node -> SizeStats
+    grounded: int = 0  # jobs whose effective bandwidth came from the link-bound model
+    extrapolated: int = 0  # jobs whose effective bandwidth the model extrapolated (--extrapolate)
+
+    def size(self, gpus: int) -> "SizeStats":
+        found = self.by_gpus.get(gpus)
+        if found is None:
+            found = self.by_gpus[gpus] = SizeStats()
+        return found
 
     @property
     def makespan(self) -> float:
@@ -291,7 +354,7 @@ def simulate(
     if not nodes:
         raise InputError("the simulated cluster has no nodes")
     options = options or Options()
-    decider = decider or Decider(options.model, configured=options.configured)
+    decider = decider or Decider(options.model, configured=options.configured, extrapolate=options.extrapolate)
     result = RunResult(policy)
     stateful = policy in peers.STATEFUL
     n_nodes = len(nodes)
@@ -425,8 +488,18 @@ def simulate(
             result.runtime.add(end - start)
             if job.sensitive:
                 result.runtime_sensitive.add(end - start)
+            size = result.size(job.gpus)
+            size.jobs += 1
+            size.wait.add(start - job.submit)
             if first.effective is not None:
                 (result.eff_sensitive if job.sensitive else result.eff_insensitive).add(first.effective)
+                (size.eff_sensitive if job.sensitive else size.eff_insensitive).add(first.effective)
+            if first.grounded:
+                result.grounded += 1
+                size.grounded += 1
+            if first.extrapolated:
+                result.extrapolated += 1
+                size.extrapolated += 1
             result.preserved_after.add(first.preserved)
             if on_record is not None:
                 on_record(

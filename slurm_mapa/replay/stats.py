@@ -74,13 +74,15 @@ class Dist:
         return self.high
 
     def five(self) -> dict:
-        """min, p25, median, p75, max (None when empty)."""
+        """min, p10, p25, median, p75, p90, max and mean (None when empty)."""
         return {
             "n": self.count,
             "min": self.quantile(0),
+            "p10": self.quantile(0.10),
             "p25": self.quantile(0.25),
             "median": self.quantile(0.5),
             "p75": self.quantile(0.75),
+            "p90": self.quantile(0.90),
             "max": self.quantile(1),
             "mean": self.mean,
         }

@@ -219,6 +219,7 @@ def choose(
     if graph is not None and not problem:
         try:
             from ..core.effbw import load_model_file, paper_model
+            from ..core.explain import reported_allocation
             from ..core.policies import Allocation, select
             from .directive import to_request
 
@@ -226,7 +227,7 @@ def choose(
             model = load_model_file(config.model) if config.model else paper_model()
             result = select(config.policy, graph, free, request, model, config.configured_policies(), running)
             if isinstance(result, Allocation):
-                p = result.placement
+                p = reported_allocation(graph, request, result, model).placement  # a collective's set, in its best order
                 return Decision(
                     ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth,
                     free=free, running=running,
