@@ -487,11 +487,16 @@ class Simulation:
                  "from slurm_mapa.slurm.config import config_from_text\n"
                  "assert slurm_mapa.__file__.startswith(sys.argv[1]), slurm_mapa.__file__\n"
                  "try:\n    config_from_text(sys.argv[2]); print('yes')\nexcept Exception as e:\n    print('no', e)\n")
-        with_budget = base + f"prolog_budget = {self.sc.prolog_budget}\n" + nodes
-        answer = subprocess.run([self.sc.python, "-c", probe, self.sc.package_root, with_budget], capture_output=True, text=True,
-                                check=True).stdout
-        self.budget_supported = answer.startswith("yes")
-        self.config.write_text(with_budget if self.budget_supported else base + nodes)
+        with_budget = base + f"prolog_budget = {self.sc.prolog_budget}\n"
+        # The newest config first (a short reconcile interval: a segment lasts about a minute),
+        # then what older package roots accept.
+        for text in (with_budget + "reconcile_interval = 5\n" + nodes, with_budget + nodes, base + nodes):
+            answer = subprocess.run([self.sc.python, "-c", probe, self.sc.package_root, text], capture_output=True, text=True,
+                                    check=True).stdout
+            if answer.startswith("yes"):
+                break
+        self.budget_supported = "prolog_budget" in text
+        self.config.write_text(text)
         os.chmod(self.config, 0o644)
         hooks = ("import sys; sys.path.insert(0, sys.argv[1]); from slurm_mapa.cli import main; "
                  "sys.exit(main(['hooks', sys.argv[2], '--python', sys.argv[3], '--config', sys.argv[4]]))")
@@ -1054,8 +1059,9 @@ class Simulation:
                 continue
             for entry in sorted(os.listdir(folder)):
                 path = folder / entry
-                if folder == self.ledger.parent and entry in (self.ledger.name, self.ledger.name + ".lock"):
-                    continue
+                if folder == self.ledger.parent and entry in (self.ledger.name, self.ledger.name + ".lock",
+                                                              self.ledger.name + ".reconciled", "journal"):
+                    continue  # the journal holds AdminComment records (counted below): not about GPUs
                 if entry.endswith(".tmp"):
                     age = now - os.lstat(path).st_mtime
                     if age < 60:
@@ -1064,7 +1070,10 @@ class Simulation:
                 problems.append(f"left in {folder.name}/: {entry}")
         if self.victim.read_bytes() != self.victim_text:
             problems.append("the file a planted ledger symlink pointed to was written through")
-        return {"converged": not problems, "problems": problems, "recent_temp_files": recent_tmp}
+        journal = self.ledger.parent / "journal"
+        unwritten = sorted(os.listdir(journal)) if journal.is_dir() else []
+        return {"converged": not problems, "problems": problems, "recent_temp_files": recent_tmp,
+                "admin_comment_records_not_yet_written": len(unwritten)}
 
     def cleanup(self) -> None:
         with self.agent_lock:

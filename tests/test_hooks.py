@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 import threading
 from pathlib import Path
@@ -17,9 +18,9 @@ from slurm_mapa.slurm.commands import CommandFailed, parse_gpu_indices, parse_jo
 from slurm_mapa.slurm.config import HookConfig, config_from_text
 from slurm_mapa.slurm.decision import Decision, parse_decisions, with_decision
 from slurm_mapa.slurm.epilog import run_epilog
-from slurm_mapa.slurm.hooks import run_prolog
+from slurm_mapa.slurm.hooks import reconcile_node, run_prolog, touch_reconciled
 from slurm_mapa.slurm.directive import parse_directive
-from slurm_mapa.slurm.jobfiles import Mark, mark_for, mark_is_live, mark_path, process_start_time, write_mark
+from slurm_mapa.slurm.jobfiles import Mark, mark_for, mark_is_live, mark_path, process_start_time, write_job_file, write_mark
 from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json
 from slurm_mapa.errors import InputError
 
@@ -73,8 +74,8 @@ def env_for(job, gpus, comment=""):
 def test_prolog_chooses_like_mapa_select_and_records_everywhere(setup):
     config, slurm, logs = setup
     slurm.running = {"11"}
-    slurm.admin["11"] = "mapa:topology=ring sensitive=yes"
-    decision = run_prolog(env_for("11", "0,1,2,3"), config, slurm, logs.append)
+    # What job_submit.lua leaves: the user's comment, then the checked directive.
+    decision = run_prolog(env_for("11", "0,1,2,3", "nightly [mapa:topology=ring sensitive=yes]"), config, slurm, logs.append)
     expected = select("preserve", preset("dgx1-v100"), range(8), Request(make_pattern("ring", 4), True))
     assert decision.gpus == expected.gpus and decision.policy == "preserve"
     assert (config.jobs_dir / "11").read_text() == f"MAPA_GPUS={','.join(map(str, expected.gpus))}\n"
@@ -98,12 +99,18 @@ def test_second_job_gets_the_best_of_what_is_left_and_epilog_frees(setup):
     assert not (config.jobs_dir / "11").exists()
 
 
-def test_finished_jobs_are_reaped_before_choosing(setup):
+def test_finished_jobs_are_reaped_by_the_reconcile_pass_not_the_prolog(setup):
     config, slurm, logs = setup
-    LedgerFile(config.ledger, 8).write(Ledger({"5": Holding((0, 3), "preserve", 0.0)}))
+    config.jobs_dir.mkdir(mode=0o755)
+    write_mark(config.jobs_dir, "5", Mark(0, 0, (0, 3)))  # its Prolog died; its Epilog never ran
+    old = time.time() - 3600
+    os.utime(mark_path(config.jobs_dir, "5"), (old, old))
     slurm.running = {"12"}
-    decision = run_prolog(env_for("12", "0,1", "mapa:sensitive=yes"), config, slurm, logs.append)
-    assert decision.gpus == (0, 3)
+    touch_reconciled(config)  # mapa-agent's passes keep this fresh: no Prolog lists jobs itself
+    decision = run_prolog(env_for("12", "1,2", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert not {0, 3} & set(decision.gpus) and not [c for c in slurm.calls if "squeue" in c[0]]
+    assert reconcile_node(config, "dgx1", slurm, logs.append)
+    assert set(LedgerFile(config.ledger, 8).read().holdings) == {"12"}
     assert any("reaped" in line for line in logs)
 
 
@@ -332,6 +339,7 @@ def test_jobs_running_without_a_ledger_entry_are_adopted_with_slurms_gpus(setup)
     config, slurm, logs = setup
     slurm.running = {"90", "91", "92"}
     slurm.gres = {"90": ["gpu:2(IDX:0,3)"], "91": []}  # 90: a killed Prolog; 91: a CPU-only job
+    assert reconcile_node(config, "dgx1", slurm, logs.append)  # mapa-agent's pass, off the start path
     decision = run_prolog(env_for("92", "1,2", "mapa:sensitive=yes"), config, slurm, logs.append)
     assert not {0, 3} & set(decision.gpus)
     holdings = LedgerFile(config.ledger, 8).read().holdings
@@ -341,8 +349,9 @@ def test_jobs_running_without_a_ledger_entry_are_adopted_with_slurms_gpus(setup)
     slurm.calls.clear()
     slurm.running.add("93")
     run_prolog(env_for("93", "4", "mapa:"), config, slurm, logs.append)
+    assert reconcile_node(config, "dgx1", slurm, logs.append)
     asked_about = {call[4] for call in slurm.calls if call[1:4] == ["--json", "show", "job"]}
-    assert asked_about == {"93"}  # adopted jobs, the CPU-only one included, are known from now on
+    assert asked_about == {"93"}  # only to write 93's record: adopted jobs, the CPU-only one included, are known
 
 
 def test_gres_detail_parsing():
@@ -411,8 +420,9 @@ def test_the_prolog_uses_preserve_aheads_configured_sizes(tmp_path):
     slurm, logs = FakeSlurm(), []
     slurm.running = {"1", "2"}
     LedgerFile(config.ledger, 8).write(Ledger({"1": Holding((3, 6), "preserve-ahead", 1.0)}))  # free: 0,1,2,4,5,7
-    slurm.admin["2"] = "mapa:topology=ring sensitive=no"
-    decision = run_prolog(env_for("2", "0,1"), config, slurm, logs.append)
+    config.jobs_dir.mkdir(mode=0o755)
+    write_job_file(config.jobs_dir, "1", (3, 6))
+    decision = run_prolog(env_for("2", "0,1", "mapa:topology=ring sensitive=no"), config, slurm, logs.append)
     graph = preset("dgx1-v100")
     policy = make_preserve_ahead({4: 1.0})
     want = policy(graph, (0, 1, 2, 4, 5, 7), Request(make_pattern("ring", 2), False), paper_model(), running=((3, 6),))

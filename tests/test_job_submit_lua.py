@@ -26,7 +26,7 @@ import pytest
 
 from slurm_mapa.core.patterns import SHAPES, make_pattern
 from slurm_mapa.errors import InputError
-from slurm_mapa.slurm.directive import MAX_LINE_CHARS, parse_comment, parse_directive_lines
+from slurm_mapa.slurm.directive import MAX_LINE_CHARS, comment_with_directive, directive_in_comment, parse_comment, parse_directive, parse_directive_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "slurm_mapa" / "data" / "slurm" / "job_submit.lua"
@@ -67,6 +67,7 @@ class Result:
     rc: int
     messages: tuple[str, ...]
     admin_comment: str | None
+    comment: str | None = None  # job_desc.comment when the plugin changed it
 
 
 @dataclass(frozen=True)
@@ -113,10 +114,10 @@ def _run(cases: list[Case], tmp: Path) -> tuple[Load, list[Result]]:
     info = tuple(take(int(line())) for _ in range(int(line().removeprefix("INFO "))))
     results = []
     for _ in cases:
-        rc, count, admin_len = (int(v) for v in line().split(" "))
+        rc, count, admin_len, comment_len = (int(v) for v in line().split(" "))
         messages = tuple(take(int(line())) for _ in range(count))
         admin = take(admin_len) if admin_len >= 0 else None
-        results.append(Result(rc, messages, admin))
+        results.append(Result(rc, messages, admin, take(comment_len) if comment_len >= 0 else None))
     assert pos == len(data), "the driver wrote more results than cases"
     return Load(load_rc, globals_, info), results
 
@@ -136,7 +137,7 @@ def _verdict(result: Result) -> tuple[str, str | None]:
 def _python(case: Case) -> tuple[str, str | None]:
     """What the Python parser says about the same job: the comment first, then the script."""
     try:
-        from_comment = parse_comment(case.comment) if case.comment is not None else None
+        from_comment = directive_in_comment(case.comment) if case.comment is not None else None
         from_script = parse_directive_lines(case.script) if case.script is not None else None
     except InputError as error:
         return ("error", str(error))
@@ -433,3 +434,68 @@ def test_large_inputs_stay_fast(tmp_path: Path) -> None:
     assert [_verdict(r)[0] for r in results] == ["ok", "ok", "error", "error", "ok", "error", "ok", "ok", "error"]
     assert [len(c.script or "") for c in cases[-2:]] == [MAX_LINE_CHARS, MAX_LINE_CHARS + 1]
     assert elapsed < 10, f"the plugin took {elapsed:.1f} s on large inputs"
+
+
+# --- the directive in the job comment, for a Prolog that asks slurmctld nothing -------------------
+
+
+def _python_comment(case: Case) -> str | None:
+    """The comment Python's rule leaves on the job (None: unchanged, or no directive, or an error)."""
+    try:
+        from_comment = directive_in_comment(case.comment) if case.comment is not None else None
+        from_script = parse_directive_lines(case.script) if case.script is not None else None
+    except InputError:
+        return None
+    directive = from_comment if from_comment is not None else from_script
+    if directive is None:
+        return None
+    new = comment_with_directive(case.comment, directive)
+    return None if new == case.comment else new
+
+
+COMMENT_CASES = [
+    Case(script="#MAPA topology=ring sensitive=yes\n"),
+    Case(script="#MAPA topology=ring sensitive=yes\n", comment="nightly sweep 3"),
+    Case(script="#MAPA topology=star\n", comment="nightly sweep 3 [mapa:topology=ring sensitive=yes]"),  # a resubmitted comment
+    Case(script="#MAPA topology=star\n", comment="mapa:topology=chain"),  # the user's mapa: comment wins and stays
+    Case(comment="notes [mapa:topology=all sensitive=yes]"),  # srun with the suffix form: validated, kept
+    Case(comment="notes [mapa:topology=rnig]"),  # a bad suffix is rejected like a bad mapa: comment
+    Case(comment="a ] b [mapa:topology=tree] c"),  # not at the end: the user's text
+    Case(comment="x [mapa:topology=tree]]"),
+    Case(script="#MAPA topology=ring\n", comment="y" * (MAX_LINE_CHARS - 10)),  # would not fit: left as it is
+    Case(script="#MAPA topology=ring\n", comment="z" * 20000),  # long user text without a directive is fine
+    Case(script="#!/bin/bash\nsrun ./app\n", comment="no directive at all"),
+    Case(script="#MAPA topology=ring\n", comment="caf\xe9 [mapa:gpus=2"),
+]
+
+
+def test_the_directive_reaches_the_job_comment_as_python_says(tmp_path: Path) -> None:
+    _, results = _run(COMMENT_CASES, tmp_path)
+    for case, result in zip(COMMENT_CASES, results):
+        assert _verdict(result) == _python(case), case
+        assert result.comment == _python_comment(case), case
+    assert results[0].comment == "mapa:topology=ring sensitive=yes"
+    assert results[1].comment == "nightly sweep 3 [mapa:topology=ring sensitive=yes]"
+    assert results[2].comment is None and results[2].admin_comment == "mapa:topology=ring sensitive=yes"  # its suffix wins over the script
+    assert results[3].comment is None and results[4].comment is None
+    assert _verdict(results[5])[0] == "error"
+    assert results[8].comment is None and _verdict(results[9])[0] == "ok"
+    assert directive_in_comment(results[1].comment).normalised() == "topology=ring sensitive=yes"
+
+
+def test_generated_comments_lua_matches_python(tmp_path: Path) -> None:
+    rnd = random.Random(11)
+    cases = []
+    for _ in range(2000):
+        body = _body(rnd)
+        comment = rnd.choice([None, "", "notes", "mapa:" + body, "run [mapa:" + body + "]", "[mapa:" + body + "]",
+                              "x [mapa:" + body, "a [mapa:b] [mapa:" + body + "]", body + " [mapa:topology=ring]"])
+        script = rnd.choice([None, "#MAPA " + _body(rnd) + "\n", "#!/bin/sh\nsrun x\n"])
+        cases.append(Case(script=script, comment=comment))
+    _, results = _run(cases, tmp_path)
+    changed = 0
+    for case, result in zip(cases, results):
+        assert _verdict(result) == _python(case), case
+        assert result.comment == _python_comment(case), case
+        changed += result.comment is not None
+    assert changed >= 200

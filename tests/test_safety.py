@@ -21,7 +21,7 @@ from slurm_mapa.slurm import jobfiles
 from slurm_mapa.slurm.commands import Runner
 from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.epilog import run_epilog
-from slurm_mapa.slurm.hooks import Budget, fallback_gpus, prolog_failing_open, run_prolog
+from slurm_mapa.slurm.hooks import Budget, fallback_gpus, prolog_failing_open, reconcile_node, run_prolog
 from slurm_mapa.slurm.jobfiles import JobRecords, Mark, mark_for, mark_path, write_job_file, write_mark
 from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json, reconcile
 from slurm_mapa.slurm.paths import UnsafePath
@@ -112,18 +112,21 @@ def test_hanging_slurm_commands_cannot_hold_the_prolog_past_its_budget(tmp_path)
     assert any("budget is spent" in line or "timed out" in line for line in logs)
 
 
-def test_many_unknown_jobs_and_a_slow_slurm_stay_within_the_budget(tmp_path):
+def test_many_unknown_jobs_and_a_slow_slurm_stay_within_the_reconcile_budget(tmp_path):
     # 40 jobs run here that no Prolog marked (they started before MAPA was enabled); Slurm answers in 2 s.
     ids = " ".join(str(100 + i) for i in range(40))
     squeue = fake_command(tmp_path, "squeue", f"for j in {ids} 7; do echo $j; done\n")
     scontrol = fake_command(tmp_path, "scontrol", "sleep 2\necho '{\"jobs\": [{\"job_id\": 1, \"gres_detail\": [], \"job_state\": [\"RUNNING\"]}]}'\n")
-    config = make_config(tmp_path, scontrol=scontrol, squeue=squeue, command_timeout=5, prolog_budget=8)
+    config = make_config(tmp_path, scontrol=scontrol, squeue=squeue, command_timeout=5, prolog_budget=8, job_submit_lua=True)
     logs: list[str] = []
     started = time.monotonic()
-    run_prolog(env_for("7", "0"), config, Runner(timeout=5), logs.append)
+    run_prolog(env_for("7", "0"), config, Runner(timeout=5), logs.append, defer=lambda action: None)  # as in mapa-agent
+    assert time.monotonic() - started < 1.5  # the start path asked Slurm nothing
+    started = time.monotonic()
+    reconcile_node(config, "dgx1", Runner(timeout=5), logs.append, Budget(8))
     assert time.monotonic() - started < 8 + 1.5
     marked = [p for p in config.jobs_dir.iterdir() if p.name.startswith(".prolog-1")]
-    assert 0 < len(marked) < 40  # some were asked about (and are known from now on), the rest left to later Prologs
+    assert 0 < len(marked) < 40  # some were asked about (and are known from now on), the rest left to later passes
 
 
 def test_budget_cuts_each_step():
@@ -214,12 +217,16 @@ def test_a_since_in_the_future_is_taken_as_now_so_the_entry_can_be_reaped(tmp_pa
     config = make_config(tmp_path)
     config.ledger.parent.mkdir(parents=True)
     LedgerFile(config.ledger, 8).write(Ledger({"5": Holding((0, 1), "preserve", time.time() + 10 ** 6)}))
+    write_job_file_trusted(config, "5", (0, 1))
+    old = time.time() - 3600
+    os.utime(config.jobs_dir / "5", (old, old))
     slurm, logs = FakeSlurm(), []
     slurm.running = {"6"}
-    run_prolog(env_for("6", "2"), config, slurm, logs.append)  # clamped when first read, reaped by the listing after it
+    run_prolog(env_for("6", "2"), config, slurm, logs.append)  # clamped when first read
+    assert reconcile_node(config, "dgx1", slurm, logs.append)  # so the listing after it reaps it
     assert set(LedgerFile(config.ledger, 8).read().holdings) == {"6"}
     assert ledger_from_json(ledger_to_json(Ledger({"5": Holding((0,), "p", 10.0 ** 11)})), 8).holdings["5"].since == 10.0 ** 11
-    clamped, _ = reconcile(Ledger({"5": Holding((0,), "p", 10.0 ** 11)}), {}, 8, now=100.0)
+    clamped, _ = reconcile(Ledger({"5": Holding((0,), "p", 10.0 ** 11)}), {"5": JobRecords(gpus=(0,), newest=1.0)}, 8, now=100.0)
     assert clamped.holdings["5"].since == 100.0
 
 
@@ -288,7 +295,8 @@ gpu_sets = st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True).map(
 )
 def test_reconcile_holds_what_every_job_uses(entries, running):
     """Every job not listed as ended holds at least what it uses (job file, else Slurm's GPUs once
-    its Prolog is gone); ended are exactly the unlisted jobs with records older than the listing."""
+    its Prolog is gone); ended are exactly the jobs without any file and the unlisted jobs with
+    records older than the listing."""
     records, holdings, live = {}, {}, set()
     for job, (file_gpus, mark, ledger_gpus, age) in entries.items():
         if file_gpus is not None or mark is not None:
@@ -301,7 +309,8 @@ def test_reconcile_holds_what_every_job_uses(entries, running):
                               is_live=lambda mark: mark.pid == 2)
     for job in set(records) | set(holdings):
         newest = max(records[job].newest if job in records else 0, holdings[job].since if job in holdings else 0)
-        gone = running is not None and job not in running and newest < 50.0
+        # A ledger entry whose job left no file at all has ended (every job is marked first).
+        gone = job not in records or (running is not None and job not in running and newest < 50.0)
         assert (job in ended) == gone
         if gone:
             assert job not in ledger.holdings

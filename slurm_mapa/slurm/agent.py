@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import select
 import socket
 import socketserver
@@ -37,7 +38,7 @@ from typing import Callable, Mapping
 from ..errors import InputError
 from .agent_client import DEFAULT_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES, MAX_REQUEST_BYTES, MAX_VALUE_BYTES
 from .commands import Runner
-from .config import load_hook_config
+from .config import hook_logger, load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
 
@@ -144,6 +145,7 @@ class Agent:
         self.config_path = config_path
         self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
         self.make_runner = run  # tests give a fake Slurm here
+        self.background: Background | None = None  # started by main(); tests drive it directly
 
     def run_hook(
         self,
@@ -178,6 +180,101 @@ class Agent:
                        config.configured_policies())
 
 
+MAX_RECORD_AGE_S = 7 * 86400  # a record slurmctld has refused for a week is dropped (and logged)
+MAX_BACKOFF_S = 300.0
+
+
+class Background:
+    """mapa-agent's work off the job-start path, in two threads: reconcile passes (one squeue
+    listing per ``reconcile_interval``, with jitter, so that the nodes of a cluster do not ask at
+    once) and the journal's AdminComment records (written after the Prolog answered, at most
+    ``admin_comment_rate`` per second, retried with back-off while slurmctld does not answer)."""
+
+    def __init__(self, agent: "Agent", node: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.agent = agent
+        self.node = node
+        self.clock = clock
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        self.retry_at: dict[str, float] = {}
+        self.failures: dict[str, int] = {}
+
+    def _config(self):
+        config, problem = load_hook_config({"MAPA_CONFIG": self.agent.config_path}, validate=False)
+        return config
+
+    def reconcile_once(self) -> bool:
+        from .hooks import reconcile_node
+
+        config = self._config()
+        return reconcile_node(config, self.node, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
+
+    def flush_records(self) -> int:
+        """Write the journal's due records; how many were written or dropped."""
+        from . import journal
+        from .hooks import flush_entry
+
+        config = self._config()
+        log = hook_logger(config.log)
+        run = self.agent.make_runner(config.command_timeout)
+        finished = 0
+        for job_id, _, mtime in journal.pending(config.journal):
+            if self.stop.is_set():
+                break
+            if self.retry_at.get(job_id, 0.0) > self.clock():
+                continue
+            entry = journal.take(config.journal, job_id)
+            if entry is None:
+                continue
+            started = self.clock()
+            if mtime and time.time() - mtime > MAX_RECORD_AGE_S:
+                log(f"job {job_id}: its AdminComment record could not be written for a week; dropped: {entry.record}")
+                done = True
+            else:
+                done = flush_entry(config, job_id, entry, run, log)
+            journal.finish(config.journal, job_id, done)
+            if done:
+                finished += 1
+                self.retry_at.pop(job_id, None)
+                self.failures.pop(job_id, None)
+            else:
+                failures = self.failures[job_id] = self.failures.get(job_id, 0) + 1
+                self.retry_at[job_id] = self.clock() + min(MAX_BACKOFF_S, 2.0 ** failures) * random.uniform(0.8, 1.2)
+            pause = 1.0 / config.admin_comment_rate - (self.clock() - started)
+            if pause > 0:
+                self.stop.wait(pause)
+        return finished
+
+    def _reconcile_loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.reconcile_once()
+                interval = self._config().reconcile_interval
+            except Exception as error:  # noqa: BLE001 - the next pass tries again
+                self.agent.log_errors(f"mapa-agent: reconcile pass failed: {error}")
+                interval = 60.0
+            self.stop.wait(interval * random.uniform(0.75, 1.25))
+
+    def _records_loop(self) -> None:
+        from . import journal
+
+        try:
+            journal.recover(self._config().journal)
+        except Exception as error:  # noqa: BLE001
+            self.agent.log_errors(f"mapa-agent: could not recover the journal: {error}")
+        while not self.stop.is_set():
+            self.wake.wait(1.0)
+            self.wake.clear()
+            try:
+                self.flush_records()
+            except Exception as error:  # noqa: BLE001 - the records stay in the journal
+                self.agent.log_errors(f"mapa-agent: writing AdminComment records failed: {error}")
+
+    def start(self) -> None:
+        for target in (self._reconcile_loop, self._records_loop):
+            threading.Thread(target=target, daemon=True, name=f"mapa-agent {target.__name__}").start()
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: "AgentServer"
 
@@ -202,12 +299,14 @@ class _Handler(socketserver.BaseRequestHandler):
             conn.sendall(b"done\n")
         except OSError:
             pass  # the client is gone; what was written stays consistent
-        # After the answer, so the job starts without waiting: the AdminComment record.
+        # After the answer, so the job starts without waiting: the AdminComment record (journaled).
         for action in later:
             try:
                 action()
             except Exception as error:  # noqa: BLE001 - the decision is in the ledger and the log already
                 self.server.agent.log_errors(f"mapa-agent: deferred work failed: {error}")
+        if later and self.server.agent.background is not None:
+            self.server.agent.background.wake.set()
 
 
 def _discard_unread(conn: socket.socket) -> None:
@@ -321,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, OSError) as error:
         print(f"mapa-agent: cannot listen on {args.socket}: {error}", file=sys.stderr)
         return 2
+    agent.background = Background(agent, args.node)
+    agent.background.start()
     print(f"mapa-agent: listening on {args.socket} (config {args.config})", file=sys.stderr, flush=True)
     with server:
         server.serve_forever()

@@ -39,7 +39,7 @@ from . import paths
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
-         "preserve_ahead", "prolog_budget"}
+         "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate"}
 # The agent answers within the budget and its client gives up after 25 s; the wrapper then runs
 # the Prolog in-process with the same budget: 25 + 20 s stays inside the 60 s PrologEpilogTimeout
 # Slurm's docs suggest.
@@ -63,6 +63,12 @@ class HookConfig:
     nodes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     ahead_sizes: tuple[tuple[int, float], ...] = ()  # empty: preserve-ahead's default (uniform 1..5)
     ahead_tolerance: float = 0.0
+    # job_submit.lua is installed: every directive reaches the Prolog in the job comment, so the
+    # Prolog asks slurmctld nothing (without it, the Prolog reads the batch script: one call).
+    job_submit_lua: bool = False
+    journal_dir: Path | None = None  # AdminComment records not yet written; None: "journal" next to the ledger
+    reconcile_interval: float = 60.0  # seconds between mapa-agent's listings of the node's jobs
+    admin_comment_rate: float = 20.0  # AdminComment writes per second at most, per node
 
     def configured_policies(self) -> dict:
         """Policies built with this config's settings, for :func:`~slurm_mapa.core.policies.select`."""
@@ -71,6 +77,11 @@ class HookConfig:
         from ..core.ahead import make_preserve_ahead
 
         return {"preserve-ahead": make_preserve_ahead(dict(self.ahead_sizes) or None, self.ahead_tolerance)}
+
+    @property
+    def journal(self) -> Path:
+        """Where AdminComment records wait to be written (on disk, like the ledger)."""
+        return self.journal_dir if self.journal_dir is not None else Path(self.ledger).with_name("journal")
 
     def topology_for(self, node: str) -> str | None:
         for pattern, topology in self.nodes:
@@ -108,7 +119,7 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
         raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {values['health']!r}")
     if validate:
         _validate_with_engine(values, source)
-    for key in ("ledger", "jobs_dir", "log"):
+    for key in ("ledger", "jobs_dir", "log", "journal_dir"):
         if key in data:
             if not isinstance(data[key], str) or not data[key].startswith("/"):
                 raise InputError(f"{source}: {key} must be an absolute path, got {data[key]!r}")
@@ -123,6 +134,16 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 2 <= budget <= MAX_PROLOG_BUDGET_S:
             raise InputError(f"{source}: prolog_budget must be seconds in [2, {MAX_PROLOG_BUDGET_S:g}], got {budget!r}")
         values["prolog_budget"] = float(budget)
+    if "job_submit_lua" in data:
+        if not isinstance(data["job_submit_lua"], bool):
+            raise InputError(f"{source}: job_submit_lua must be true or false, got {data['job_submit_lua']!r}")
+        values["job_submit_lua"] = data["job_submit_lua"]
+    for key, low, high in (("reconcile_interval", 5, 3600), ("admin_comment_rate", 0.1, 1000)):
+        if key in data:
+            value = data[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise InputError(f"{source}: {key} must be a number in [{low:g}, {high:g}], got {value!r}")
+            values[key] = float(value)
     nodes = data.get("nodes", {})
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
         raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')

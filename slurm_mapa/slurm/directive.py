@@ -170,6 +170,46 @@ def parse_comment(comment: str | None) -> Directive | None:
     return parse_directive(stripped[len(COMMENT_PREFIX) :])
 
 
+SUFFIX_OPEN = " [mapa:"  # the directive job_submit.lua adds after a user's own comment text
+SUFFIX_CLOSE = "]"
+
+
+def _split_suffix(comment: str) -> tuple[str, str] | None:
+    """(the user's text, the directive body) of a comment ending in `` [mapa:BODY]``, else None.
+    Only the comment's last MAX_LINE_CHARS + 8 characters are searched: a body is never longer."""
+    if not comment.endswith(SUFFIX_CLOSE):
+        return None
+    start = comment.rfind(SUFFIX_OPEN, max(0, len(comment) - (MAX_LINE_CHARS + len(SUFFIX_OPEN) + 1)))
+    if start < 0 or SUFFIX_CLOSE in comment[start + len(SUFFIX_OPEN) : -1]:
+        return None
+    return comment[:start], comment[start + len(SUFFIX_OPEN) : -1]
+
+
+def directive_in_comment(comment: str | None) -> Directive | None:
+    """The directive a job comment carries: a whole ``mapa:<body>`` comment, or the
+    `` [mapa:<body>]`` job_submit.lua puts after the user's own text (so that the Prolog finds it
+    in SLURM_JOB_COMMENT without asking slurmctld); None for a comment without either."""
+    directive = parse_comment(comment)
+    if directive is not None or not comment:
+        return directive
+    split = _split_suffix(comment)
+    return None if split is None else parse_directive(split[1])
+
+
+def comment_with_directive(comment: str | None, directive: Directive) -> str | None:
+    """The comment job_submit.lua leaves on a job with ``directive``: ``mapa:<normalised>`` when
+    the user gave none, the user's ``mapa:`` comment as it is, else the user's text with
+    `` [mapa:<normalised>]`` after it (replacing one already there). None: leave the comment as
+    it is (it would pass MAX_LINE_CHARS; the Prolog then reads the batch script)."""
+    if not comment:
+        return directive.as_comment()
+    if parse_comment(comment) is not None:
+        return None
+    split = _split_suffix(comment)
+    text = (split[0] if split is not None else comment) + SUFFIX_OPEN + directive.normalised() + SUFFIX_CLOSE
+    return text if len(text) <= MAX_LINE_CHARS and text != comment else None
+
+
 def parse_directive_lines(script_text: str | None) -> Directive | None:
     """The merged ``#MAPA`` lines of a batch script, or None when it has none.
 

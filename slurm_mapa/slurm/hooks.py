@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..errors import MapaError
-from . import jobfiles, paths
+from . import jobfiles, journal, paths
 from .commands import (
     CommandFailed,
     Runner,
@@ -146,23 +146,20 @@ def context_from_env(env: Mapping[str, str]) -> PrologContext:
 
 
 def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log: Log) -> tuple["Directive", str]:
-    """The job's directive and where it came from: comment, AdminComment, batch script or site default."""
-    from .decision import record_directive
-    from .directive import parse_comment, parse_directive, parse_directive_lines
+    """The job's directive and where it came from: the job comment, else the batch script, else
+    the site default.
 
-    from_comment = parse_comment(ctx.env_comment)
+    With job_submit.lua installed (``job_submit_lua = true``) every directive is in the comment
+    (``mapa:...`` or the user's text then `` [mapa:...]``), so nothing is asked of slurmctld;
+    only a comment so long that the plugin had no room left sends the Prolog to the script.
+    """
+    from .directive import MAX_LINE_CHARS, directive_in_comment, parse_directive, parse_directive_lines
+
+    from_comment = directive_in_comment(ctx.env_comment)
     if from_comment is not None:
         return from_comment, "comment"
-    try:
-        job = parse_job_json(run(show_job_argv(config.scontrol, ctx.job_id)))
-        admin = job.get("admin_comment") or ""
-        parsed = record_directive(admin) if isinstance(admin, str) else None
-        if parsed is not None:
-            return parsed, "admin_comment"
-        if not job.get("batch_flag", True):
-            return parse_directive(config.default_directive), "default"
-    except CommandFailed as error:
-        log(f"job {ctx.job_id}: scontrol show job failed ({error}); reading the batch script")
+    if config.job_submit_lua and len(ctx.env_comment) <= MAX_LINE_CHARS // 2:
+        return parse_directive(config.default_directive), "default"
     try:
         from_script = parse_directive_lines(run(batch_script_argv(config.scontrol, ctx.job_id)))
         if from_script is not None:
@@ -259,7 +256,7 @@ def current_ledger(
     except LedgerCorrupt as error:
         log(f"job {job_id}: ledger {config.ledger} is corrupt ({error}); rebuilding it from {config.jobs_dir}")
         ledger = Ledger()
-    records, leftovers = jobfiles.scan(config.jobs_dir)
+    records, leftovers = jobfiles.scan(config.jobs_dir, also=ledger.holdings)
     records.pop(job_id, None)
     before = ledger
     ledger, ended = reconcile(ledger.without([job_id]), records, size, running, listed_at, time.time(), slurm_gave=slurm_gave)
@@ -345,12 +342,21 @@ def record_provisional(
         # otherwise). Choose from what the files say and write only the job file (the next Prolog
         # that gets the lock enters it into the ledger): Slurm's own GPUs if no job uses them
         # (Slurm never gives one GPU to two live jobs), else free ones in an order of this job's own.
-        ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
-        free = ledger.free(size)
-        mine = tuple(g for g in ctx.slurm_gpus if g in free)
-        # Each GPU is claimed by creating a file, so two Prologs without the lock never take the same one.
-        gpus = jobfiles.claim(config.jobs_dir, ctx.job_id, mine + spread(ctx.job_id, set(free) - set(mine)), len(ctx.slurm_gpus))
-        if len(gpus) < len(ctx.slurm_gpus):  # none left unclaimed: share, as little as possible
+        # Each GPU is claimed by creating a file, so no two Prologs ever take the same one. The
+        # files change while this Prolog reads them (others commit and free GPUs): while claims
+        # fall short, read them again and claim from the new free set.
+        wanted = len(ctx.slurm_gpus)
+        gpus: tuple[int, ...] = ()
+        for _ in range(MAX_CLAIM_RACES):
+            ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
+            free = tuple(g for g in ledger.free(size) if g not in gpus)
+            if not free:
+                break
+            own = tuple(g for g in ctx.slurm_gpus if g in free)
+            gpus += jobfiles.claim(config.jobs_dir, ctx.job_id, own + spread(ctx.job_id, set(free) - set(own)), wanted - len(gpus))
+            if len(gpus) == wanted:
+                break
+        if len(gpus) < wanted:  # none left unclaimed: share, as little as possible
             gpus = fallback_gpus(ctx.slurm_gpus, gpus, [g for h in ledger.holdings.values() for g in h.gpus])
             log(f"job {ctx.job_id}: too few GPUs are free without the lock; it SHARES GPUs of {','.join(map(str, gpus))} with other jobs")
         gpus = tuple(sorted(gpus))
@@ -424,7 +430,6 @@ def _decide_and_commit(
 ) -> Decision | None:
     from .directive import parse_directive
 
-    listing = RunningJobs(run, config.squeue, ctx.node)  # runs while the directive is read
     unhealthy: frozenset[int] = frozenset()
     if unhealthy_gpus is not None:
         try:
@@ -439,12 +444,9 @@ def _decide_and_commit(
     except MapaError as error:
         problem = problem or f"bad-directive: {error}"
         directive, source = parse_directive(""), "none"
-    try:
-        running, listed_at = listing.result(budget.for_step(config.command_timeout))
-        adopt_unknown_jobs(ctx, running, size, config, run, log, budget)
-    except CommandFailed as error:
-        running, listed_at = None, None
-        log(f"job {ctx.job_id}: squeue failed ({error}); keeping every ledger entry")
+    # Which jobs still run is learnt off the start path (reconcile_node, in mapa-agent); here only
+    # the jobs directory says it: .ended files, and Slurm giving a dead Prolog's GPUs again.
+    running, listed_at = None, None
     ledger_file = LedgerFile(config.ledger, size)
     decision: Decision | None = None
     claim_races = 0
@@ -492,16 +494,41 @@ def _decide_and_commit(
             decision = dataclasses.replace(decision, gpus=provisional)
     log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; "
         f"Slurm gave {','.join(map(str, ctx.slurm_gpus))})" + (f"; FALLBACK because {problem or decision.fallback}" if decision.fallback else ""))
+    entry = journal_decision(ctx, directive, decision, config, log)
     if defer is not None:
-        defer(lambda: record_decision(ctx, directive, decision, config, run_unbounded(run), log))
+        defer(lambda: None)  # mapa-agent writes the journal's records after answering, off the start path
     else:
-        record_decision(ctx, directive, decision, config, run, log)
+        # No agent: write it now, within the budget (the journal keeps it if slurmctld does not answer).
+        if entry is not None and flush_entry(config, ctx.job_id, entry, run, log):
+            journal.remove(config.journal, ctx.job_id)
+        reconcile_if_due(config, ctx.node, size, run, log, budget)
     return decision
 
 
-def run_unbounded(run: RunCommand) -> RunCommand:
-    """The agent writes the AdminComment after answering: the Prolog's budget no longer applies."""
-    return getattr(run, "unbounded", run)
+def journal_decision(ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, log: Log) -> journal.Entry | None:
+    """Keep the AdminComment record on disk until it is written (journal.py)."""
+    try:
+        entry = journal.Entry(ctx.node, ctx.nodes_in_job, f"{directive.as_comment()} # {decision.text()}")
+        journal.write(config.journal, ctx.job_id, entry)
+        return entry
+    except (OSError, ValueError, MapaError) as error:
+        log(f"job {ctx.job_id}: could not journal the decision for the AdminComment ({error}); not recorded")
+        return None
+
+
+def flush_entry(config: HookConfig, job_id: str, entry: journal.Entry, run: RunCommand, log: Log) -> bool:
+    """Write a journal entry's record into the job's AdminComment. True when the entry is done
+    with (written, already there, or never writable: the job is gone, it would not fit); False
+    to try again later (slurmctld did not answer)."""
+    from .decision import record_directive
+
+    directive = record_directive(entry.record)
+    decision = parse_decisions(entry.record).get(entry.node)
+    if directive is None or decision is None:
+        log(f"job {job_id}: journal entry {entry.record[:80]!r} is not a decision record; dropped")
+        return True
+    ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=entry.nodes_in_job)
+    return record_decision(ctx, directive, decision, config, run, log)
 
 
 def forget_ended(config: HookConfig, ended: list[str], leftovers: list[tuple[str, float]], listed_at: float | None, log: Log,
@@ -516,33 +543,7 @@ def forget_ended(config: HookConfig, ended: list[str], leftovers: list[tuple[str
             paths.remove(Path(config.jobs_dir) / name)
 
 
-class RunningJobs:
-    """``squeue`` for the jobs on a node, run in a thread from the moment it is created."""
-
-    def __init__(self, run: RunCommand, squeue: str, node: str) -> None:
-        self._outcome: tuple[set[str], float] | CommandFailed = CommandFailed("squeue did not finish within the Prolog's budget")
-        self._thread = threading.Thread(target=self._list, args=(run, squeue, node), daemon=True)
-        self._thread.start()
-
-    def _list(self, run: RunCommand, squeue: str, node: str) -> None:
-        listed_at = time.time()
-        try:
-            self._outcome = (parse_job_ids(run(running_jobs_argv(squeue, node))), listed_at)
-        except CommandFailed as error:
-            self._outcome = error
-        except Exception as error:  # noqa: BLE001 - reported like a failed squeue, never lost in the thread
-            self._outcome = CommandFailed(f"squeue: {error}")
-
-    def result(self, timeout: float | None = None) -> tuple[set[str], float]:
-        """The running job ids and when they were asked for; raises CommandFailed."""
-        self._thread.join(None if timeout is None else max(timeout, 0.0))
-        outcome = self._outcome
-        if isinstance(outcome, CommandFailed):
-            raise outcome
-        return outcome
-
-
-MAX_ADOPTED_PER_PROLOG = 16
+MAX_ADOPTED_PER_PASS = 64
 _RUNNING_STATES = {"RUNNING", "CONFIGURING", "SUSPENDED"}
 
 
@@ -556,14 +557,14 @@ def still_running(record: dict) -> bool:
 
 
 def adopt_unknown_jobs(
-    ctx: PrologContext, running: set[str], size: int, config: HookConfig, run: RunCommand, log: Log, budget: Budget
+    who: str, running: set[str], size: int, config: HookConfig, run: RunCommand, log: Log, budget: Budget
 ) -> None:
     """Mark jobs that run here but left nothing in the jobs directory, with the GPUs Slurm gave them.
 
-    Every Prolog marks its job, so these are jobs that started before MAPA was enabled, or whose
-    Prolog was killed before it wrote its mark. They use Slurm's indices. Asking Slurm happens
-    outside the lock, within the budget, a few jobs per Prolog; the mark written for each (pid 0)
-    makes it known to every later Prolog, which never asks again.
+    Every Prolog wrapper marks its job, so these are jobs that started before MAPA was enabled,
+    or whose wrapper was killed before its first lines. They use Slurm's indices. Asking Slurm
+    happens in the reconcile pass (off the start path, outside the lock), a bounded number per
+    pass; the mark written for each (pid 0) makes it known to every Prolog, and nothing asks again.
     """
     ledger_file = LedgerFile(config.ledger, size)
     try:
@@ -571,34 +572,101 @@ def adopt_unknown_jobs(
     except LedgerCorrupt:
         known = set()
     records, _ = jobfiles.scan(config.jobs_dir)
-    unknown = sorted(running - known - set(records) - {ctx.job_id}, key=int)
-    for job_id in unknown[:MAX_ADOPTED_PER_PROLOG]:
+    unknown = sorted(running - known - set(records), key=int)
+    for job_id in unknown[:MAX_ADOPTED_PER_PASS]:
         try:
             record = parse_job_json(run(show_job_argv(config.scontrol, job_id)))
             gpus = slurm_gpus_on_only_node(record)
         except (CommandFailed, ValueError) as error:
-            log(f"job {ctx.job_id}: cannot read job {job_id}, which runs here without a mark ({error})")
+            log(f"{who}: cannot read job {job_id}, which runs here without a mark ({error})")
             if budget.for_step(1.0) <= 0:
                 break
             continue
         if not still_running(record):
             continue  # it ended after squeue listed it; its Epilog already freed its entry
         if gpus is None:
-            log(f"job {ctx.job_id}: job {job_id} runs here without a mark; Slurm's GPUs for it cannot be told "
+            log(f"{who}: job {job_id} runs here without a mark; Slurm's GPUs for it cannot be told "
                 "(several nodes, or no readable gres_detail); not adopted")
             continue
         gpus = tuple(g for g in gpus if 0 <= g < size)
         if not jobfiles.write_mark_if_none(config.jobs_dir, job_id, jobfiles.Mark(0, 0, gpus)):
             continue  # its own Prolog has marked it meanwhile
         if gpus:
-            log(f"job {ctx.job_id}: adopted job {job_id} with Slurm's GPUs {','.join(map(str, gpus))} (it ran without a MAPA choice)")
-    if len(unknown) > MAX_ADOPTED_PER_PROLOG:
-        log(f"job {ctx.job_id}: {len(unknown) - MAX_ADOPTED_PER_PROLOG} more unknown jobs are left to the next Prologs")
+            log(f"{who}: adopted job {job_id} with Slurm's GPUs {','.join(map(str, gpus))} (it ran without a MAPA choice)")
+    if len(unknown) > MAX_ADOPTED_PER_PASS:
+        log(f"{who}: {len(unknown) - MAX_ADOPTED_PER_PASS} more unknown jobs are left to the next pass")
+
+
+def reconcile_node(config: HookConfig, node: str, run: RunCommand, log: Log, budget: Budget | None = None) -> bool:
+    """One reconcile pass, off the start path: list the node's jobs (one squeue call), adopt jobs
+    no Prolog marked, and under the lock drop the ledger entries and files of jobs that ended
+    without a clean Epilog. mapa-agent runs it every ``reconcile_interval``; without an agent,
+    a Prolog runs it when the last pass is that old (reconcile_if_due). False if squeue failed."""
+    budget = budget or Budget(config.prolog_budget)
+    paths.ensure_trusted_dir(config.jobs_dir)
+    try:
+        graph = load_graph(config, node)
+        size = graph.size
+    except (MapaError, OSError):
+        records, _ = jobfiles.scan(config.jobs_dir)
+        size = max(jobfiles.highest_known_gpu(records) + 1, jobfiles.device_count(), 1)
+    bounded = within_budget(run, budget, config.command_timeout)
+    who = f"reconcile on {node}"
+    listed_at = time.time()
+    try:
+        running = parse_job_ids(bounded(running_jobs_argv(config.squeue, node)))
+    except CommandFailed as error:
+        log(f"{who}: squeue failed ({error}); keeping every ledger entry until the next pass")
+        return False
+    adopt_unknown_jobs(who, running, size, config, bounded, log, budget)
+    ledger_file = LedgerFile(config.ledger, size)
+    try:
+        with ledger_file.locked(timeout=max(budget.left() - 0.2, 0.1)):
+            ledger, ended, leftovers = current_ledger(ledger_file, config, size, "", log, running, listed_at)
+            try:
+                unchanged = ledger_file.read() == ledger
+            except LedgerCorrupt:
+                unchanged = False
+            if not unchanged:
+                ledger_file.write(ledger)
+            forget_ended(config, ended, leftovers, listed_at, log, who)
+    except TimeoutError:
+        log(f"{who}: the ledger's lock was not free; reaping waits for the next pass")
+    touch_reconciled(config)
+    return True
+
+
+def reconciled_path(config: HookConfig) -> Path:
+    return Path(config.ledger).with_name(Path(config.ledger).name + ".reconciled")
+
+
+def touch_reconciled(config: HookConfig) -> None:
+    """Note when the last reconcile pass ran (its file's modification time)."""
+    try:
+        paths.replace_file(reconciled_path(config), b"", mode=0o644)
+    except (OSError, MapaError):
+        pass
+
+
+def reconcile_if_due(config: HookConfig, node: str, size: int, run: RunCommand, log: Log, budget: Budget) -> None:
+    """Without an agent, the Prolog runs a reconcile pass when none ran for reconcile_interval
+    (with an agent, its passes keep the time fresh and no Prolog ever does)."""
+    try:
+        last = os.stat(reconciled_path(config)).st_mtime
+    except OSError:
+        last = 0.0
+    if time.time() - last < config.reconcile_interval or budget.for_step(config.command_timeout) < 0.5:
+        return
+    touch_reconciled(config)  # the Prologs starting meanwhile leave it to this one
+    try:
+        reconcile_node(config, node, run, log, budget)
+    except (OSError, MapaError) as error:
+        log(f"reconcile on {node}: failed ({error})")
 
 
 def record_decision(
     ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, run: RunCommand, log: Log
-) -> None:
+) -> bool:
     """Add this node's decision to the job's AdminComment, so that sacct keeps it.
 
     The AdminComment is read afresh each time, so what an admin wrote there meanwhile is kept
@@ -615,14 +683,21 @@ def record_decision(
             admin = admin if isinstance(admin, str) else ""
             recorded = parse_decisions(admin).get(decision.node)
             if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy):
-                return
+                return True
             run(admin_comment_argv(config.scontrol, job_id, with_decision(admin, directive, decision)))
             if ctx.nodes_in_job <= 1:
-                return
-        except (CommandFailed, ValueError) as error:  # ValueError: the record would not fit
-            log(f"job {job_id}: could not record the decision in AdminComment ({error})")
-            return
-    log(f"job {job_id}: the AdminComment kept losing this node's decision; gave up after 4 tries")
+                return True
+        except ValueError as error:  # the record would not fit, or the answer is not a job record
+            log(f"job {job_id}: could not record the decision in AdminComment ({error}); not recorded")
+            return True
+        except CommandFailed as error:
+            if "Invalid job id" in str(error):
+                log(f"job {job_id}: slurmctld no longer knows the job; its decision stays in this node's log only")
+                return True
+            log(f"job {job_id}: could not record the decision in AdminComment yet ({error}); it stays in the journal")
+            return False
+    log(f"job {job_id}: the AdminComment kept losing this node's decision; trying again later")
+    return False
 
 
 # --- entry points ---------------------------------------------------------------------------

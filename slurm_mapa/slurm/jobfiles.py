@@ -35,6 +35,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from . import paths
 from .commands import is_job_id, parse_gpu_indices
@@ -246,43 +247,71 @@ def _job_of(name: str) -> tuple[str, str] | None:
     return None
 
 
-def scan(jobs_dir: Path) -> tuple[dict[str, JobRecords], list[tuple[str, float]]]:
-    """Every job's records, and the leftover temporary files (name, mtime) of killed writers."""
-    records: dict[str, JobRecords] = {}
+def _job_records(jobs_dir: Path, job_id: str, claimed: tuple[int, ...], claimed_at: float) -> JobRecords | None:
+    """A job's files, each looked up by its name (a directory listing may miss a name that is being
+    renamed over at that moment; a lookup by name finds the old file or the new one, never none)."""
+    record = JobRecords(claimed=claimed, newest=claimed_at)
+    seen = bool(claimed)
+    for kind, path in (("job", job_file_path(jobs_dir, job_id)), ("mark", mark_path(jobs_dir, job_id)), ("ended", ended_path(jobs_dir, job_id))):
+        try:
+            mtime = os.lstat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        except OSError:
+            mtime = 0.0
+        seen = True
+        if kind == "ended":
+            record = dataclasses.replace(record, ended=True)  # its time is not the job's: newest stays
+            continue
+        record = dataclasses.replace(record, newest=max(record.newest, mtime))
+        try:
+            data = paths.read_bytes(path, MARK_MAX_BYTES)
+            if kind == "job":
+                record = dataclasses.replace(record, gpus=parse_job_file(data))
+            else:
+                record = dataclasses.replace(record, mark=parse_mark(data))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            pass  # unreadable: as if absent, but seen
+    return record if seen else None
+
+
+def scan(jobs_dir: Path, also: Iterable[str] = ()) -> tuple[dict[str, JobRecords], list[tuple[str, float]]]:
+    """Every job's records, and the leftover temporary files (name, mtime) of killed writers.
+
+    The listing only says which jobs there are (with ``also``: jobs the caller knows of, the
+    ledger's); each job's files are then looked up by name, so a job is never missed because a
+    file of its was being replaced while the directory was read."""
     leftovers: list[tuple[str, float]] = []
+    job_ids: set[str] = {job for job in also if is_job_id(job)}
+    claims: dict[str, list[int]] = {}
+    claimed_at: dict[str, float] = {}
     try:
         entries = list(os.scandir(jobs_dir))[:MAX_ENTRIES]
     except FileNotFoundError:
-        return records, leftovers
+        return {}, leftovers
     for entry in entries:
+        parsed = _job_of(entry.name)
+        if parsed is not None:
+            job_ids.add(parsed[0])
+            continue
         try:
             mtime = entry.stat(follow_symlinks=False).st_mtime
         except OSError:
             continue
-        parsed = _job_of(entry.name)
-        if parsed is None and _is_claim(entry.name):
+        if _is_claim(entry.name):
             held = _read_claim(Path(entry.path))
             if held is not None:
                 gpu, owner = held
-                old = records.get(owner, JobRecords())
-                records[owner] = dataclasses.replace(old, claimed=(*old.claimed, gpu), newest=max(old.newest, mtime))
-            continue
-        if parsed is None:
-            if entry.name.endswith(".tmp") and entry.name.startswith("."):
-                leftovers.append((entry.name, mtime))
-            continue
-        job_id, kind = parsed
-        old = records.get(job_id, JobRecords())
-        if kind == "ended":
-            records[job_id] = dataclasses.replace(old, ended=True)  # its time is not the job's: newest stays
-            continue
-        try:
-            data = paths.read_bytes(Path(entry.path), MARK_MAX_BYTES)
-            if kind == "job":
-                old = dataclasses.replace(old, gpus=parse_job_file(data), newest=max(old.newest, mtime))
-            else:
-                old = dataclasses.replace(old, mark=parse_mark(data), newest=max(old.newest, mtime))
-        except (OSError, ValueError):
-            old = dataclasses.replace(old, newest=max(old.newest, mtime))  # unreadable: as if absent, but seen
-        records[job_id] = old
+                claims.setdefault(owner, []).append(gpu)
+                claimed_at[owner] = max(claimed_at.get(owner, 0.0), mtime)
+                job_ids.add(owner)
+        elif entry.name.endswith(".tmp") and entry.name.startswith("."):
+            leftovers.append((entry.name, mtime))
+    records: dict[str, JobRecords] = {}
+    for job_id in job_ids:
+        record = _job_records(jobs_dir, job_id, tuple(claims.get(job_id, ())), claimed_at.get(job_id, 0.0))
+        if record is not None:
+            records[job_id] = record
     return records, leftovers

@@ -184,8 +184,10 @@ def reconcile(
 
     What a job uses: its job file's GPUs; without one, Slurm's GPUs from its mark once its
     Prolog is gone (it was killed: the job runs on Slurm's indices); while its Prolog still runs
-    and has written nothing, its ledger entry; a job with neither files nor mark keeps its ledger
-    entry (adopted earlier, or recorded by an older version). ``running``: the jobs Slurm lists
+    and has written nothing, its ledger entry. A ledger entry whose job left no file at all has
+    ended: the Prolog wrapper marks every job before anything names it in the ledger, adoption
+    marks the jobs it adds, and only the job's Epilog or reaping removes the mark (an entry written
+    by a version before marks existed is dropped too). ``running``: the jobs Slurm lists
     on the node, asked for at ``listed_at``; a job not in it whose records are all older than
     that has ended and is dropped (returned, so the caller removes its files too), as is a job
     whose Epilog has run (its .ended file).
@@ -201,7 +203,9 @@ def reconcile(
         if held is not None and now and held.since > now:
             held = Holding(held.gpus, held.policy, now, held.note)
         record = records.get(job, JobRecords())
-        if record.ended:  # its Epilog ran (and could not finish, or was killed)
+        if record.ended or record == JobRecords():
+            # Its Epilog ran (and could not finish, or was killed), or it left nothing at all: every
+            # job is marked before any entry names it, and only its Epilog or reaping removes the mark.
             ended.append(job)
             continue
         newest = max(min(record.newest, now or record.newest), held.since if held else 0.0)

@@ -18,8 +18,9 @@ MODE is one of
 
 RESULTS: first "LOAD RC\n", then "GLOBALS name,name,...\n" (globals the plugin defined), then
 "INFO N\n" and N records "LEN\n" + bytes (what the plugin logged at info level while loading);
-then, per case, "RC NMSG ADMIN_LEN\n", NMSG records "LEN\n" + bytes (the log_user messages) and
-ADMIN_LEN bytes of job_desc.admin_comment after the call (-1: nil).
+then, per case, "RC NMSG ADMIN_LEN COMMENT_LEN\n", NMSG records "LEN\n" + bytes (the log_user
+messages), ADMIN_LEN bytes of job_desc.admin_comment after the call (-1: nil) and COMMENT_LEN
+bytes of job_desc.comment when the call changed it (-1: unchanged).
 --]]
 
 local plugin_path, cases_path = arg[1], arg[2]
@@ -133,12 +134,19 @@ while position <= #data do
     end
 
     local admin = rawget(job_desc, "admin_comment")
-    emit(string.format("%s %d %d\n", tostring(rc), #user_messages, admin and #admin or -1))
+    local after = rawget(job_desc, "comment")
+    if type(after) ~= "string" or after == comment then
+        after = nil -- unchanged
+    end
+    emit(string.format("%s %d %d %d\n", tostring(rc), #user_messages, admin and #admin or -1, after and #after or -1))
     for _, message in ipairs(user_messages) do
         emit_blob(message)
     end
     if admin then
         emit(admin)
+    end
+    if after then
+        emit(after)
     end
 end
 

@@ -13,8 +13,12 @@ What it does (docs/directives.md describes the grammar for users):
 * A bad directive rejects the job: slurm.log_user() gets the message (sbatch prints
   "sbatch: error: MAPA: ...") and the return code is ESLURM_INVALID_GRES ("Invalid generic resource
   (gres) specification"; slurm.ERROR where that code is missing).
-* A good one is stored in normalised form as job_desc.admin_comment = "mapa:<normalised>", which
-  the Prolog reads and sacct keeps. Jobs without a directive are left untouched. Text already in
+* A good one is put where the Prolog reads it without asking slurmctld, the job comment (which
+  slurmd hands the Prolog as SLURM_JOB_COMMENT): "mapa:<normalised>" when the user gave no
+  comment, the user's own text followed by " [mapa:<normalised>]" otherwise (a user's `mapa:`
+  comment stays as it is; a comment that would pass _MAX_LINE_CHARS stays too, and the Prolog
+  then reads the batch script). It is also stored in normalised form as job_desc.admin_comment =
+  "mapa:<normalised>", which sacct keeps. Jobs without a directive are left untouched. Text already in
   admin_comment (an admin's, or another plugin's) is kept in front of MAPA's record, with the rule
   of slurm_mapa/slurm/decision.py: MAPA's record starts at the first "mapa:" that begins the text
   or follows whitespace and whose text up to the next '#' parses as a directive; an older MAPA
@@ -24,8 +28,8 @@ What it does (docs/directives.md describes the grammar for users):
 * Slurm 24.11 ACCEPTS a job when the Lua function raises a runtime error, so everything runs under
   pcall: an internal error rejects the job with a message that says so (ESLURM_INTERNAL, or
   slurm.ERROR).
-* slurm_job_modify validates a changed `mapa:` comment the same way (the Prolog reads the job
-  comment first) and rejects a bad one; it never rewrites admin_comment, because a user may not
+* slurm_job_modify validates a changed comment's directive (`mapa:` or " [mapa:...]") the same
+  way (the Prolog reads the job comment first) and rejects a bad one; it never rewrites admin_comment, because a user may not
   set it on modify. Other modifications, the Prolog's own AdminComment updates included, pass.
 
 This is a line-by-line port of slurm_mapa/slurm/directive.py (parse_comment and
@@ -41,6 +45,8 @@ scans, which are linear in the input.
 
 local _KEYWORD = "#MAPA"
 local _COMMENT_PREFIX = "mapa:"
+local _SUFFIX_OPEN = " [mapa:"
+local _SUFFIX_CLOSE = "]"
 local _MAX_PATTERN_GPUS = 64
 local _MAX_LINE_CHARS = 8192 -- one #MAPA line, or one mapa: comment
 local _MAX_DIRECTIVE_LINES = 16 -- #MAPA lines in one script
@@ -452,6 +458,63 @@ local function _parse_comment(comment)
     return _build({ { tokens = _tokens(string.sub(comment, first + #_COMMENT_PREFIX)), line = nil } })
 end
 
+-- (the user's text, the body) of a comment ending in " [mapa:BODY]", else nil (directive.py's
+-- _split_suffix). Only the last _MAX_LINE_CHARS + 8 bytes are searched: a body is never longer.
+local function _split_suffix(comment)
+    if string.sub(comment, -1) ~= _SUFFIX_CLOSE then
+        return nil
+    end
+    local start, position = nil, math.max(1, #comment - (_MAX_LINE_CHARS + #_SUFFIX_OPEN + 1) + 1)
+    while true do
+        local found = string.find(comment, _SUFFIX_OPEN, position, true)
+        if not found then
+            break
+        end
+        start, position = found, found + 1
+    end
+    if not start then
+        return nil
+    end
+    local body = string.sub(comment, start + #_SUFFIX_OPEN, -2)
+    if string.find(body, _SUFFIX_CLOSE, 1, true) then
+        return nil
+    end
+    return string.sub(comment, 1, start - 1), body
+end
+
+-- The normalised directive a comment carries: a whole `mapa:` comment, or the " [mapa:BODY]"
+-- this plugin puts after the user's own text; nil for any other comment.
+local function _directive_in_comment(comment)
+    local directive = _parse_comment(comment)
+    if directive ~= nil then
+        return directive
+    end
+    local _, body = _split_suffix(comment)
+    if body == nil then
+        return nil
+    end
+    _check_line(body, nil)
+    return _build({ { tokens = _tokens(body), line = nil } })
+end
+
+-- The comment to leave on a job with this directive (directive.py's comment_with_directive), or
+-- nil to leave it as it is. The Prolog finds the directive there, in SLURM_JOB_COMMENT, without
+-- asking slurmctld.
+local function _comment_with_directive(comment, directive)
+    if comment == nil then
+        return _COMMENT_PREFIX .. directive
+    end
+    if _parse_comment(comment) ~= nil then
+        return nil
+    end
+    local user = _split_suffix(comment) or comment
+    local text = user .. _SUFFIX_OPEN .. directive .. _SUFFIX_CLOSE
+    if #text > _MAX_LINE_CHARS or text == comment then
+        return nil
+    end
+    return text
+end
+
 -- The admin's text in an existing admin_comment: what precedes MAPA's record (decision.py's
 -- find_record), or all of it, without outer whitespace.
 local function _admin_text(existing)
@@ -570,7 +633,7 @@ local function _check_submit(job_desc, submit_uid)
     local directive = nil
     local comment = _string_field(job_desc, "comment")
     if comment then
-        directive = _parse_comment(comment)
+        directive = _directive_in_comment(comment)
     end
     local script = _string_field(job_desc, "script")
     if script then
@@ -580,6 +643,10 @@ local function _check_submit(job_desc, submit_uid)
         end
     end
     if directive ~= nil then
+        local new_comment = _comment_with_directive(comment, directive)
+        if new_comment then
+            job_desc.comment = new_comment
+        end
         local record = _COMMENT_PREFIX .. directive
         local existing = _string_field(job_desc, "admin_comment")
         if existing and #existing > _MAX_ADMIN_COMMENT_CHARS then
@@ -604,7 +671,7 @@ end
 local function _check_modify(job_desc)
     local comment = _string_field(job_desc, "comment")
     if comment then
-        _parse_comment(comment)
+        _directive_in_comment(comment)
     end
 end
 

@@ -1,0 +1,130 @@
+"""The journal of AdminComment records not yet written: how a decision reaches sacct without the
+Prolog waiting on slurmctld.
+
+The Prolog writes one small file per job, ``journal_dir/JOBID``, before the job starts::
+
+    node=dgx1 nodes=1
+    mapa:topology=ring sensitive=yes # dgx1=0,3,2,1 policy=preserve free=0-7 eff=68.707 ...
+
+and mapa-agent writes the record into the job's AdminComment later (:func:`flush`), merged with
+what is there (decision.with_decision keeps an admin's text and the other nodes' decisions),
+at most ``admin_comment_rate`` writes per second, retrying with back-off while slurmctld does
+not answer. The file goes only once the record is in the AdminComment, or cannot ever be (the
+job is gone, the record would not fit); it lives on disk (``/var/lib``, not ``/run``), so a
+record is not lost when the agent or the node restarts. A later decision for the same job
+replaces the file: records are coalesced per job.
+
+Parsing and formatting are pure; the file functions are the only I/O.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import paths
+from .commands import is_job_id
+
+ENTRY_MAX_BYTES = 16384
+MAX_ENTRIES = 100000  # past this the listing stops reading (a node never has this many unwritten)
+_HEADER = re.compile(r"node=([^\s#=]{1,255}) nodes=([0-9]{1,6})")  # a node name decision.with_decision can write
+
+
+@dataclass(frozen=True)
+class Entry:
+    node: str
+    nodes_in_job: int
+    record: str  # the AdminComment record: "mapa:<directive> # NODE=GPUS ..."
+
+
+def entry_text(entry: Entry) -> str:
+    if "\n" in entry.record or not _HEADER.fullmatch(f"node={entry.node} nodes={entry.nodes_in_job}"):
+        raise ValueError(f"not a journal entry: {entry!r}")
+    return f"node={entry.node} nodes={entry.nodes_in_job}\n{entry.record}\n"
+
+
+def parse_entry(data: bytes) -> Entry:
+    """An entry as entry_text writes it; ValueError for anything else."""
+    if len(data) > ENTRY_MAX_BYTES:
+        raise ValueError(f"journal entry of {len(data)} bytes (accepted: at most {ENTRY_MAX_BYTES})")
+    text = data.decode("utf-8")
+    lines = text.split("\n")
+    header = _HEADER.fullmatch(lines[0]) if len(lines) == 3 and lines[2] == "" else None
+    if header is None or not lines[1]:
+        raise ValueError(f"not a journal entry: {data[:80]!r}")
+    return Entry(header.group(1), int(header.group(2)), lines[1])
+
+
+def write(journal_dir: Path, job_id: str, entry: Entry) -> None:
+    paths.ensure_trusted_dir(journal_dir)
+    paths.replace_file(Path(journal_dir) / job_id, entry_text(entry).encode(), mode=0o600)
+
+
+def remove(journal_dir: Path, job_id: str) -> None:
+    paths.remove(Path(journal_dir) / job_id)
+
+
+def pending(journal_dir: Path) -> list[tuple[str, Entry | None, float]]:
+    """(job id, entry or None when unreadable, modification time) of every entry, oldest first."""
+    found: list[tuple[str, Entry | None, float]] = []
+    try:
+        scanned = list(os.scandir(journal_dir))[:MAX_ENTRIES]
+    except FileNotFoundError:
+        return found
+    for item in scanned:
+        if not is_job_id(item.name):
+            continue
+        try:
+            mtime = item.stat(follow_symlinks=False).st_mtime
+            entry: Entry | None = parse_entry(paths.read_bytes(Path(item.path), ENTRY_MAX_BYTES))
+        except (OSError, ValueError):
+            entry, mtime = None, 0.0
+        found.append((item.name, entry, mtime))
+    found.sort(key=lambda item: (item[2], int(item[0])))
+    return found
+
+
+SENDING_PREFIX = ".sending-"
+
+
+def take(journal_dir: Path, job_id: str) -> Entry | None:
+    """Set an entry aside for writing (renamed to .sending-JOBID, so that a newer decision for the
+    job, written meanwhile, is not lost when this one is done); None if it is gone or unreadable
+    (an unreadable one is removed)."""
+    sending = Path(journal_dir) / f"{SENDING_PREFIX}{job_id}"
+    try:
+        os.rename(Path(journal_dir) / job_id, sending)
+        return parse_entry(paths.read_bytes(sending, ENTRY_MAX_BYTES))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        paths.remove(sending)
+        return None
+
+
+def finish(journal_dir: Path, job_id: str, done: bool) -> None:
+    """After a write: drop the entry set aside, or, to try again later, put it back unless a
+    newer one for the job arrived meanwhile (which then replaces it)."""
+    sending = Path(journal_dir) / f"{SENDING_PREFIX}{job_id}"
+    if not done:
+        try:
+            os.link(sending, Path(journal_dir) / job_id)
+        except OSError:
+            pass  # a newer entry is there: it supersedes this one
+    paths.remove(sending)
+
+
+def recover(journal_dir: Path) -> None:
+    """Entries set aside by an agent that stopped mid-write go back (unless a newer one is there)."""
+    try:
+        names = [name for name in os.listdir(journal_dir) if name.startswith(SENDING_PREFIX)]
+    except FileNotFoundError:
+        return
+    for name in names:
+        job_id = name[len(SENDING_PREFIX):]
+        if is_job_id(job_id):
+            finish(journal_dir, job_id, done=False)
+        else:
+            paths.remove(Path(journal_dir) / name)

@@ -1,0 +1,155 @@
+"""The job-start path asks slurmctld nothing (issue: keep slurmctld off the start path).
+
+With job_submit.lua installed the directive reaches the Prolog in SLURM_JOB_COMMENT; which jobs
+still run is learnt by mapa-agent's reconcile pass; the AdminComment record goes through an
+on-disk journal that the agent writes later, retrying until slurmctld answers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_mapa.slurm import journal
+from slurm_mapa.slurm.agent import Agent, Background
+from slurm_mapa.slurm.commands import CommandFailed
+from slurm_mapa.slurm.decision import parse_decisions
+from slurm_mapa.slurm.epilog import run_epilog
+from slurm_mapa.slurm.hooks import run_prolog, touch_reconciled
+
+from test_hooks import FakeSlurm, env_for
+
+
+class NoSlurm:
+    """A Slurm that fails the test when anything calls it."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv):
+        self.calls.append(list(argv))
+        raise AssertionError(f"the start path called {argv}")
+
+
+def write_config(tmp_path: Path, **extra) -> Path:
+    lines = [f'ledger = "{tmp_path}/state/ledger.json"', f'jobs_dir = "{tmp_path}/jobs"', f'log = "{tmp_path}/log"', 'health = "off"']
+    lines += [f"{key} = {json.dumps(value)}" for key, value in extra.items()]
+    path = tmp_path / "mapa.toml"
+    path.write_text("\n".join(lines) + '\n[nodes]\n"dgx*" = "dgx1-v100"\n')
+    return path
+
+
+def load(path: Path):
+    from slurm_mapa.slurm.config import config_from_text
+
+    return config_from_text(path.read_text(), str(path))
+
+
+@pytest.mark.parametrize("comment", ["mapa:topology=ring sensitive=yes", "sweep 4 [mapa:topology=ring sensitive=yes]", "", "just notes"])
+def test_with_job_submit_lua_the_prolog_and_epilog_call_no_slurm_command(tmp_path, comment):
+    config = load(write_config(tmp_path, job_submit_lua=True))
+    slurm, logs = NoSlurm(), []
+    deferred: list = []
+    decision = run_prolog(env_for("11", "0,1,2,3", comment), config, slurm, logs.append, defer=deferred.append)
+    run_epilog({"SLURM_JOB_ID": "11"}, config, logs.append)
+    assert slurm.calls == [] and not [line for line in logs if "error" in line.lower()]
+    entry = journal.parse_entry((config.journal / "11").read_bytes())
+    assert entry.node == "dgx1" and parse_decisions(entry.record)["dgx1"].gpus == decision.gpus
+    sensitive = "mapa" in comment
+    assert entry.record.startswith(f"mapa:topology=ring sensitive={'yes' if sensitive else 'no'} # dgx1=")
+
+
+def test_without_the_plugin_at_most_one_call_remains_the_batch_script(tmp_path):
+    config = load(write_config(tmp_path))
+    slurm, logs = FakeSlurm(), []
+    slurm.scripts["12"] = "#!/bin/bash\n#MAPA topology=ring sensitive=yes\nsrun ./app\n"
+    run_prolog(env_for("12", "0,1"), config, slurm, logs.append, defer=lambda action: None)
+    assert slurm.calls == [["/usr/bin/scontrol", "write", "batch_script", "12", "-"]]
+    assert "sensitive=yes" in (config.journal / "12").read_text()
+
+
+def test_records_wait_in_the_journal_through_an_outage_and_an_agent_restart(tmp_path):
+    path = write_config(tmp_path, job_submit_lua=True)
+    config = load(path)
+    run_prolog(env_for("21", "0,1", "mapa:sensitive=yes"), config, NoSlurm(), [].append, defer=lambda action: None)
+    run_prolog(env_for("22", "2", "notes"), config, NoSlurm(), [].append, defer=lambda action: None)
+
+    class Down(FakeSlurm):
+        def __call__(self, argv):
+            self.calls.append(list(argv))
+            raise CommandFailed("scontrol: error: Unable to contact slurm controller (connect failure)")
+
+    down = Down()
+    first = Background(Agent(str(path), [].append, run=lambda timeout: down), "dgx1")
+    assert first.flush_records() == 0 and len(down.calls) == 2
+    assert sorted(p.name for p in config.journal.iterdir()) == ["21", "22"]
+    assert first.flush_records() == 0 and len(down.calls) == 2  # backing off: not asked again at once
+    up = FakeSlurm()
+    restarted = Background(Agent(str(path), [].append, run=lambda timeout: up), "dgx1")  # the agent restarted
+    assert restarted.flush_records() == 2
+    assert list(config.journal.iterdir()) == []
+    assert parse_decisions(up.admin["21"])["dgx1"].policy == "preserve" and up.admin["21"].startswith("mapa:topology=ring sensitive=yes #")
+    assert up.admin["22"].startswith("mapa:topology=ring sensitive=no # dgx1=")
+
+
+def test_the_agent_writes_records_at_a_bounded_rate(tmp_path):
+    path = write_config(tmp_path, job_submit_lua=True, admin_comment_rate=20)
+    config = load(path)
+    for job in range(30, 36):
+        run_prolog(env_for(str(job), str(job - 30), "mapa:"), config, NoSlurm(), [].append, defer=lambda action: None)
+    up = FakeSlurm()
+    background = Background(Agent(str(path), [].append, run=lambda timeout: up), "dgx1")
+    started = time.monotonic()
+    assert background.flush_records() == 6
+    assert time.monotonic() - started >= 5 / 20  # six writes at 20 per second
+
+
+def test_a_newer_record_written_while_the_older_is_sent_is_kept(tmp_path):
+    config = load(write_config(tmp_path, job_submit_lua=True))
+    config.journal.mkdir(parents=True, mode=0o700)
+    older = journal.Entry("dgx1", 1, "mapa:topology=ring sensitive=no # dgx1=0 policy=preserve")
+    newer = journal.Entry("dgx1", 1, "mapa:topology=ring sensitive=no # dgx1=1 policy=preserve")
+    journal.write(config.journal, "5", older)
+    assert journal.take(config.journal, "5") == older
+    journal.write(config.journal, "5", newer)  # the job's Prolog ran again meanwhile
+    journal.finish(config.journal, "5", done=False)  # the older failed: it must not replace the newer
+    assert journal.parse_entry((config.journal / "5").read_bytes()) == newer
+    assert [p.name for p in config.journal.iterdir()] == ["5"]
+    journal.write(config.journal, "6", older)
+    assert journal.take(config.journal, "6") == older  # then the agent stops mid-write
+    journal.recover(config.journal)
+    assert sorted(p.name for p in config.journal.iterdir()) == ["5", "6"]
+
+
+@pytest.mark.parametrize("data", [b"", b"node=dgx1 nodes=1\n", b"node=dgx1 nodes=x\nmapa:\n", b"node=a b nodes=1\nmapa:\n",
+                                  b"node=dgx1 nodes=1\nmapa:\nextra\n", b"\xff\xfe\n\n", b"node=dgx1 nodes=1\n" + b"x" * 20000 + b"\n"])
+def test_journal_entries_are_parsed_strictly(data):
+    with pytest.raises(ValueError):
+        journal.parse_entry(data)
+
+
+def test_an_unreadable_journal_entry_is_dropped_not_retried_for_ever(tmp_path):
+    path = write_config(tmp_path, job_submit_lua=True)
+    config = load(path)
+    config.journal.mkdir(parents=True, mode=0o700)
+    (config.journal / "7").write_bytes(b"\xff garbage")
+    up = FakeSlurm()
+    assert Background(Agent(str(path), [].append, run=lambda timeout: up), "dgx1").flush_records() == 0
+    assert list(config.journal.iterdir()) == [] and up.calls == []
+
+
+def test_the_in_process_prolog_without_an_agent_still_records_and_reconciles_when_due(tmp_path):
+    config = load(write_config(tmp_path, job_submit_lua=True, reconcile_interval=5))
+    slurm, logs = FakeSlurm(), []
+    slurm.running = {"41"}
+    run_prolog(env_for("41", "0", "mapa:"), config, slurm, logs.append)  # no agent: no defer
+    assert "dgx1=" in slurm.admin["41"] and list(config.journal.iterdir()) == []
+    assert [c for c in slurm.calls if "squeue" in c[0]]  # no pass had run: this Prolog ran one
+    slurm.calls.clear()
+    touch_reconciled(config)
+    slurm.running.add("42")
+    run_prolog(env_for("42", "1", "mapa:"), config, slurm, logs.append)
+    assert not [c for c in slurm.calls if "squeue" in c[0]]  # a pass ran less than reconcile_interval ago
