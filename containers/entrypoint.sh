@@ -69,9 +69,11 @@ shared_dirs() {
 }
 
 # Mock GPUs: one character device per File= entry of the node's gres.conf (Slurm only stat()s
-# them; a regular file is rejected and a GPU without File= is dropped).
+# them; a regular file is rejected and a GPU without File= is dropped). NVIDIA: /dev/nvidiaN
+# (major 195) and /dev/nvidiactl; AMD: /dev/dri/renderDN (major 226, the DRM major) and the
+# amdgpu driver's /dev/kfd, by which the TaskProlog tells an AMD node.
 make_gpu_devices() {
-    local gres=$1 spec path base lo hi i
+    local gres=$1 spec path base lo hi i major
     while read -r spec; do
         path=${spec#File=}
         if [[ $path =~ ^(.*[^0-9])\[([0-9]+)-([0-9]+)\]$ ]]; then
@@ -82,11 +84,19 @@ make_gpu_devices() {
             log "cannot make a device for $path"
             continue
         fi
+        major=195
+        if [[ $base == /dev/dri/* ]]; then
+            major=226
+            mkdir -p /dev/dri
+            [[ -c /dev/kfd ]] || mknod -m 666 /dev/kfd c 511 0
+        fi
         for ((i = lo; i <= hi; i++)); do
-            [[ -c $base$i ]] || { rm -f "$base$i"; mknod -m 666 "$base$i" c 195 "$i"; }
+            [[ -c $base$i ]] || { rm -f "$base$i"; mknod -m 666 "$base$i" c "$major" "$i"; }
         done
     done < <(grep -v '^[[:space:]]*#' "$gres" | grep -o 'File=[^[:space:]]*' || true)
-    [[ -c /dev/nvidiactl ]] || mknod -m 666 /dev/nvidiactl c 195 255
+    if grep -q 'File=/dev/nvidia' "$gres"; then
+        [[ -c /dev/nvidiactl ]] || mknod -m 666 /dev/nvidiactl c 195 255
+    fi
 }
 
 mariadb_server() {
@@ -150,8 +160,13 @@ case $ROLE in
         [[ -f $gres ]] || { log "no $gres"; exit 1; }
         ln -sfn "$gres" /etc/slurm/gres.conf
         make_gpu_devices "$gres"
-        # The mock nvidia-smi prints this node's topology, so `mapa topo discover` works here.
-        ln -sfn /opt/slurm-mapa/scripts/mock-nvidia-smi /usr/local/bin/nvidia-smi
+        # The mock nvidia-smi (rocm-smi on an AMD node) prints this node's topology, so
+        # `mapa topo discover` works here.
+        if grep -q 'File=/dev/dri/' "$gres"; then
+            ln -sfn /opt/slurm-mapa/scripts/mock-rocm-smi /usr/local/bin/rocm-smi
+        else
+            ln -sfn /opt/slurm-mapa/scripts/mock-nvidia-smi /usr/local/bin/nvidia-smi
+        fi
         start_munge
         shared_dirs
         write_hooks

@@ -398,3 +398,62 @@ def test_shipped_generic_bottleneck_model_covers_every_link_and_prefers_fast_pai
     assert chosen(bridge, [1, 2, 3], 2, model) == {2, 3}
     assert cli.main(["select", "--topology", str(BRIDGE), "--free", "0,2,3", "--gpus", "2",
                      "--directive", "topology=ring sensitive=yes", "--model", str(path)]) == 0
+
+
+# --- AMD: rccl-tests output, xGMI plans (issue 16) --------------------------------------------
+
+
+def test_parse_rccl_tests_output():
+    result = parse_nccl_tests((NCCL / "rccl-tests-mi250x-2gcd-in-package.txt").read_text(), source="rccl.txt")
+    assert result.ranks == 2 and len(result.rows) == 28
+    assert result.rows[-1].size == 1 << 30 and result.bus_bandwidth() == 143.09
+    assert result.avg_busbw == pytest.approx(47.13929)
+
+
+def test_a_file_with_two_runs_is_refused():
+    one = (NCCL / "rccl-tests-mi250x-2gcd-in-package.txt").read_text()
+    with pytest.raises(InputError, match="a second table starts"):
+        parse_nccl_tests(one + one, source="two.txt")
+    rows = [line for line in one.splitlines() if line.strip() and not line.startswith(("#", "[", "rccl"))]
+    with pytest.raises(InputError, match="after '# Collective test concluded: all_reduce_perf'"):
+        parse_nccl_tests(one + rows[-1] + "\n", source="two.txt")
+    with pytest.raises(InputError, match="a second table starts"):
+        parse_nccl_tests(synthetic_output(10.0, 2) + synthetic_output(12.0, 2), source="two.txt")
+
+
+def test_default_model_of_an_xgmi_node_reads_back_and_ranks_the_classes(tmp_path):
+    from slurm_mapa.calibrate.plan import default_model
+    from slurm_mapa.hardware.presets import preset
+
+    graph = preset("mi250x")
+    model = default_model(graph)
+    assert [s[0] for s in model.selectors] == ["NV4", "NV2", "NV1", "SYS"]
+    assert model.class_bandwidths == (200.0, 100.0, 50.0, 25.0)
+    for a, b in graph.pairs():
+        model.classify(graph.link(a, b))
+    again = load_model_text(model_to_toml(model), source="m.toml")
+    assert chosen(graph, range(8), 2, again) in ({0, 1}, {2, 3}, {4, 5}, {6, 7})
+    assert chosen(graph, [0, 2, 3, 6], 2, again) == {2, 3}
+    assert cli.main(["calibrate", "default", "--topology", "mi250x", "--output", str(tmp_path / "m.toml")]) == 0
+
+
+def test_xgmi_plan_measures_with_rccl_tests_and_fits(tmp_path):
+    from slurm_mapa.calibrate.plan import default_model
+    from slurm_mapa.hardware.presets import preset
+
+    graph = preset("mi250x")
+    plan = make_plan(graph, default_model(graph), max_gpus=3)
+    assert plan.vendor == "amd"
+    script = measurement_script(plan)
+    assert "HIP_VISIBLE_DEVICES=0,1 " in script and "CUDA_VISIBLE_DEVICES" not in script and "rccl-tests" in script
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan.as_dict()))
+    assert load_plan(str(plan_file)).vendor == "amd"
+    bandwidth = {"NV4": 140.0, "NV2": 75.0, "NV1": 38.0, "SYS": 20.0}
+    results = tmp_path / "results"
+    results.mkdir()
+    for run in plan.runs:
+        slowest = min(bandwidth[[s[0] for s in plan.selectors][i]] for i, c in enumerate(run.counts) if c)
+        (results / run.file).write_text(synthetic_output(slowest * (1 - 0.02 * (run.gpus - 2)), run.gpus))
+    model = _fit_cli(tmp_path, plan_file, sorted(str(p) for p in results.iterdir()), "--terms", "linear")
+    assert chosen(graph, range(8), 2, model) in ({0, 1}, {2, 3}, {4, 5}, {6, 7})

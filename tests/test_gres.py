@@ -114,7 +114,7 @@ def test_mini_cluster_cores_fit_slurm_conf():
     conf = ROOT / "containers" / "config" / "slurm.conf"
     if not conf.exists():
         pytest.skip("no mini cluster config")
-    nodes = {"dgx1": "dgx1-v100", "torus1": "torus2d-16", "summit1": "summit"}
+    nodes = {"dgx1": "dgx1-v100", "torus1": "torus2d-16", "summit1": "summit", "mi250x1": "mi250x"}
     for line in conf.read_text().splitlines():
         match = re.match(r"NodeName=(\S+) .*SocketsPerBoard=(\d+) CoresPerSocket=(\d+)", line)
         if match and match.group(1) in nodes:

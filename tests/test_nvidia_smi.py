@@ -23,8 +23,11 @@ from slurm_mapa.hardware.nvidia_smi import (
     parse_topo_matrix,
 )
 from slurm_mapa.hardware.presets import PRESETS, preset
+from slurm_mapa.hardware.topofile import graph_vendor
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
+# nvidia-smi can only print NVIDIA servers: the AMD presets (xGMI) have their own tests.
+NVIDIA_PRESETS = sorted(name for name in PRESETS if graph_vendor(preset(name)) == "nvidia")
 FIXTURES = sorted(path.stem for path in DATA.glob("*.txt"))
 ROOT = Path(__file__).resolve().parent.parent
 MOCK = ROOT / "scripts" / "mock-nvidia-smi"
@@ -217,7 +220,7 @@ def test_a_corrupted_line_gives_an_error_never_a_wrong_graph(name):
     lines = text.splitlines()
     caught = 0
     matrix_lines = {i for i, line in enumerate(lines) if line.strip() and not line.startswith("#")
-                    and "Legend" not in line and "=" not in line}
+                    and "Legend" not in line and "=" not in line and "nvidia-smi" not in line}
     for label, mutated in _mutations(lines):
         try:
             got = _reading("\n".join(mutated))
@@ -258,14 +261,23 @@ def test_gpu_list():
         ("NVIDIA A100-SXM4-80GB", 3),
         ("NVIDIA H100 80GB HBM3", 4),
         ("NVIDIA B200", 5),
+        ("NVIDIA H20", 4),
+        ("NVIDIA H200", 4),
+        ("NVIDIA H800", 4),
+        ("NVIDIA GH200 480GB", 4),
+        ("NVIDIA A800-SXM4-80GB", 3),
+        ("NVIDIA B300 SXM6 AC", 5),
+        ("NVIDIA GB200", 5),
+        ("NVIDIA GB300", 5),
         ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA RTX A6000", None),
     ],
 )
 def test_generation_from_model(model, generation):
     assert nvlink_generation_of(model) == generation
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", NVIDIA_PRESETS)
 def test_formatter_round_trips_every_preset(name):
     graph = preset(name)
     result = parse_discovery(format_topo_matrix(graph), format_gpu_list(graph), name=name)
@@ -289,7 +301,7 @@ def _wrapper(tmp_path: Path, env: dict[str, str]) -> Path:
     return script
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", NVIDIA_PRESETS)
 def test_discover_through_mock_nvidia_smi_reproduces_every_preset(name, tmp_path, capsys):
     fake = _wrapper(tmp_path, {"MAPA_PRESET": name})
     assert commands_main(["topo", "discover", "--source", "nvidia-smi", "--nvidia-smi", str(fake), "--name", name]) == 0
@@ -337,3 +349,92 @@ def test_terminal_styling_is_dropped_and_other_control_sequences_refused():
     assert result.graph.size == 1 and result.numa_affinity == ("0",) and result.gpu_numa_id == ("N/A",)
     with pytest.raises(InputError, match="line 1: a terminal control sequence other than text styling"):
         parse_topo_matrix(real.replace("\x1b[4m", "\x1b]0;title\x07"))
+
+
+# --- issue 16: prompts, sockets without CPU columns, current NVLink generations ------------------
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "nvidia-smi topo -m",
+        "$ nvidia-smi topo -m",
+        "[user@login01 ~]$ nvidia-smi topo -m",
+        "(base) user@gpu-box:~$ nvidia-smi topo -m",
+        "(pytorch) [user@node ~]$ nvidia-smi topo --matrix",
+        "PS C:\\Users\\admin> nvidia-smi topo -m",
+        "C:\\> nvidia-smi.exe topo -m",
+        "root@dgx:/# nvidia-smi topo -m",
+        "user@node:~$ sudo nvidia-smi topo -m | cat",
+    ],
+)
+def test_any_command_line_naming_nvidia_smi_may_come_first(prompt):
+    text = (DATA / "dgx1-v100.txt").read_text()
+    assert parse_topo_matrix(prompt + "\n" + text) == parse_topo_matrix(text)
+
+
+def test_a_line_that_is_no_command_is_still_refused():
+    text = (DATA / "dgx1-v100.txt").read_text()
+    for stray in ("user@node:~$ topo -m", "nvidia-smi-topo output below", "see nvidia-smi.log"):
+        with pytest.raises(InputError, match="expected the header"):
+            parse_topo_matrix(stray + "\n" + text)
+
+
+def test_sockets_from_sys_boundaries_when_no_cpu_columns():
+    # DGX-1 V100: NVLinks cross the sockets (0-4, 1-5, 2-6, 3-7); SYS pairs say where they are.
+    result = parse_topo_matrix((DATA / "dgx1-v100-no-cpu-columns.txt").read_text())
+    assert list(result.graph.domains) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert result.cpu_affinity is None
+    # PCIe short of SYS joins, SYS separates, NVLink joins only where no SYS pair would be inside.
+    text = "\tGPU0\tGPU1\tGPU2\tGPU3\nGPU0\t X \tNV4\tSYS\tSYS\nGPU1\tNV4\t X \tSYS\tSYS\nGPU2\tSYS\tSYS\t X \tPHB\nGPU3\tSYS\tSYS\tPHB\t X \n"
+    assert list(parse_topo_matrix(text).graph.domains) == [0, 0, 1, 1]
+    bridged = "\tGPU0\tGPU1\tGPU2\tGPU3\nGPU0\t X \tNV4\tSYS\tNV4\nGPU1\tNV4\t X \tNV4\tSYS\nGPU2\tSYS\tNV4\t X \tNV4\nGPU3\tNV4\tSYS\tNV4\t X \n"
+    # A ring of NVLinks with SYS across: 0-1 joins first, then 2 cannot join {0,1} (0-2 SYS) ...
+    domains = parse_topo_matrix(bridged).graph.domains
+    for a, b in ((0, 2), (1, 3)):
+        assert domains[a] != domains[b]
+    all_nvlink = "\tGPU0\tGPU1\nGPU0\t X \tNV12\nGPU1\tNV12\t X \n"
+    assert list(parse_topo_matrix(all_nvlink).graph.domains) == [0, 0]
+
+
+def test_b200_nv18_reads_900_from_the_gpu_list_in_the_paste():
+    result = parse_topo_matrix((DATA / "hgx-b200-with-gpu-list.txt").read_text())
+    graph = result.graph
+    assert graph.bandwidths.nvlink_generation == 5
+    assert {graph.link(a, b).token for a, b in graph.pairs()} == {"NVS18"}
+    assert graph.bandwidth(0, 7) == 900.0
+    assert result.notes == () and result.gpu_models == ("NVIDIA B200",) * 8
+
+
+def test_unknown_generation_is_a_noted_guess():
+    result = parse_topo_matrix((DATA / "gb200-tray-4gpu.txt").read_text())
+    assert result.graph.bandwidth(0, 1) == 450.0  # 18 x 25: the guess
+    assert len(result.notes) == 1 and "NVLink generation unknown" in result.notes[0]
+    assert "B200" in result.notes[0] and "50" in result.notes[0]
+    listed = "".join(f"GPU {i}: NVIDIA GB200 (UUID: GPU-{i:08d}-0000-0000-0000-000000000000)\n" for i in range(4))
+    known = parse_discovery((DATA / "gb200-tray-4gpu.txt").read_text(), listed)
+    assert known.graph.bandwidth(0, 1) == 900.0 and known.notes == ()
+    # A model outside the table: the note names it.
+    rtx = "".join(f"GPU {i}: NVIDIA RTX A6000 (UUID: GPU-{i:08d}-0000-0000-0000-000000000000)\n" for i in range(2))
+    pair = parse_discovery("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV4\t X \n", rtx)
+    assert "NVIDIA RTX A6000 is not in the model table" in pair.notes[0]
+    # PCIe-only servers have no NVLink to guess about.
+    assert parse_topo_matrix((DATA / "pcie-8x-rtx4090-sys.txt").read_text()).notes == ()
+
+
+def test_gpu_list_lines_in_the_paste_must_match_the_matrix():
+    text = (DATA / "hgx-b200-with-gpu-list.txt").read_text()
+    lines = text.splitlines()
+    seventh = next(i for i, line in enumerate(lines) if line.startswith("GPU 7:"))
+    with pytest.raises(InputError, match="list 7 GPUs but the matrix has 8"):
+        parse_topo_matrix("\n".join(lines[:seventh] + lines[seventh + 1 :]))
+    with pytest.raises(InputError, match="expected GPU 1 next, found GPU 2"):
+        parse_topo_matrix(text.replace("GPU 1: NVIDIA", "GPU 2: NVIDIA", 1))
+
+
+def test_topo_show_prints_the_generation_note(capsys):
+    assert commands_main(["topo", "show", str(DATA / "gb200-tray-4gpu.txt")]) == 0
+    out = capsys.readouterr().out
+    assert "NVLink generation 2 (a guess, see the note)" in out
+    assert "note: NVLink generation unknown" in out
+    assert "nothing to choose" in out

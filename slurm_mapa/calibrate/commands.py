@@ -8,11 +8,11 @@ import os
 import sys
 from typing import Any
 
-from ..core.effbw import bottleneck_model, load_model_file, model_to_toml
+from ..core.effbw import load_model_file, model_to_toml
 from ..errors import InputError
 from .fit import fit_model, format_report, measurements_from_files
 from .nccl import parse_size
-from .plan import format_plan, load_plan, make_plan, measurement_script
+from .plan import default_model, format_plan, load_plan, make_plan, measurement_script
 
 
 def add_commands(commands: Any) -> None:
@@ -65,7 +65,7 @@ def _write(path: str, text: str, *, executable: bool = False) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     graph = _graph(args.topology)
-    model = load_model_file(args.model) if args.model else bottleneck_model(graph)
+    model = load_model_file(args.model) if args.model else default_model(graph)
     plan = make_plan(graph, model, max_gpus=args.max_gpus, min_gpus=args.min_gpus, orders=args.orders)
     data = plan.as_dict()
     if args.output_dir:
@@ -118,7 +118,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 def cmd_default(args: argparse.Namespace) -> int:
     graph = _graph(args.topology)
-    model = bottleneck_model(graph)
+    model = default_model(graph)
     text = model_to_toml(
         model,
         comments=(

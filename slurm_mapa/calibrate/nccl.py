@@ -5,6 +5,11 @@ column headers), one table row per message size (out-of-place then in-place time
 busbw and error count; older releases have no ``root`` or ``redop`` column and an ``error``
 instead of a ``#wrong`` column), then ``# Out of bounds values`` and ``# Avg bus bandwidth``.
 Lines that mpirun prefixes with ``[1,0]<stdout>:`` and NCCL INFO lines in between are accepted.
+
+rccl-tests (AMD) prints the same table; its extra lines (``rccl-tests: Version ...``, RCCL and
+HIP version lines, ``# Errors with asterisks ...``, ``# Collective test concluded: ...``) are
+accepted. A file that holds two test runs (rows after ``Collective test concluded`` or after a
+second column header) is refused: its rows would mix two measurements.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ _AVG = re.compile(r"^#\s*Avg bus bandwidth\s*:\s*([0-9.eE+-]+)")
 _NGPUS = re.compile(r"\bnGpus\s+(\d+)")
 _NTHREAD = re.compile(r"\bnThread\s+(\d+)")
 _RANK = re.compile(r"^#\s*Rank\s+\d+")
+_CONCLUDED = re.compile(r"^#\s*Collective test concluded\s*:\s*(\S+)")
 _INT = re.compile(r"^\d+$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -84,6 +90,7 @@ def parse_nccl_tests(text: str, *, source: str = "nccl-tests output") -> NcclRes
     avg: float | None = None
     ranks = 0
     threads = gpus = None
+    concluded: str | None = None
     for raw in text.splitlines():
         line = _MPI_PREFIX.sub("", raw).strip()
         if not line:
@@ -91,7 +98,11 @@ def parse_nccl_tests(text: str, *, source: str = "nccl-tests output") -> NcclRes
         if line.startswith("#"):
             found = _columns(line)
             if found:
+                if rows:
+                    raise InputError(f"{source}: a second table starts at {raw.strip()!r}; expected one test run per file")
                 columns = found
+            elif match := _CONCLUDED.match(line):
+                concluded = match.group(1)
             elif match := _AVG.match(line):
                 avg = float(match.group(1))
             elif _RANK.match(line):
@@ -105,6 +116,11 @@ def parse_nccl_tests(text: str, *, source: str = "nccl-tests output") -> NcclRes
         tokens = line.split()
         if len(tokens) < 6 or not _INT.match(tokens[0]) or not _INT.match(tokens[1]):
             continue  # NCCL INFO lines, shell noise
+        if concluded is not None:
+            raise InputError(
+                f"{source}: a result row {raw.strip()!r} after '# Collective test concluded: {concluded}'; expected one "
+                f"test run per file"
+            )
         rows.append(_row(tokens, columns, source=source, line=raw))
     if not rows:
         raise InputError(f"{source}: no nccl-tests result rows found (expected lines such as '1048576  262144  float  sum  -1  ...')")

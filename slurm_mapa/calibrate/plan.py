@@ -7,6 +7,11 @@ GPU *set*: that of the ring NCCL takes (approximated as the order whose slowest 
 then the highest total bandwidth). ``make_plan`` walks every set of 2..N GPUs (a k-GPU ring
 counts k edges; a 2-GPU ring counts its link twice) and keeps the first set (lowest GPU indices)
 for each distinct count vector.
+
+AMD nodes (xGMI): the same runs with rccl-tests (its ``all_reduce_perf`` prints what nccl-tests
+prints), the GPUs given with ``HIP_VISIBLE_DEVICES``, and :func:`default_model` counting xGMI
+bonds by their link count (``NV<n>`` selectors match a direct bond of n links of either fabric)
+and relayed pairs (``XGMI0``) by their own bandwidth.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.effbw import EffectiveBandwidthModel, bottleneck_model
+from ..core.effbw import DEFAULT_PCIE_PATH_FACTORS, EffectiveBandwidthModel, bottleneck_model
 from ..core.hardware import HardwareGraph
+from ..core.links import PCIE_LEVELS, Link
 from ..errors import InputError
 
 MAX_RINGS = 2_000_000  # ring orders walked before giving up (a 9-GPU server is ~100k)
@@ -41,16 +47,61 @@ class PlannedRun:
         return f"{self.id}.txt"
 
 
+def has_xgmi(graph: HardwareGraph) -> bool:
+    return any(graph.link(a, b).is_xgmi for a, b in graph.pairs())
+
+
+def default_model(graph: HardwareGraph) -> EffectiveBandwidthModel:
+    """The default (bottleneck) model of ``graph``: :func:`~slurm_mapa.core.effbw.bottleneck_model`,
+    or on an xGMI node the same idea with selectors the model grammar reads: ``NV<n>`` for a
+    direct bond of n links (of either fabric), ``SYS`` for a relayed pair (``XGMI0``, whose
+    PCIe level is SYS) at its own bandwidth, PCIe levels as bottleneck_model scales them."""
+    if not has_xgmi(graph):
+        return bottleneck_model(graph)
+    links = {graph.links[a][b] for a, b in graph.pairs()}
+    same_pcie = len({graph.bandwidths.pcie[level] for level in PCIE_LEVELS}) == 1
+
+    def bandwidth(link: Link) -> float:
+        value = graph.bandwidths.of(link)
+        if link.kind == "pcie" and not link.is_xgmi and same_pcie:
+            value *= DEFAULT_PCIE_PATH_FACTORS.get(link.level, 1.0)
+        return round(value, 6)
+
+    by_selector: dict[str, float] = {}
+    for link in links:
+        if link.kind == "nvswitch":
+            selector = f"NVS>={link.links}"
+        elif link.kind == "nvlink":
+            selector = f"NV{link.links}"
+        else:
+            selector = link.level
+        # XGMI0 and a real SYS path share the SYS selector: the slower of the two counts.
+        by_selector[selector] = min(by_selector.get(selector, float("inf")), bandwidth(link))
+    ordered = sorted(by_selector.items(), key=lambda item: (-item[1], item[0]))
+    return EffectiveBandwidthModel(
+        name=f"bottleneck-{graph.name}",
+        class_names=tuple(f"x{i + 1}" for i in range(len(ordered))),
+        selectors=tuple((selector,) for selector, _ in ordered),
+        terms=(),
+        description=f"default bottleneck model of {graph.name} (xGMI: NV<n> counts bonds of n links, SYS relayed "
+                    f"pairs): predicted bus bandwidth = the slowest link class the pattern uses",
+        kind="bottleneck",
+        class_bandwidths=tuple(value for _, value in ordered),
+    )
+
+
 @dataclass(frozen=True)
 class Plan:
     topology: str
     class_names: tuple[str, ...]
     selectors: tuple[tuple[str, ...], ...]
     runs: tuple[PlannedRun, ...]
+    vendor: str = "nvidia"  # "amd": rccl-tests, HIP_VISIBLE_DEVICES
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "topology": self.topology,
+            "vendor": self.vendor,
             "classes": {name: list(sel) for name, sel in zip(self.class_names, self.selectors)},
             "nccl_args": NCCL_ARGS,
             "allocations": [
@@ -115,7 +166,7 @@ def make_plan(
             f"lower --max-gpus"
         )
     class_of = [[-1 if a == b else model.classify(graph.link(a, b)) for b in graph.gpus] for a in graph.gpus]
-    default = bottleneck_model(graph)
+    default = default_model(graph)
     speed = [[0.0 if a == b else default.class_bandwidths[default.classify(graph.link(a, b))] for b in graph.gpus] for a in graph.gpus]
     runs: list[PlannedRun] = []
     for k in range(min_gpus, top + 1):
@@ -129,7 +180,8 @@ def make_plan(
                 seen.setdefault(tuple(counts), ring)
         for index, (counts, ring) in enumerate(sorted(seen.items(), key=lambda item: (item[1], item[0]))):
             runs.append(PlannedRun(id=f"ring{k}-{index + 1:02d}", ring=ring, counts=counts))
-    return Plan(topology=graph.name, class_names=model.class_names, selectors=model.selectors, runs=tuple(runs))
+    return Plan(topology=graph.name, class_names=model.class_names, selectors=model.selectors, runs=tuple(runs),
+                vendor="amd" if has_xgmi(graph) else "nvidia")
 
 
 def plan_from_dict(data: Any, *, source: str) -> Plan:
@@ -144,9 +196,12 @@ def plan_from_dict(data: Any, *, source: str) -> Plan:
             class_names=tuple(classes),
             selectors=tuple(tuple(str(s) for s in sel) for sel in classes.values()),
             runs=runs,
+            vendor=str(data.get("vendor", "nvidia")),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise InputError(f"{source}: not a calibration plan (from `mapa calibrate plan --json`): {error}") from None
+    if plan.vendor not in ("nvidia", "amd"):
+        raise InputError(f"{source}: vendor {plan.vendor!r}; expected nvidia or amd")
     for run in plan.runs:
         if len(run.counts) != len(plan.class_names):
             raise InputError(f"{source}: allocation {run.id} has {len(run.counts)} counts for {len(plan.class_names)} classes")
@@ -174,13 +229,16 @@ def format_plan(plan: Plan) -> str:
 
 
 def measurement_script(plan: Plan) -> str:
-    """A bash script that runs all_reduce_perf on every planned allocation, one output file each."""
+    """A bash script that runs all_reduce_perf on every planned allocation, one output file each
+    (nccl-tests with CUDA_VISIBLE_DEVICES, or on AMD nodes rccl-tests with HIP_VISIBLE_DEVICES)."""
+    amd = plan.vendor == "amd"
+    library, tests, visible = ("RCCL", "rccl-tests", "HIP_VISIBLE_DEVICES") if amd else ("NCCL", "nccl-tests", "CUDA_VISIBLE_DEVICES")
     lines = [
         "#!/bin/bash",
-        f"# Generated by `mapa calibrate plan` for {plan.topology}: {len(plan.runs)} NCCL all-reduce runs.",
+        f"# Generated by `mapa calibrate plan` for {plan.topology}: {len(plan.runs)} {library} all-reduce runs.",
         "# Run it on an idle node (e.g. inside `salloc --exclusive --gres=gpu:N`), then:",
         "#   mapa calibrate fit --plan plan.json results/*.txt --output model.toml",
-        "# ALL_REDUCE_PERF: the nccl-tests binary; RESULTS: the output folder.",
+        f"# ALL_REDUCE_PERF: the {tests} binary; RESULTS: the output folder.",
         "set -euo pipefail",
         'ALL_REDUCE_PERF="${ALL_REDUCE_PERF:-all_reduce_perf}"',
         'RESULTS="${RESULTS:-results}"',
@@ -191,5 +249,5 @@ def measurement_script(plan: Plan) -> str:
         out = f'"$RESULTS"/{shlex.quote(run.file)}'
         marker = f"# mapa-calibrate id={run.id} ring={devices} counts={','.join(map(str, run.counts))}"
         lines.append(f"echo {shlex.quote(marker)} > {out}")
-        lines.append(f'NCCL_ALGO=Ring CUDA_VISIBLE_DEVICES={devices} "$ALL_REDUCE_PERF" {NCCL_ARGS} -g {run.gpus} >> {out}')
+        lines.append(f'NCCL_ALGO=Ring {visible}={devices} "$ALL_REDUCE_PERF" {NCCL_ARGS} -g {run.gpus} >> {out}')
     return "\n".join(lines) + "\n"

@@ -41,10 +41,15 @@ def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argpar
         description="Read the GPU topology (NVML, nvidia-smi, or a saved `nvidia-smi topo -m` text) and print "
         "a topology file an admin can keep under version control.",
     )
-    discover.add_argument("--source", choices=("nvml", "nvidia-smi", "file"), default="nvidia-smi")
-    discover.add_argument("--file", help="with --source file: a saved `nvidia-smi topo -m` output")
+    discover.add_argument("--source", choices=("nvml", "nvidia-smi", "amdsmi", "rocm-smi", "file"), default="nvidia-smi")
+    discover.add_argument(
+        "--file",
+        help="with --source file: a saved `nvidia-smi topo -m`, `rocm-smi --showtopo --shownodesbw` or "
+        "`amd-smi topology` output (the format is detected)",
+    )
     discover.add_argument("--gpu-list", help="with --source file: a saved `nvidia-smi -L` output (GPU model, UUIDs)")
     discover.add_argument("--nvidia-smi", default="nvidia-smi", dest="nvidia_smi", help="the nvidia-smi to run")
+    discover.add_argument("--rocm-smi", default="rocm-smi", dest="rocm_smi", help="the rocm-smi to run")
     discover.add_argument("--name", help="the topology's name (default: the host name)")
     output = discover.add_mutually_exclusive_group()
     output.add_argument("--toml", action="store_const", const="toml", dest="format", help="TOML (the default)")
@@ -55,10 +60,17 @@ def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argpar
     show = topo_commands.add_parser(
         "show", help="print a topology: a preset or a topology file", description="Print a topology's link matrix."
     )
-    show.add_argument("topology", nargs="?", help="a preset name, a topology file (.toml) or a saved `nvidia-smi topo -m`")
+    show.add_argument(
+        "topology",
+        nargs="?",
+        help="a preset name, a topology file (.toml) or a saved `nvidia-smi topo -m`, `rocm-smi --showtopo "
+        "--shownodesbw` or `amd-smi topology` (detected)",
+    )
     show.add_argument("--topology", dest="topology_option", help="the same, as an option")
     show.add_argument("--json", action="store_true", help="JSON: the topology file's fields plus the bandwidth matrix (GB/s)")
     show.add_argument("--nvidia-smi-format", action="store_true", help="print it as `nvidia-smi topo -m` would")
+    show.add_argument("--rocm-smi-format", action="store_true",
+                      help="print it as `rocm-smi --showtopo --shownodesbw` would (AMD topologies)")
     show.set_defaults(func=cmd_show, handler=cmd_show)
 
     gres = subparsers.add_parser(
@@ -69,6 +81,9 @@ def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argpar
     )
     gres.add_argument("--topology", help="a preset name, a topology file (.toml) or a saved `nvidia-smi topo -m`")
     gres.add_argument("--nvidia-smi", default="nvidia-smi", dest="nvidia_smi", help="the nvidia-smi to run")
+    gres.add_argument("--source", choices=("nvidia-smi", "rocm-smi", "amdsmi"), default="nvidia-smi",
+                      help="without --topology: how to read the local GPUs (default nvidia-smi)")
+    gres.add_argument("--rocm-smi", default="rocm-smi", dest="rocm_smi", help="the rocm-smi to run")
     gres.add_argument("--node", help="prefix each line with NodeName=NODE")
     gres.add_argument("--type", dest="gres_type", help="Type= for every line (e.g. a100)")
     gres.add_argument("--cores", type=int, help="the node's core count in slurm.conf (Sockets x CoresPerSocket)")
@@ -104,7 +119,7 @@ def _run_nvidia_smi(executable: str, *arguments: str) -> str:
     try:
         done = subprocess.run([executable, *arguments], capture_output=True, text=True, timeout=120, check=False)
     except FileNotFoundError:
-        raise InputError(f"{executable} not found; install the NVIDIA driver or use --source file/nvml") from None
+        raise InputError(f"{executable} not found; install the GPU driver's tools or use --source file") from None
     except subprocess.TimeoutExpired:
         raise InputError(f"`{executable} {' '.join(arguments)}` did not answer within 120 s") from None
     if done.returncode != 0:
@@ -114,35 +129,72 @@ def _run_nvidia_smi(executable: str, *arguments: str) -> str:
     return done.stdout
 
 
+def _read_local_cpulist(bdf: str) -> str | None:
+    """sysfs ``local_cpulist`` of a PCI device (AMD SMI has no CPU affinity query)."""
+    try:
+        text = Path(f"/sys/bus/pci/devices/{bdf}/local_cpulist").read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+def _warn(lines: tuple[str, ...] | list[str], prefix: str = "warning") -> None:
+    for line in lines:
+        print(f"mapa: {prefix}: {line}", file=sys.stderr)
+
+
 def discover_topology(source: str, *, name: str, nvidia_smi: str = "nvidia-smi", file: str | None = None,
-                      gpu_list: str | None = None) -> Topology:
+                      gpu_list: str | None = None, rocm_smi: str = "rocm-smi") -> Topology:
     if source == "nvml":
         from .nvml import discover, load_pynvml, nvml_session
 
         with nvml_session(load_pynvml()) as nvml:
             found = discover(nvml, name=name)
-        for warning in found.warnings:
-            print(f"mapa: warning: {warning}", file=sys.stderr)
+        _warn(found.warnings)
         return found.topology
+    if source == "amdsmi":
+        from .amd import amdsmi_session, discover as discover_amd, load_amdsmi
+
+        with amdsmi_session(load_amdsmi()) as amdsmi:
+            found_amd = discover_amd(amdsmi, name=name, cpulist_of=_read_local_cpulist)
+        _warn(found_amd.warnings)
+        return found_amd.topology
+    if source == "rocm-smi":
+        from .rocm_smi import parse_amd_topology
+
+        amd = parse_amd_topology(_run_nvidia_smi(rocm_smi, "--showtopo", "--shownodesbw"), name=name)
+        _warn(amd.notes, "note")
+        return Topology(graph=amd.graph, vendor="amd", notes=amd.notes)
     if source == "file":
         if not file:
-            raise InputError("--source file needs --file <saved `nvidia-smi topo -m` output>")
+            raise InputError("--source file needs --file <saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output>")
+        text = _read(file)
+        from .rocm_smi import detect_amd_tool, parse_amd_topology
+
+        if detect_amd_tool(text):
+            if gpu_list:
+                raise InputError("--gpu-list is an `nvidia-smi -L` output; it does not go with a rocm-smi/amd-smi file")
+            amd = parse_amd_topology(text, name=name, source=file)
+            _warn(amd.notes, "note")
+            return Topology(graph=amd.graph, pci_bus_ids=amd.pci_bus_ids, vendor="amd", notes=amd.notes)
         list_text = _read(gpu_list) if gpu_list else None
         try:
-            result = parse_discovery(_read(file), list_text, name=name)
+            result = parse_discovery(text, list_text, name=name)
         except InputError as error:
             raise InputError(f"{file}: {error}") from None
         from .nvidia_smi import parse_gpu_list
 
         uuids = tuple(entry.uuid for entry in parse_gpu_list(list_text)) if list_text else None
-        return Topology(graph=result.graph, uuids=uuids)
+        _warn(result.notes, "note")
+        return Topology(graph=result.graph, uuids=uuids, notes=result.notes)
     topo_text = _run_nvidia_smi(nvidia_smi, "topo", "-m")
     list_text = _run_nvidia_smi(nvidia_smi, "-L")
     result = parse_discovery(topo_text, list_text, name=name)
     from .nvidia_smi import parse_gpu_list
 
     uuids = tuple(entry.uuid for entry in parse_gpu_list(list_text))
-    return Topology(graph=result.graph, uuids=uuids)
+    _warn(result.notes, "note")
+    return Topology(graph=result.graph, uuids=uuids, notes=result.notes)
 
 
 def _emit(text: str, output: str | None) -> None:
@@ -158,7 +210,8 @@ def _emit(text: str, output: str | None) -> None:
 def cmd_discover(args: argparse.Namespace) -> int:
     name = args.name or socket.gethostname().split(".")[0] or "node"
     topology = discover_topology(
-        args.source, name=name, nvidia_smi=args.nvidia_smi, file=args.file, gpu_list=args.gpu_list
+        args.source, name=name, nvidia_smi=args.nvidia_smi, file=args.file, gpu_list=args.gpu_list,
+        rocm_smi=args.rocm_smi,
     )
     if args.format == "json":
         text = json.dumps(topology_to_dict(topology), indent=2) + "\n"
@@ -169,10 +222,17 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def show_text(topology: Topology) -> str:
-    """A readable view: the link matrix, domains, CPU affinity and the bandwidth of each class."""
+    """A readable view: the link matrix, domains, CPU affinity, the bandwidth of each class
+    (fastest first) and the notes on what the source could not say."""
     graph = topology.graph
     width = max(5, *(len(graph.link(a, b).token) + 1 for a, b in graph.pairs())) if graph.size > 1 else 5
-    out = [f"{graph.name}: {graph.size} GPUs, NVLink generation {graph.bandwidths.nvlink_generation}"]
+    if topology.gpu_vendor == "amd":
+        speed = f"xGMI {graph.bandwidths.xgmi_per_link:g} GB/s per link"
+    else:
+        speed = f"NVLink generation {graph.bandwidths.nvlink_generation}"
+        if any("NVLink generation unknown" in note for note in topology.notes):
+            speed += " (a guess, see the note)"
+    out = [f"{graph.name}: {graph.size} GPUs, {speed}"]
     if graph.description:
         out.append(graph.description)
     out.append("")
@@ -182,8 +242,12 @@ def show_text(topology: Topology) -> str:
         affinity = graph.cpu_affinity[a] if graph.cpu_affinity else "-"
         out.append(f"{'GPU' + str(a):<6}{cells}  {graph.domains[a]:>6}  {affinity}")
     out.append("")
-    classes = sorted({graph.link(a, b) for a, b in graph.pairs()})
+    classes = sorted({graph.link(a, b) for a, b in graph.pairs()}, key=lambda link: (-graph.bandwidths.of(link), link))
     out.append("bandwidth (GB/s): " + ", ".join(f"{link.token} {graph.bandwidths.of(link):g}" for link in classes))
+    if len(classes) == 1 and graph.size > 1:
+        out.append("every GPU pair has the same link class: MAPA has nothing to choose on this node while all links are up")
+    for note in topology.notes:
+        out.append(f"note: {note}")
     return "\n".join(out) + "\n"
 
 
@@ -195,8 +259,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         shown = topology_to_dict(topology) | {"bandwidth_gbps": topology.graph.bandwidth_matrix()}
         sys.stdout.write(json.dumps(shown, indent=2) + "\n")
-    elif args.nvidia_smi_format:
-        sys.stdout.write(format_topo_matrix(topology.graph))
+    elif args.nvidia_smi_format or args.rocm_smi_format:
+        amd = topology.gpu_vendor == "amd"
+        if args.nvidia_smi_format and amd:
+            raise InputError(f"{topology.graph.name} is an AMD (xGMI) topology, which nvidia-smi cannot print; use --rocm-smi-format")
+        if args.rocm_smi_format and not amd:
+            raise InputError(f"{topology.graph.name} is not an AMD (xGMI) topology; use --nvidia-smi-format")
+        if amd:
+            from .rocm_smi import format_showtopo
+
+            sys.stdout.write(format_showtopo(topology.graph))
+        else:
+            sys.stdout.write(format_topo_matrix(topology.graph))
     else:
         sys.stdout.write(show_text(topology))
     return 0
@@ -247,9 +321,9 @@ def cmd_gres_conf(args: argparse.Namespace) -> int:
         origin = f"mapa gres-conf --topology {args.topology}"
     else:
         name = socket.gethostname().split(".")[0] or "node"
-        topology = discover_topology("nvidia-smi", name=name, nvidia_smi=args.nvidia_smi)
+        topology = discover_topology(args.source, name=name, nvidia_smi=args.nvidia_smi, rocm_smi=args.rocm_smi)
         preset_name = None
-        origin = "mapa gres-conf (nvidia-smi)"
+        origin = f"mapa gres-conf ({args.source})"
     sys.stdout.write(
         gres_conf_text(
             topology,

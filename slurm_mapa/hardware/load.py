@@ -12,8 +12,23 @@ from .topofile import Topology, topology_from_toml_text
 MAX_TOPOLOGY_FILE_BYTES = 1 << 20
 
 
+def topology_from_text(text: str, *, source: str) -> Topology:
+    """A saved tool output, its format detected: ``rocm-smi --showtopo [--shownodesbw]`` or
+    ``amd-smi topology`` (by their section titles), else ``nvidia-smi topo -m``."""
+    from .rocm_smi import detect_amd_tool, parse_amd_topology
+
+    if detect_amd_tool(text):
+        amd = parse_amd_topology(text, source=source)
+        return Topology(graph=amd.graph, pci_bus_ids=amd.pci_bus_ids, vendor="amd", notes=amd.notes)
+    from .nvidia_smi import parse_topo_matrix
+
+    smi = parse_topo_matrix(text, source=source)
+    return Topology(graph=smi.graph, vendor="nvidia", notes=smi.notes)
+
+
 def load_topology_file(spec: str) -> Topology:
-    """A preset name, a TOML topology file, or a saved `nvidia-smi topo -m` output, with its GPU facts."""
+    """A preset name, a TOML topology file, or a saved `nvidia-smi topo -m`, `rocm-smi --showtopo`
+    or `amd-smi topology` output, with its GPU facts."""
     if spec in PRESETS:
         return Topology(graph=preset(spec))
     path = Path(spec)
@@ -27,11 +42,10 @@ def load_topology_file(spec: str) -> Topology:
         raise InputError(f"cannot read topology file {spec!r}: {error}") from None
     if path.suffix == ".toml":
         return topology_from_toml_text(text, source=str(path))
-    from .nvidia_smi import parse_topo_matrix
-
-    return Topology(graph=parse_topo_matrix(text, source=str(path)).graph)
+    return topology_from_text(text, source=str(path))
 
 
 def load_topology(spec: str) -> HardwareGraph:
-    """The hardware graph of a preset name, a TOML topology file, or a saved `nvidia-smi topo -m` output."""
+    """The hardware graph of a preset name, a TOML topology file, or a saved tool output (see
+    :func:`topology_from_text`)."""
     return load_topology_file(spec).graph

@@ -7,8 +7,10 @@ text carries: NICs and their links, CPU and NUMA affinity), and a graph back to 
 What the parser accepts, from real pastes (tests/data/nvidia-smi/):
 
 * tab- or space-aligned columns, headers whose names are glued together (``GPU0GPU1mlx5_0``),
-  lines before the matrix that are comments (``# ...``), a shell prompt running ``nvidia-smi``
-  or blank;
+  lines before the matrix that are comments (``# ...``), blank, a command line naming
+  ``nvidia-smi`` in any prompt (bare, ``$ ...``, ``[user@host ~]$ ...``, ``(base) user@host:~$
+  ...``, ``PS C:\\> nvidia-smi.exe ...``), or the ``nvidia-smi -L`` lines of the same paste
+  (``GPU 0: NVIDIA B200 (UUID: ...)``: they give the NVLink generation);
 * old and new legends (``SOC`` is read as ``SYS``), ``NV<n>`` for any bonded count, a legend or
   none, and the ``NIC Legend`` block of newer drivers;
 * NIC rows and columns (``mlx5_0``, ``NIC0``, ...): kept as facts, never GPU pairs;
@@ -24,6 +26,9 @@ token, an asymmetric matrix (a single changed cell is caught this way), a missin
 GPU row, a header that does not name the rows in order, and any stray text after the matrix
 that is not legend.
 
+The NVLink generation (bandwidth per link) comes from the GPU model (``-L``); without it the
+reading uses 25 GB/s per link (NVLink 2 to 4) and says in ``notes`` that this is a guess.
+
 NVSwitch: nvidia-smi prints a pair on an NVSwitch fabric as ``NV<n>`` like a direct link. A GPU
 whose ``NV`` counts add up to more NVLink ports than it has (:func:`nvlink_ports` of its
 generation, at least its largest single bond) must sit on a switch; pairs of two such GPUs
@@ -34,14 +39,17 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..core.hardware import HardwareGraph, build_graph
-from ..core.links import Bandwidths, Link, parse_link
+from ..core.links import PCIE_LEVELS, Bandwidths, Link, parse_link
 from ..errors import InputError
 
 # NVLink ports per GPU, by NVLink generation (P100 4, V100 6, A100 12, H100 18, B200 18).
 NVLINK_PORTS = {1: 4, 2: 6, 3: 12, 4: 18, 5: 18}
+# The generation a reading without a GPU model assumes (its per-link bandwidth, 25 GB/s, is
+# that of NVLink 2, 3 and 4 alike).
+FALLBACK_GENERATION = 2
 # Without a known generation, a GPU with more NVLinks than any GPU has ports is on a switch.
 MAX_NVLINK_PORTS = max(NVLINK_PORTS.values())
 
@@ -50,7 +58,9 @@ _GPU_LABEL = re.compile(r"^GPU(\d+)$")
 _DEVICE_LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]*$")
 _LEGEND_ENTRY = re.compile(r"^\s*(X|NV#|NV\d+|NVS#|SOC|SYS|NODE|PHB|PXB|PIX|NVB|NV|NIC\d*)\s*=\s*\S.*$")
 _NIC_LEGEND_ENTRY = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
-_PROMPT = re.compile(r"^\S*[$#>]\s+.*nvidia-smi")
+# A command line naming nvidia-smi, whatever the prompt before it ("$ ", "[user@host ~]$ ",
+# "(base) user@host:~$ ", "PS C:\\> ", none) and whatever follows (topo -m, topo --matrix).
+_COMMAND = re.compile(r"(?:^|[\s$#>:\]\\/])nvidia-smi(?:\.exe)?(?=\s|$|;|&|\|)", re.IGNORECASE)
 _CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
 
@@ -71,6 +81,8 @@ class SmiTopology:
     cpu_affinity: tuple[str, ...] | None = None
     numa_affinity: tuple[str, ...] | None = None
     gpu_numa_id: tuple[str, ...] | None = None
+    notes: tuple[str, ...] = ()
+    gpu_models: tuple[str, ...] = ()  # from `nvidia-smi -L` lines in the same paste
 
 
 @dataclass(frozen=True)
@@ -95,7 +107,13 @@ def _where(number: int, line: str) -> str:
 
 def _is_preamble(line: str) -> bool:
     stripped = line.strip()
-    return not stripped or stripped.startswith("#") or bool(_PROMPT.match(stripped))
+    return (
+        not stripped
+        or stripped.startswith("#")
+        or bool(_COMMAND.search(stripped))
+        or bool(_GPU_LIST_LINE.match(stripped))
+        or bool(_MIG_LIST_LINE.match(line))
+    )
 
 
 def _despace(text: str) -> str:
@@ -143,13 +161,16 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
             "nvidia-smi topo -m: no header line naming the columns (GPU0 GPU1 ...) found; "
             "expected the output of `nvidia-smi topo -m`"
         )
+    models = _preamble_models(lines[:header_at])
+    if nvlink_generation is None and models:
+        nvlink_generation = _common_generation(models)
     header = lines[header_at]
     header_words = header.split()
     if "GPU0" not in _despace(header) or (len(header_words) > 1 and header_words[1] == "X"):
         raise InputError(
             f"nvidia-smi topo -m, {_where(header_at + 1, header)}: expected the header line naming the columns "
-            f"(GPU0 GPU1 ... CPU Affinity) before the matrix; only blank lines, '#' comments and the command "
-            f"line may come before it"
+            f"(GPU0 GPU1 ... CPU Affinity) before the matrix; only blank lines, '#' comments, a command "
+            f"line naming nvidia-smi and `nvidia-smi -L` lines may come before it"
         )
 
     # The matrix rows: a device label and its cells, up to the legend (blank lines are skipped).
@@ -306,14 +327,22 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
     numa = tuple(columns["NUMA Affinity"]) if "NUMA Affinity" in columns else None
     gpu_numa = tuple(columns["GPU NUMA ID"]) if "GPU NUMA ID" in columns else None
     graph_affinity = cpu if cpu is not None and all(value not in ("", "N/A") for value in cpu) else None
+    if models and len(models) != gpu_count:
+        raise InputError(
+            f"nvidia-smi topo -m: the `nvidia-smi -L` lines before the matrix list {len(models)} GPUs but the "
+            f"matrix has {gpu_count}; expected the same GPUs in both"
+        )
     graph = build_graph(
         name,
         gpu_count,
         gpu_links,
-        bandwidths=Bandwidths(nvlink_generation=nvlink_generation or 2),
+        bandwidths=Bandwidths(nvlink_generation=nvlink_generation or FALLBACK_GENERATION),
         domains=infer_domains(gpu_count, gpu_links, cpu, numa),
         cpu_affinity=graph_affinity,
     )
+    notes = []
+    if nvlink_generation is None and any(parse_link(token).is_nvlink for token in gpu_links.values()):
+        notes.append(generation_guess_note(models))
     nics = tuple(label for _, label, _ in nic_rows)
     if nic_names:
         numbered = {nic for nic in nics if re.match(r"^NIC\d+$", nic)}
@@ -335,7 +364,39 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
         cpu_affinity=cpu,
         numa_affinity=numa,
         gpu_numa_id=gpu_numa,
+        notes=tuple(notes),
+        gpu_models=tuple(models),
     )
+
+
+def generation_guess_note(models: list[str] | tuple[str, ...] = ()) -> str:
+    """What a reading without a known NVLink generation says about its bandwidths."""
+    unknown = f" ({', '.join(sorted(set(models)))} is not in the model table)" if models else ""
+    return (
+        f"NVLink generation unknown{unknown}: read at 25 GB/s per link and direction (NVLink 2-4: V100, "
+        f"A100, H100, H200, H20); NVLink 1 (P100) is 20, NVLink 5 (B200, GB200, B300, GB300) 50 - "
+        f"save `nvidia-smi -L` with the matrix (or pass it with --gpu-list) to know"
+    )
+
+
+def _preamble_models(lines: list[str]) -> list[str]:
+    """GPU models of `nvidia-smi -L` lines pasted before the matrix, checked to be GPU 0, 1, ..."""
+    models: list[str] = []
+    for number, line in enumerate(lines, start=1):
+        match = _GPU_LIST_LINE.match(line.strip())
+        if not match:
+            continue
+        if int(match.group(1)) != len(models):
+            raise InputError(
+                f"nvidia-smi -L, {_where(number, line)}: expected GPU {len(models)} next, found GPU {match.group(1)}"
+            )
+        models.append(match.group(2).strip())
+    return models
+
+
+def _common_generation(models: list[str]) -> int | None:
+    generations = {nvlink_generation_of(model) for model in models}
+    return generations.pop() if len(generations) == 1 else None
 
 
 def _canonical(token: str) -> str:
@@ -463,8 +524,14 @@ def _classify_switches(links: dict[tuple[int, int], str], size: int, ports: int)
 def infer_domains(
     size: int, links: dict[tuple[int, int], str], cpu: tuple[str, ...] | None, numa: tuple[str, ...] | None
 ) -> list[int]:
-    """Domains: the NUMA Affinity column, else groups of equal CPU affinity, else the GPU groups
-    that reach each other without crossing the SMP interconnect (SYS)."""
+    """Domains: the NUMA Affinity column, else groups of equal CPU affinity, else socket groups
+    read from the matrix.
+
+    Without CPU columns: a PCIe path short of ``SYS`` (PIX, PXB, PHB, NODE) puts two GPUs in one
+    domain, ``SYS`` in two. NVLink cells hide the PCIe path, and NVLinks may cross sockets (a
+    DGX-1's cube-mesh does), so an NVLink pair joins two groups only when no ``SYS`` pair
+    would end up inside the joined group.
+    """
     if numa is not None and all(value.isdigit() for value in numa):
         return [int(value) for value in numa]
     if cpu is not None and all(value not in ("", "N/A") for value in cpu):
@@ -478,8 +545,16 @@ def infer_domains(
             gpu = parent[gpu]
         return gpu
 
-    for (a, b), token in links.items():
-        if token != "SYS":
+    apart = {(a, b) for (a, b), token in links.items() if token == "SYS"}
+    for (a, b), token in sorted(links.items()):
+        if token in ("PIX", "PXB", "PHB", "NODE"):
+            parent[find(a)] = find(b)
+    for (a, b), token in sorted(links.items()):
+        if token in PCIE_LEVELS or find(a) == find(b):
+            continue
+        group_a = {gpu for gpu in range(size) if find(gpu) == find(a)}
+        group_b = {gpu for gpu in range(size) if find(gpu) == find(b)}
+        if not any((min(x, y), max(x, y)) in apart for x in group_a for y in group_b):
             parent[find(a)] = find(b)
     order = {}
     return [order.setdefault(find(gpu), len(order)) for gpu in range(size)]
@@ -490,18 +565,28 @@ def infer_domains(
 _GPU_LIST_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: (GPU-[0-9A-Fa-f-]+)\)\s*$")
 _MIG_LIST_LINE = re.compile(r"^\s+MIG .+\(UUID: MIG-[^)]*\)\s*$")
 
+# Model name words -> NVLink generation, for boards whose links carry the generation's full
+# per-link rate. Sources: NVIDIA's data sheets (P100 NVLink 1; V100, Quadro GV100 NVLink 2;
+# A100, A800, A30 NVLink 3; H100, H800, H200, H20, GH200 NVLink 4; B100, B200, B300, GB200,
+# GB300 NVLink 5: 18 links, 1.8 TB/s per GPU both ways). Bridged workstation boards (A40,
+# RTX A6000: 112.5 GB/s both ways over the bridge) are left out: the reading notes the guess instead.
 _MODEL_GENERATIONS = (
     ("P100", 1),
     ("V100", 2),
+    ("GV100", 2),
     ("A100", 3),
     ("A800", 3),
+    ("A30", 3),
     ("H100", 4),
     ("H800", 4),
     ("H200", 4),
+    ("H20", 4),
     ("GH200", 4),
     ("B100", 5),
     ("B200", 5),
+    ("B300", 5),
     ("GB200", 5),
+    ("GB300", 5),
 )
 
 
@@ -616,5 +701,9 @@ def parse_discovery(topo_text: str, list_text: str | None = None, *, name: str =
                 f"nvidia-smi -L lists {len(entries)} GPUs but topo -m shows {result.graph.size}; "
                 f"expected the same GPUs in both"
             )
+        if generation is None and result.notes:
+            models = [entry.name for entry in entries]
+            notes = tuple(generation_guess_note(models) if "NVLink generation unknown" in note else note for note in result.notes)
+            result = replace(result, notes=notes)
         return result
     return parse_topo_matrix(topo_text, name=name, nvlink_generation=generation)

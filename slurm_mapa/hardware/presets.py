@@ -24,6 +24,17 @@ Sources:
 * ``hgx-h100`` - NVIDIA HGX H100 8-GPU: NVSwitch, 18 NVLink-4 links per GPU.
 * ``pcie-8`` - an 8-GPU PCIe server without NVLink: pairs behind one switch (PIX), switches
   under one host bridge (PHB), sockets joined by SYS (`topo -m` of such a server).
+* ``mi250x`` - an HPE Cray EX235a node as in LUMI-G, Frontier, Setonix and Adastra: four AMD
+  MI250X packages, eight GCDs (Slurm and HIP see each GCD as a GPU). The xGMI link counts are
+  the ``xgmi_num_links`` matrix the amdgpu driver printed on such a node
+  (https://github.com/ROCm/rocm-systems/issues/5763), which matches the OLCF Frontier and
+  LUMI-G node diagrams: 4 links inside each package (0-1, 2-3, 4-5, 6-7), 2 links for 0-6 and
+  2-4, 1 link for 0-2, 1-3, 1-5, 3-7, 4-6, 5-7, none for the other 16 pairs (XGMI0: relayed
+  through another GCD). 50 GB/s per link and direction. One 64-core EPYC 7A53 in NPS4: GCDs
+  0-1 sit next to NUMA node 3, 2-3 to 1, 4-5 to 0, 6-7 to 2 (the LUMI-G binding table).
+* ``mi300x`` - an 8-GPU AMD MI300X platform (UBB): every GPU has 7 xGMI links, one to each
+  other GPU (all-to-all, XGMI1), 64 GB/s per link and direction; GPUs 0-3 on socket 0 and 4-7
+  on socket 1 as in the usual two-socket servers.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..core.hardware import HardwareGraph, build_graph
-from ..core.links import Bandwidths
+from ..core.links import XGMI_PER_LINK, Bandwidths
 from ..errors import InputError
 
 _DGX1_DOUBLE = [(0, 3), (0, 4), (1, 2), (1, 5), (2, 3), (4, 7), (5, 6), (6, 7)]
@@ -155,6 +166,41 @@ def pcie_8() -> HardwareGraph:
     )
 
 
+# xGMI links between the GCDs of an MI250X node (amdgpu's xgmi_num_links; 0: no direct link).
+_MI250X_LINKS = {
+    (0, 1): 4, (2, 3): 4, (4, 5): 4, (6, 7): 4,
+    (0, 6): 2, (2, 4): 2,
+    (0, 2): 1, (1, 3): 1, (1, 5): 1, (3, 7): 1, (4, 6): 1, (5, 7): 1,
+}
+_LUMI_NUMA_CPUS = {0: "0-15,64-79", 1: "16-31,80-95", 2: "32-47,96-111", 3: "48-63,112-127"}
+_MI250X_NUMA = [3, 3, 1, 1, 0, 0, 2, 2]
+
+
+def mi250x() -> HardwareGraph:
+    links = {(a, b): f"XGMI{_MI250X_LINKS.get((a, b), 0)}" for a in range(8) for b in range(a + 1, 8)}
+    return build_graph(
+        "mi250x",
+        8,
+        links,
+        bandwidths=Bandwidths(xgmi_per_link=XGMI_PER_LINK["mi250x"]),
+        domains=_MI250X_NUMA,
+        cpu_affinity=[_LUMI_NUMA_CPUS[node] for node in _MI250X_NUMA],
+        description="HPE Cray EX235a (LUMI-G, Frontier): 4 AMD MI250X, 8 GCDs on xGMI (4, 2, 1 or no direct link)",
+    )
+
+
+def mi300x() -> HardwareGraph:
+    links = {(a, b): "XGMI1" for a in range(8) for b in range(a + 1, 8)}
+    return build_graph(
+        "mi300x",
+        8,
+        links,
+        bandwidths=Bandwidths(xgmi_per_link=XGMI_PER_LINK["mi300x"]),
+        domains=[0, 0, 0, 0, 1, 1, 1, 1],
+        description="AMD MI300X platform: 8 GPUs, one xGMI link between every pair",
+    )
+
+
 PRESETS: dict[str, Callable[[], HardwareGraph]] = {
     "dgx1-v100": dgx1_v100,
     "dgx1-p100": dgx1_p100,
@@ -164,6 +210,8 @@ PRESETS: dict[str, Callable[[], HardwareGraph]] = {
     "dgx-a100": dgx_a100,
     "hgx-h100": hgx_h100,
     "pcie-8": pcie_8,
+    "mi250x": mi250x,
+    "mi300x": mi300x,
 }
 
 

@@ -5,11 +5,13 @@ Format (every key but ``gpus`` is optional)::
     name = "dgx1-v100"
     description = "NVIDIA DGX-1 V100"
     gpus = 8
+    vendor = "nvidia"                # or "amd": device files /dev/dri/renderD*, ROCR_VISIBLE_DEVICES
     nvlink_generation = 2            # bandwidth per NVLink; 1 P100, 2 V100, 3 A100, 4 H100, 5 B200
-    default_link = "SYS"             # the class of every pair not under [links]; a PCIe level
+    default_link = "SYS"             # the class of every pair not under [links]; a PCIe level or XGMI0
     domains = [0, 0, 0, 0, 1, 1, 1, 1]          # socket / NUMA node of each GPU
     cpu_affinity = ["0-19,40-59", ...]          # CPU list of each GPU, as nvidia-smi prints it
-    minor_numbers = [0, 1, ...]                 # /dev/nvidiaN of each GPU (default: its index)
+    minor_numbers = [0, 1, ...]                 # /dev/nvidiaN (AMD: /dev/dri/renderDN) of each GPU
+                                                # (default: its index; AMD: 128 + its index)
     uuids = ["GPU-...", ...]                    # as NVML / nvidia-smi -L print them
     pci_bus_ids = ["00000000:07:00.0", ...]
 
@@ -20,6 +22,8 @@ Format (every key but ``gpus`` is optional)::
     [bandwidth]                      # overrides, GB/s in one direction
     nvlink_per_link = 25.0           # per NVLink of this file's generation
     PIX = 12.0                       # any PCIe level: PIX, PXB, PHB, NODE, SYS
+    xgmi_per_link = 50.0             # per xGMI link (MI250X 50, MI300X 64)
+    xgmi_relayed = 25.0              # an XGMI0 pair (default: half a link)
 
 GPUs are numbered 0..gpus-1 in nvidia-smi order (PCI bus order). Reading and writing are pure:
 :func:`topology_from_toml_text` / :func:`graph_from_toml_text` and :func:`graph_to_toml`.
@@ -36,12 +40,17 @@ from typing import Any
 
 from ..core.hardware import HardwareGraph, build_graph
 from ..core.links import PCIE_LEVELS, Bandwidths, parse_link
+
+VENDORS = ("nvidia", "amd")
+# The first render node minor: /dev/dri/renderD128 is the first GPU's (DRM numbering).
+RENDER_MINOR_BASE = 128
 from ..errors import InputError
 
 _PAIR = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 _TOP_KEYS = {
     "name",
     "description",
+    "vendor",
     "gpus",
     "nvlink_generation",
     "default_link",
@@ -53,7 +62,7 @@ _TOP_KEYS = {
     "links",
     "bandwidth",
 }
-_BANDWIDTH_KEYS = {"nvlink_per_link", *PCIE_LEVELS}
+_BANDWIDTH_KEYS = {"nvlink_per_link", "xgmi_per_link", "xgmi_relayed", *PCIE_LEVELS}
 
 
 @dataclass(frozen=True)
@@ -64,10 +73,30 @@ class Topology:
     minor_numbers: tuple[int, ...] | None = None
     uuids: tuple[str, ...] | None = None
     pci_bus_ids: tuple[str, ...] | None = None
+    vendor: str | None = None  # None: "amd" when the graph has xGMI links, else "nvidia"
+    notes: tuple[str, ...] = ()  # what the reader guessed, said to whoever reads the topology
+
+    @property
+    def gpu_vendor(self) -> str:
+        return self.vendor or graph_vendor(self.graph)
 
     def minor(self, gpu: int) -> int:
-        """The ``/dev/nvidiaN`` number of GPU ``gpu`` (its index when not recorded)."""
-        return self.minor_numbers[gpu] if self.minor_numbers is not None else gpu
+        """The device file number of GPU ``gpu``: ``/dev/nvidiaN``, or ``/dev/dri/renderDN`` on
+        AMD (the index, or 128 + the index on AMD, when not recorded)."""
+        if self.minor_numbers is not None:
+            return self.minor_numbers[gpu]
+        return RENDER_MINOR_BASE + gpu if self.gpu_vendor == "amd" else gpu
+
+    def device_file(self, gpu: int) -> str:
+        """The device file Slurm's gres.conf names for GPU ``gpu``."""
+        if self.gpu_vendor == "amd":
+            return f"/dev/dri/renderD{self.minor(gpu)}"
+        return f"/dev/nvidia{self.minor(gpu)}"
+
+
+def graph_vendor(graph: HardwareGraph) -> str:
+    """"amd" when any pair is an xGMI class, else "nvidia"."""
+    return "amd" if any(graph.link(a, b).is_xgmi for a, b in graph.pairs()) else "nvidia"
 
 
 def _fail(source: str, message: str) -> InputError:
@@ -104,6 +133,9 @@ def topology_from_toml_text(text: str, *, source: str = "<text>") -> Topology:
     description = data.get("description", "")
     if not isinstance(description, str):
         raise _fail(source, f"'description' must be a string, got {description!r}")
+    vendor = data.get("vendor")
+    if vendor is not None and vendor not in VENDORS:
+        raise _fail(source, f"'vendor' must be one of {', '.join(VENDORS)}, got {vendor!r}")
     default_link = data.get("default_link", "SYS")
     if not isinstance(default_link, str):
         raise _fail(source, f"'default_link' must be a PCIe level such as \"SYS\", got {default_link!r}")
@@ -174,7 +206,9 @@ def topology_from_toml_text(text: str, *, source: str = "<text>") -> Topology:
         )
     except InputError as error:
         raise _fail(source, str(error)) from None
-    return Topology(graph=graph, minor_numbers=minors, uuids=uuids, pci_bus_ids=bus_ids)
+    if vendor == "nvidia" and graph_vendor(graph) == "amd":
+        raise _fail(source, "vendor = \"nvidia\" but the links name xGMI classes; expected vendor = \"amd\"")
+    return Topology(graph=graph, minor_numbers=minors, uuids=uuids, pci_bus_ids=bus_ids, vendor=vendor)
 
 
 def _bandwidths(source: str, generation: Any, table: Any) -> Bandwidths:
@@ -185,7 +219,9 @@ def _bandwidths(source: str, generation: Any, table: Any) -> Bandwidths:
     unknown = sorted(set(table) - _BANDWIDTH_KEYS)
     if unknown:
         raise _fail(
-            source, f"unknown bandwidth key {unknown[0]!r}; accepted: nvlink_per_link, {', '.join(PCIE_LEVELS)}"
+            source,
+            f"unknown bandwidth key {unknown[0]!r}; accepted: nvlink_per_link, xgmi_per_link, xgmi_relayed, "
+            f"{', '.join(PCIE_LEVELS)}",
         )
     for key, value in table.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -198,8 +234,11 @@ def _bandwidths(source: str, generation: Any, table: Any) -> Bandwidths:
     for level in PCIE_LEVELS:
         if level in table:
             pcie[level] = float(table[level])
+    xgmi = dict(xgmi_per_link=float(table["xgmi_per_link"])) if "xgmi_per_link" in table else {}
+    if "xgmi_relayed" in table:
+        xgmi["xgmi_relayed"] = float(table["xgmi_relayed"])
     try:
-        return Bandwidths(nvlink_generation=generation, nvlink_per_link=per_link, pcie=pcie)
+        return Bandwidths(nvlink_generation=generation, nvlink_per_link=per_link, pcie=pcie, **xgmi)
     except InputError as error:
         raise _fail(source, str(error)) from None
 
@@ -222,8 +261,9 @@ def _default_link(graph: HardwareGraph) -> str:
     if not counts:
         return "SYS"
     best = max(counts.values())
-    # On a tie take the longest path, the usual "everything else" of a server.
-    return max((level for level, count in counts.items() if count == best), key=PCIE_LEVELS.index)
+    # On a tie take the longest path, the usual "everything else" of a server (XGMI0 last).
+    order = (*PCIE_LEVELS, "XGMI0")
+    return max((level for level, count in counts.items() if count == best), key=order.index)
 
 
 def graph_to_toml(
@@ -233,6 +273,7 @@ def graph_to_toml(
     uuids: tuple[str, ...] | list[str] | None = None,
     pci_bus_ids: tuple[str, ...] | list[str] | None = None,
     comment: str = "",
+    vendor: str | None = None,
 ) -> str:
     """A topology file for the graph; reading it back gives the same graph."""
     out = []
@@ -241,6 +282,9 @@ def graph_to_toml(
     out.append(f"name = {_toml_string(graph.name)}")
     if graph.description:
         out.append(f"description = {_toml_string(graph.description)}")
+    vendor = vendor or graph_vendor(graph)
+    if vendor != "nvidia":
+        out.append(f"vendor = {_toml_string(vendor)}")
     out.append(f"gpus = {graph.size}")
     out.append(f"nvlink_generation = {graph.bandwidths.nvlink_generation}")
     default = _default_link(graph)
@@ -276,6 +320,7 @@ def topology_to_toml(topology: Topology, *, comment: str = "") -> str:
         uuids=topology.uuids,
         pci_bus_ids=topology.pci_bus_ids,
         comment=comment,
+        vendor=topology.vendor,
     )
 
 
@@ -288,6 +333,10 @@ def _bandwidth_overrides(bandwidths: Bandwidths) -> dict[str, float]:
     for level in PCIE_LEVELS:
         if bandwidths.pcie[level] != base.pcie[level]:
             overrides[level] = float(bandwidths.pcie[level])
+    if bandwidths.xgmi_per_link != base.xgmi_per_link:
+        overrides["xgmi_per_link"] = float(bandwidths.xgmi_per_link)
+    if bandwidths.xgmi_relayed is not None:
+        overrides["xgmi_relayed"] = float(bandwidths.xgmi_relayed)
     return overrides
 
 
@@ -297,6 +346,7 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
     data: dict[str, Any] = {
         "name": graph.name,
         "description": graph.description,
+        "vendor": topology.gpu_vendor,
         "gpus": graph.size,
         "nvlink_generation": graph.bandwidths.nvlink_generation,
         "domains": list(graph.domains),
@@ -310,4 +360,8 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
         data["uuids"] = list(topology.uuids)
     if topology.pci_bus_ids is not None:
         data["pci_bus_ids"] = list(topology.pci_bus_ids)
+    if topology.gpu_vendor == "amd":
+        data["xgmi_per_link"] = graph.bandwidths.xgmi_per_link
+    if topology.notes:
+        data["notes"] = list(topology.notes)
     return data

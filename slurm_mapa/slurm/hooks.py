@@ -726,7 +726,7 @@ def prolog_failing_open(
         log(f"job {str(env.get('SLURM_JOB_ID', ''))[:20]}: the Prolog was killed by signal {retry}; running it once more")
     try:
         budget = Budget(max(config.prolog_budget - spent_before, MIN_BUDGET_S))
-        run_prolog(env, config, make_runner(config.command_timeout), log, problem, nvml_health_probe(config), budget=budget,
+        run_prolog(env, config, make_runner(config.command_timeout), log, problem, gpu_health_probe(config), budget=budget,
                    **agent_options)
     except Exception:  # noqa: BLE001 - fail open: never drain the node
         import traceback
@@ -776,10 +776,15 @@ def _pid_in_a_job(pid: int) -> bool:
         return True  # gone, or not ours to read: do not blame the GPU
 
 
-def nvml_health_probe(config: HookConfig) -> Callable[[], dict[int, tuple[str, ...]]] | None:
-    """NVML's view of sick GPUs, when the config asks for it and NVML is there."""
+def gpu_health_probe(config: HookConfig, kfd: Path = Path("/dev/kfd")) -> Callable[[], dict[int, tuple[str, ...]]] | None:
+    """The GPUs to leave out as the driver's library sees them (NVML; AMD SMI on nodes with the
+    amdgpu driver's /dev/kfd), when the config asks for it and the library is there."""
     if config.health == "off":
         return None
+    if kfd.exists():
+        from ..hardware.amd import health_probe
+
+        return health_probe(_pid_in_a_job)
     try:
         import pynvml  # type: ignore[import-not-found]  # noqa: F401
     except ImportError:

@@ -165,13 +165,21 @@ def configured_jobs_dir(config: str) -> Path:
     return HookConfig().jobs_dir if problem else loaded.jobs_dir
 
 
-def taskprolog_text(jobs_dir: str) -> str:
-    """The TaskProlog, reading the per-job files where the config puts them."""
+GPU_VENDORS = ("auto", "nvidia", "amd")
+
+
+def taskprolog_text(jobs_dir: str, gpu_vendor: str = "auto") -> str:
+    """The TaskProlog, reading the per-job files where the config puts them. ``gpu_vendor``
+    "auto" tells AMD nodes by the amdgpu driver's /dev/kfd; "nvidia" or "amd" fixes it."""
+    if gpu_vendor not in GPU_VENDORS:
+        raise InputError(f"GPU vendor {gpu_vendor!r}: expected one of {', '.join(GPU_VENDORS)}")
     text = TASKPROLOG.read_text()
-    default = "JOBS_DIR=/run/slurm-mapa/jobs\n"
-    if default not in text:
-        raise InputError(f"{TASKPROLOG} has no line {default.strip()!r} to point at {jobs_dir}")
-    return text.replace(default, f"JOBS_DIR={shlex.quote(jobs_dir)}\n")
+    for default, wanted in (("JOBS_DIR=/run/slurm-mapa/jobs\n", f"JOBS_DIR={shlex.quote(jobs_dir)}\n"),
+                            ("GPU_VENDOR=auto\n", f"GPU_VENDOR={gpu_vendor}\n")):
+        if default not in text:
+            raise InputError(f"{TASKPROLOG} has no line {default.strip()!r} to set")
+        text = text.replace(default, wanted)
+    return text
 
 
 def cmd_hooks(args: argparse.Namespace) -> int:
@@ -184,7 +192,7 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     jobs_dir = str(configured_jobs_dir(args.config))
     texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix, jobs_dir=jobs_dir)
              for kind in ENTRY}
-    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir)
+    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor)
     try:
         trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
     except trusted.UnsafePath as error:
@@ -211,4 +219,7 @@ def add_commands(commands: Any) -> None:
                                         "must be root's and not writable by others, in directories only root can change")
     hooks.add_argument("--config", default="/etc/slurm/mapa.toml", help="the hooks' config (default %(default)s)")
     hooks.add_argument("--pycache-prefix", help="byte-code cache for the in-process hooks, when the package directory is read-only")
+    hooks.add_argument("--gpu-vendor", choices=GPU_VENDORS, default="auto",
+                       help="what the TaskProlog exports: auto (default; AMD variables where /dev/kfd exists), nvidia "
+                            "(CUDA_VISIBLE_DEVICES) or amd (ROCR_VISIBLE_DEVICES and 0..k-1 HIP lists)")
     hooks.set_defaults(handler=cmd_hooks)

@@ -115,9 +115,13 @@ def highest_known_gpu(records: dict[str, JobRecords]) -> int:
 
 
 def device_count(dev: Path = Path("/dev")) -> int:
-    """How many NVIDIA GPUs the node's device files show (0 where there are none)."""
+    """How many GPUs the node's device files show: NVIDIA's /dev/nvidiaN, or on AMD nodes (the
+    amdgpu driver's /dev/kfd) the render nodes /dev/dri/renderD*; 0 where there are none."""
     try:
-        return sum(1 for name in os.listdir(dev) if re.fullmatch(r"nvidia[0-9]{1,4}", name))
+        nvidia = sum(1 for name in os.listdir(dev) if re.fullmatch(r"nvidia[0-9]{1,4}", name))
+        if nvidia or not os.path.exists(dev / "kfd"):
+            return nvidia
+        return sum(1 for name in os.listdir(dev / "dri") if re.fullmatch(r"renderD[0-9]{1,4}", name))
     except OSError:
         return 0
 

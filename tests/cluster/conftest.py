@@ -32,6 +32,7 @@ NODES: dict[str, tuple[str, int]] = {
     "dgx1": ("dgx1-v100", 8),
     "torus1": ("torus2d-16", 16),
     "summit1": ("summit", 6),
+    "mi250x1": ("mi250x", 8),
 }
 SERVICES = ("mariadb", "slurmdbd", "slurmctld", *NODES)
 CONTROLLER = "slurmctld"

@@ -660,3 +660,88 @@ def test_a_step_asking_for_fewer_gpus_gets_the_first_in_pattern_order(cluster):
     job = re.search(r"^job=([0-9,]+)$", out, re.M).group(1).split(",")
     step = re.search(r"^step=([0-9,]+)$", out, re.M).group(1).split(",")
     assert len(job) == 4 and step == job[:2], out
+
+
+# -- the AMD node: MI250X GCDs, render nodes, ROCm's variables (issue 16) ---------------------
+
+AMD_NODE = "mi250x1"
+AMD_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:{gpus}
+#MAPA topology=ring sensitive={sensitive}
+echo "rocr=$ROCR_VISIBLE_DEVICES"
+echo "hip=$HIP_VISIBLE_DEVICES"
+echo "cvd=$CUDA_VISIBLE_DEVICES"
+echo "ordinal=$GPU_DEVICE_ORDINAL"
+for _ in $(seq 1500); do [ -e /shared/jobs/release-$SLURM_JOB_ID ] && exit 0; sleep 0.2; done
+exit 3
+"""
+IN_PACKAGE = ({0, 1}, {2, 3}, {4, 5}, {6, 7})
+
+
+def _rocm_vars(cluster, jobid: int, timeout: float = 60) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = cluster.exec("slurmctld", ["cat", f"{cluster.job_dir}/{jobid}.out"], check=False).stdout
+        found = dict(re.findall(r"^(rocr|hip|cvd|ordinal)=([0-9,]*)$", out, re.M))
+        if len(found) == 4:
+            return found
+        if time.monotonic() > deadline:
+            raise cluster.Error(f"job {jobid} printed no ROCm variables: {out!r}")
+        time.sleep(0.3)
+
+
+def test_the_amd_node_gives_sensitive_pairs_one_mi250x_package_and_rocr_variables(cluster):
+    """Directive, decision, AdminComment and the job's variables on the mock MI250X node: each
+    sensitive pair gets the two GCDs of one package (XGMI4), as `mapa select` would, and the job
+    sees them in ROCR_VISIBLE_DEVICES with 0..k-1 in the HIP-level lists."""
+    _assert_ledger_empties(cluster, AMD_NODE, timeout=60)
+    graph = preset("mi250x")
+    held: list[tuple[int, ...]] = []
+    ids: list[int] = []
+    try:
+        for gpus, sensitive in ((2, True), (2, True), (1, False), (2, True)):  # 7 of the 8 GCDs
+            free = [g for g in graph.gpus if g not in {x for hold in held for x in hold}]
+            running = sorted(tuple(sorted(hold)) for hold in held)
+            expected = select("preserve", graph, free, Request(make_pattern("ring", gpus), sensitive), running=running)
+            jobid = cluster.sbatch(AMD_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", AMD_NODE)
+            ids.append(jobid)
+            cluster.wait_state(jobid, "RUNNING", timeout=60)
+            seen = _rocm_vars(cluster, jobid)
+            decision = parse_decisions(_admin_comment(cluster, jobid))[AMD_NODE]
+            rocr = tuple(int(g) for g in seen["rocr"].split(","))
+            assert rocr == decision.gpus == expected.gpus, (free, running, seen, expected.gpus)
+            local = ",".join(str(i) for i in range(gpus))
+            assert seen["hip"] == seen["cvd"] == seen["ordinal"] == local
+            if sensitive and gpus == 2:
+                assert set(rocr) in IN_PACKAGE and graph.link(*rocr).token == "XGMI4"
+            held.append(rocr)
+    finally:
+        for jobid in ids:
+            cluster.run("touch", f"{cluster.job_dir}/release-{jobid}")
+    for jobid in ids:
+        rec = cluster.wait_sacct(jobid, ("AdminComment", "State"), State="COMPLETED",
+                                 AdminComment=lambda v: f" # {AMD_NODE}=" in v)
+        assert rec["State"] == "COMPLETED"
+    _assert_ledger_empties(cluster, AMD_NODE)
+
+
+def test_srun_on_the_amd_node_gets_rocr_visible_devices(cluster):
+    proc = cluster.exec("slurmctld", ["srun", "-w", AMD_NODE, "--gres=gpu:2", "--comment=mapa:topology=ring sensitive=yes",
+                                      "bash", "-c", "echo rocr=$ROCR_VISIBLE_DEVICES hip=$HIP_VISIBLE_DEVICES"],
+                        user="alice", timeout=90)
+    match = re.search(r"rocr=([0-9,]+) hip=([0-9,]+)", proc.stdout)
+    assert match, proc.stdout
+    assert {int(g) for g in match.group(1).split(",")} in IN_PACKAGE and match.group(2) == "0,1"
+
+
+AMD_DISCOVER = ("import sys; sys.path.insert(0, '/opt/slurm-mapa'); from slurm_mapa.cli import main; "
+                "sys.exit(main(['topo', 'discover', '--source', 'rocm-smi', '--json']))")
+
+
+def test_discovery_on_the_amd_node_reads_its_mock_rocm_smi(cluster):
+    found = json.loads(cluster.exec(AMD_NODE, ["python3", "-I", "-c", AMD_DISCOVER]).stdout)
+    assert found["vendor"] == "amd" and found["links"] == preset("mi250x").link_tokens()
+    devices = cluster.exec(AMD_NODE, ["sh", "-c", "ls /dev/dri; test -c /dev/kfd && echo kfd"]).stdout.split()
+    assert devices == [f"renderD{128 + i}" for i in range(8)] + ["kfd"]
+    gres = cluster.run("scontrol", "show", "node", AMD_NODE)
+    assert "Gres=gpu:8" in gres

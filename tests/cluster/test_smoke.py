@@ -44,8 +44,12 @@ def test_nodes_carry_their_preset_and_gpu_device_files(cluster):
     for name, (preset, count) in cluster.nodes.items():
         env = cluster.exec(name, ["printenv", "MAPA_PRESET"]).stdout.strip()
         assert env == preset
-        devices = cluster.exec(name, ["bash", "-c", "for f in /dev/nvidia[0-9]*; do [ -c $f ] && echo $f; done"])
-        assert sorted(devices.stdout.split()) == sorted(f"/dev/nvidia{i}" for i in range(count))
+        # NVIDIA nodes: /dev/nvidiaN; the AMD node: render nodes /dev/dri/renderD(128+N), as gres.conf names them.
+        amd = preset.startswith("mi")
+        pattern, expected = (("/dev/dri/renderD[0-9]*", [f"/dev/dri/renderD{128 + i}" for i in range(count)]) if amd
+                             else ("/dev/nvidia[0-9]*", [f"/dev/nvidia{i}" for i in range(count)]))
+        devices = cluster.exec(name, ["bash", "-c", f"for f in {pattern}; do [ -c $f ] && echo $f; done"])
+        assert sorted(devices.stdout.split()) == sorted(expected)
 
 
 def test_gpu_job_on_dgx_sees_two_gpu_devices_and_is_in_sacct(cluster):
