@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import zlib
+from dataclasses import replace
 from math import ceil
 from importlib import resources
 from typing import Callable, Iterable, Iterator, Sequence
@@ -33,7 +34,7 @@ from .jobfile import read_jobfile, write_jobfile
 from .jobs import Job, ReadStats
 from .plots import boxplot_png, have_matplotlib, series_png
 from .sacct import SACCT_FIELDS, read_sacct_json, read_sacct_text
-from .simulate import ALL_POLICIES, Decider, Node, Options, RunResult, simulate
+from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, Decider, Node, Options, RunResult, simulate
 from .timemodel import parse_curve
 from .traces import TRACE_FORMATS, detect_csv, read_philly, trace_reader
 
@@ -64,6 +65,28 @@ def _policies(text: str | None) -> list[str]:
     if bad:
         raise InputError(f"unknown policy {', '.join(bad)} (accepted: {', '.join(ALL_POLICIES)}, or all)")
     return names
+
+
+def _node_choices(text: str | None) -> list[str]:
+    names = [c.strip() for c in (text or "first-fit").split(",") if c.strip()]
+    if names == ["all"]:
+        return list(NODE_CHOICES)
+    bad = [c for c in names if c not in NODE_CHOICES]
+    if bad or not names:
+        raise InputError(f"unknown node choice {', '.join(bad) or repr(text)} (accepted: {', '.join(NODE_CHOICES)}, or all)")
+    return list(dict.fromkeys(names))
+
+
+def _feature_sizes(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 2:
+        raise InputError(f"--feature-sizes {text!r} (accepted: comma-separated ring sizes of 2 GPUs or more, e.g. 2,3,4,8)")
+    return sizes
 
 
 def _detect(first: str) -> str:
@@ -153,7 +176,7 @@ def _progress(policy: str, enabled: bool) -> Callable[[int], None] | None:
 
 
 def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options: Options, *, csv_path: str | None,
-             progress: bool) -> list[RunResult]:
+             progress: bool, node_choices: Sequence[str] = ("first-fit",)) -> list[RunResult]:
     decider = Decider(options.model, configured=options.configured, extrapolate=options.extrapolate)
     results = []
     csv_handle = open(csv_path, "w", encoding="utf-8") if csv_path else None
@@ -161,15 +184,18 @@ def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options
         if csv_handle:
             csv_handle.write(report.CSV_HEADER + "\n")
         first = True
-        for policy in policies:
-            stats = source.stats if first else ReadStats()
-            on_record = (lambda rec: csv_handle.write(report.csv_row(rec) + "\n")) if csv_handle else None
-            result = simulate(source.jobs(stats), nodes, policy, options, decider=decider, on_record=on_record,
-                              on_progress=_progress(policy, progress))
-            if progress:
-                sys.stderr.write("\n")
-            results.append(result)
-            first = False
+        for choice in node_choices:
+            run_options = replace(options, node_choice=choice)
+            for policy in policies:
+                stats = source.stats if first else ReadStats()
+                on_record = (lambda rec: csv_handle.write(report.csv_row(rec) + "\n")) if csv_handle else None
+                label = policy if choice == "first-fit" else f"{policy}/{choice}"
+                result = simulate(source.jobs(stats), nodes, policy, run_options, decider=decider, on_record=on_record,
+                                  on_progress=_progress(label, progress))
+                if progress:
+                    sys.stderr.write("\n")
+                results.append(result)
+                first = False
     finally:
         if csv_handle:
             csv_handle.close()
@@ -368,7 +394,16 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
     nodes, cluster_notes, peak = _build_nodes(args, source, config, label)
     model = _model(args, config)
     extrapolate = bool(getattr(args, "extrapolate", False))
+    node_choices = _node_choices(args.node_choice)
+    if args.require_wait < 0:
+        raise InputError(f"--require-wait must be 0 minutes or more, got {args.require_wait:g}")
+    if not 0 < args.feature_threshold <= 1:
+        raise InputError(f"--feature-threshold must be a fraction in (0, 1], got {args.feature_threshold:g}")
     options = Options(
+        insensitive=args.insensitive_choice,
+        feature_threshold=args.feature_threshold,
+        feature_sizes=_feature_sizes(args.feature_sizes),
+        require_wait=args.require_wait * 60.0,
         backfill=args.backfill,
         time_model=parse_curve(args.time_model) if args.time_model is not None else None,
         pin_nodes=not args.no_pin,
@@ -378,7 +413,7 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
     )
     progress = args.progress or (args.progress is None and sys.stderr.isatty() and not args.json)
     results = _run_all(source, nodes, policies, options, csv_path=args.csv,
-                       progress=bool(progress and source.fmt not in ("json", "philly")))
+                       progress=bool(progress and source.fmt not in ("json", "philly")), node_choices=node_choices)
     share = getattr(args, "sensitive_share", None)
     warnings = [n for n in cluster_notes if n.startswith("warning:")]
     out: dict = {
@@ -387,7 +422,12 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
         "read": source.stats.as_dict(),
         "options": {"backfill": options.backfill, "pin_nodes": options.pin_nodes,
                     "time_model": [list(p) for p in options.time_model.points] if options.time_model else None,
-                    "sensitive_share": share, "extrapolate": extrapolate},
+                    "sensitive_share": share, "extrapolate": extrapolate,
+                    "node_choice": node_choices,
+                    "node_features": {"threshold": options.feature_threshold,
+                                      "sizes": list(options.feature_sizes) if options.feature_sizes else "2..largest node",
+                                      "insensitive_jobs_prefer": options.insensitive,
+                                      "require_wait_s": options.require_wait}},
         "model": {"name": model.name, "fitted_gpus": list(model.fitted_gpus) if model.fitted_gpus else None,
                   "outside_fitted_range": "extrapolated" if extrapolate else grounded_model().name},
         "cluster": {"notes": [n for n in cluster_notes if not n.startswith("warning:")],
@@ -554,6 +594,21 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="preserve-ahead's likely job sizes, e.g. 1:0.5,2:0.3,4:0.2, or 'log' to learn them from the input (default: uniform 1..5)")
     p.add_argument("--ahead-tolerance", type=float, default=None, metavar="FRACTION",
                    help="preserve-ahead: how much of a sensitive job's best it may give up for the future (default 0)")
+    p.add_argument("--node-choice", metavar="CHOICE[,...]",
+                   help="how the node is chosen, comma-separated to compare: first-fit (the first node with room, the "
+                        "default), slurm (select/cons_tres' tightest fit for equal weights), prefer (Slurm --prefer on "
+                        "MAPA's node features: sensitive k-GPU jobs prefer mapa_ring<k>), require (sensitive jobs "
+                        f"--constraint mapa_ring<k> until --require-wait), or all ({', '.join(NODE_CHOICES)})")
+    p.add_argument("--require-wait", type=float, default=60.0, metavar="MINUTES",
+                   help="require: how long a sensitive job holds out for a node with its feature before the constraint "
+                        "is relaxed to a preference (default 60; generated workloads' times are read as seconds)")
+    p.add_argument("--feature-threshold", type=float, default=0.9, metavar="F",
+                   help="mapa_ring<k> = a k-GPU ring of at least F x the fleet's best idle k-ring is free (default 0.9)")
+    p.add_argument("--feature-sizes", metavar="K,...", help="ring sizes the nodes publish features for (default 2 .. the largest node)")
+    p.add_argument("--insensitive-choice", choices=INSENSITIVE_CHOICES, default=Options.insensitive,
+                   help="prefer/require: what insensitive and 1-GPU jobs prefer: best-fit (nothing: Slurm's tightest fit), "
+                        "complement (mapa_noring<k> of their size), complement-min (mapa_noring<smallest size>) "
+                        f"(default {Options.insensitive})")
     p.add_argument("--no-pin", action="store_true", help="do not keep sacct jobs on their recorded node")
     p.add_argument("--csv", help="write one CSV row per job and policy to this file")
     p.add_argument("--plot", metavar="DIR", help="write PNG box plots to DIR (needs matplotlib)")

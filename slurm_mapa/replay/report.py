@@ -22,6 +22,7 @@ def summary(result: RunResult) -> dict:
 
     return {
         "policy": result.policy,
+        "node_choice": result.node_choice,
         "jobs": result.jobs,
         "dropped": dict(result.dropped),
         "stuck_in_queue": result.stuck,
@@ -31,6 +32,9 @@ def summary(result: RunResult) -> dict:
         "preserved_bw_time_mean": _r(result.mean_preserved),
         "fragmentation_time_mean": _r(result.mean_fragmentation, 4),
         "wait": five(result.wait),
+        "wait_sensitive": five(result.wait_sensitive),
+        "node_preference": {"met": result.preference_met, "missed": result.preference_missed,
+                            "relaxed_constraints": result.relaxed},
         "runtime": five(result.runtime),
         "runtime_sensitive": five(result.runtime_sensitive),
         "makespan": _r(result.makespan),
@@ -58,13 +62,16 @@ def summary(result: RunResult) -> dict:
 
 def table3(results: Sequence[RunResult], baseline: str = "baseline") -> list[dict] | None:
     """The paper's Table 3: run-time speed-up over ``baseline`` at min/25/50/75/max, and throughput."""
-    base = next((r for r in results if r.policy == baseline), None)
-    if base is None or not base.jobs:
+    bases = {r.node_choice: r for r in reversed(results) if r.policy == baseline}
+    if not bases or not any(b.jobs for b in bases.values()):
         return None
     qs = (("min", 0.0), ("p25", 0.25), ("median", 0.5), ("p75", 0.75), ("max", 1.0))
     rows = []
     for r in results:
-        row = {"policy": r.policy}
+        base = bases.get(r.node_choice)
+        if base is None or not base.jobs:
+            continue
+        row = {"policy": r.policy} if r.node_choice == "first-fit" else {"policy": r.policy, "node_choice": r.node_choice}
         for name, q in qs:
             b, p = base.runtime.quantile(q), r.runtime.quantile(q)
             row[name] = _r(b / p) if b and p else None
@@ -92,7 +99,7 @@ def table(results: Sequence[RunResult]) -> str:
     for r in results:
         f = r.eff_sensitive.five()
         lines.append(
-            f"{r.policy:<18} {r.jobs:>6} | "
+            f"{r.label:<18} {r.jobs:>6} | "
             + " ".join(_fmt(f[k], 6) for k in ("min", "p25", "median", "p75", "max"))
             + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
             + f"{_fmt(r.wait.mean, 9)} {_fmt(r.wait.quantile(0.95), 8)} | {_fmt(r.makespan, 9, 0)} {_fmt(r.throughput_per_hour, 8)}"
@@ -135,7 +142,7 @@ def by_gpus_text(results: Sequence[RunResult]) -> str:
             mark = "*" if size.grounded or size.extrapolated else " "
             s, i = size.eff_sensitive, size.eff_insensitive
             lines.append(
-                f"{gpus:>3}{mark} {r.policy:<18} {size.jobs:>6} | {s.count:>6} "
+                f"{gpus:>3}{mark} {r.label:<18} {size.jobs:>6} | {s.count:>6} "
                 + " ".join(_fmt(s.quantile(q), 6) for q in (0.1, 0.5, 0.9))
                 + " | " + " ".join(_fmt(i.quantile(q), 6) for q in (0.1, 0.5, 0.9))
                 + f" | {_fmt(size.wait.mean, 9)}"
@@ -147,7 +154,7 @@ def table3_text(rows: list[dict]) -> str:
     lines = [f"{'policy':<18} {'MIN':>6} {'25th':>6} {'50th':>6} {'75th':>6} {'MAX':>6} {'Tput':>6}", "-" * 60]
     for row in rows:
         lines.append(
-            f"{row['policy']:<18} "
+            f"{row['policy'] + ('/' + row['node_choice'] if row.get('node_choice') else ''):<18} "
             + " ".join(_fmt(row[k], 6, 3) for k in ("min", "p25", "median", "p75", "max"))
             + f" {_fmt(row['throughput'], 6, 2)}"
         )

@@ -6,6 +6,21 @@ recorded node with ``pin_nodes``) where the policy finds room, and with ``backfi
 may start while the head waits (up to ``backfill_depth`` of them are looked at). Without it the
 queue stops at the first job that does not fit, as in the paper's simulator.
 
+Which node a job starts on is ``Options.node_choice`` (issue 15, see :func:`slurm_pick`):
+
+* ``first-fit`` - the first node in node order where the policy finds room (the default);
+* ``slurm``     - select/cons_tres' choice for equal node weights: among the maximal runs of
+  consecutive nodes (node order) that can hold the job, the run with the fewest free resources,
+  and in it the node with the fewest (the tightest fit); free GPUs stand for free resources;
+* ``prefer``    - the same choice among the nodes whose MAPA features (:mod:`~slurm_mapa.core.features`)
+  match what the job prefers, else among all (Slurm's ``--prefer``): a sensitive k-GPU job prefers
+  ``mapa_ring<k>``, an insensitive one the complement or nothing (``Options.insensitive``). The
+  features are those the agents would have published at the start of the scheduling pass: a job
+  started earlier in the same pass does not update them (stale within a pass, as in Slurm);
+* ``require``   - sensitive jobs hold out for a node with their feature (``--constraint``) until
+  they have waited ``Options.require_wait`` seconds, then prefer it; the simulator wakes at that
+  bound so the relaxed job is looked at again even if nothing else happens.
+
 Every decision is memoised per (topology, policy, free set, request): a node has at most 2^n free
 sets, so a long log costs a bounded number of searches. The scores kept for a decision are the
 reported ones (:func:`~slurm_mapa.core.explain.reported_placement`: one number per GPU set for
@@ -22,6 +37,7 @@ from dataclasses import dataclass, field
 from math import inf
 from typing import Callable, Iterable, Iterator, Sequence
 
+from ..core import features as mapa_features
 from ..core import peers
 from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel, grounded_model, paper_model
 from ..core.explain import reported_placement
@@ -36,6 +52,54 @@ from .stats import Dist, Series
 from .timemodel import TimeModel
 
 ALL_POLICIES = {**POLICIES, **PEER_POLICIES, **AHEAD_POLICIES}
+NODE_CHOICES = ("first-fit", "slurm", "prefer", "require")
+# What an insensitive job (or a 1-GPU one) prefers under prefer/require:
+#   complement     - mapa_noring<k> of its own size (mapa_noring<smallest size> for a 1-GPU job)
+#   complement-min - mapa_noring<smallest size>: a node with no good ring of any size left
+#   best-fit       - nothing: Slurm's tightest fit
+INSENSITIVE_CHOICES = ("best-fit", "complement", "complement-min")
+
+
+def slurm_pick(eligible: Sequence[int], free_counts: Sequence[int], n_nodes: int, needed: int = 1) -> list[int] | None:
+    """select/cons_tres' node choice for equal weights (``_eval_nodes_consec``), free GPUs as the resource.
+
+    ``eligible``: the nodes (indices into ``free_counts``, the cluster's node order) that can hold
+    the job. They form maximal runs of consecutive indices; a run is sufficient when it has
+    ``needed`` nodes. The sufficient run with the fewest free GPUs wins (the first on ties), and
+    in it a one-node job gets the node with the fewest free GPUs (the first on ties), a multi-node
+    job the run's first ``needed`` nodes. With no sufficient run, the first ``needed`` eligible
+    nodes (Slurm would gather the largest runs first; a modelling shortcut for multi-node jobs).
+    """
+    if len(eligible) < needed:
+        return None
+    ok = set(eligible)
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for i in range(n_nodes):
+        if i in ok:
+            current.append(i)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    best = None
+    best_total = 0
+    for run in runs:
+        if len(run) < needed:
+            continue
+        total = sum(free_counts[i] for i in run)
+        if best is None or total < best_total:
+            best, best_total = run, total
+    if best is None:
+        return sorted(eligible)[:needed]
+    if needed == 1:
+        node = best[0]
+        for i in best[1:]:
+            if free_counts[i] < free_counts[node]:
+                node = i
+        return [node]
+    return best[:needed]
 
 
 def policy_names() -> list[str]:
@@ -69,6 +133,11 @@ class Options:
     model: EffectiveBandwidthModel | None = None
     configured: dict | None = None  # policies built with site settings (preserve-ahead's sizes)
     extrapolate: bool = False  # keep the model's own predictions outside its fitted range (marked)
+    node_choice: str = "first-fit"  # see NODE_CHOICES
+    insensitive: str = "complement"  # what insensitive jobs prefer under prefer/require: see INSENSITIVE_CHOICES
+    feature_threshold: float = mapa_features.DEFAULT_THRESHOLD
+    feature_sizes: tuple[int, ...] | None = None  # ring sizes the nodes publish (None: 2 .. largest node)
+    require_wait: float = 3600.0  # seconds a 'require' job holds out for its feature
 
 
 class Decider:
@@ -275,6 +344,7 @@ class RunResult:
     eff_sensitive: Dist = field(default_factory=Dist)
     eff_insensitive: Dist = field(default_factory=Dist)
     wait: Dist = field(default_factory=Dist)
+    wait_sensitive: Dist = field(default_factory=Dist)  # sensitive jobs of 2+ GPUs
     runtime: Dist = field(default_factory=Dist)
     runtime_sensitive: Dist = field(default_factory=Dist)
     preserved_after: Dist = field(default_factory=Dist)
@@ -290,6 +360,14 @@ class RunResult:
     by_gpus: dict = field(default_factory=dict)  # GPUs per node -> SizeStats
     grounded: int = 0  # jobs whose effective bandwidth came from the link-bound model
     extrapolated: int = 0  # jobs whose effective bandwidth the model extrapolated (--extrapolate)
+    node_choice: str = "first-fit"
+    preference_met: int = 0  # jobs that wanted a feature (prefer/require) and started on a node that had it
+    preference_missed: int = 0  # ... and started elsewhere (Slurm's fallback, or a relaxed constraint)
+    relaxed: int = 0  # require: jobs that started without their feature after the wait bound
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.node_choice == "first-fit" else f"{self.policy}/{self.node_choice}"
 
     def size(self, gpus: int) -> "SizeStats":
         found = self.by_gpus.get(gpus)
@@ -354,8 +432,18 @@ def simulate(
     if not nodes:
         raise InputError("the simulated cluster has no nodes")
     options = options or Options()
+    if options.node_choice not in NODE_CHOICES:
+        raise InputError(f"unknown node choice {options.node_choice!r} (accepted: {', '.join(NODE_CHOICES)})")
+    if options.insensitive not in INSENSITIVE_CHOICES:
+        raise InputError(f"unknown choice for insensitive jobs {options.insensitive!r} (accepted: {', '.join(INSENSITIVE_CHOICES)})")
+    if not 0 < options.feature_threshold <= 1:
+        raise InputError(f"feature threshold must be a fraction in (0, 1], got {options.feature_threshold:g}")
+    if options.require_wait < 0:
+        raise InputError(f"the require wait bound must be 0 or more, got {options.require_wait:g}")
     decider = decider or Decider(options.model, configured=options.configured, extrapolate=options.extrapolate)
-    result = RunResult(policy)
+    result = RunResult(policy, node_choice=options.node_choice)
+    choice = options.node_choice
+    by_features = choice in ("prefer", "require")
     stateful = policy in peers.STATEFUL
     n_nodes = len(nodes)
     gids = [decider.graph_id(node.graph) for node in nodes]
@@ -370,6 +458,31 @@ def simulate(
     best_contribution = [b[sizes[i]] if b is not None else 0.0 for i, b in enumerate(bests)]
     totals = [sum(contribution), sum(best_contribution)]
     model = options.time_model
+    graphs = [node.graph for node in nodes]
+    feature_sizes = tuple(sorted(set(options.feature_sizes))) if options.feature_sizes else tuple(range(2, largest + 1))
+    smallest_size = feature_sizes[0] if feature_sizes else None
+    fleet: dict[int, float | None] = {}  # size -> the fleet's best idle ring, computed when first asked
+
+    def fleet_best(k: int) -> float | None:
+        if k not in fleet:
+            fleet[k] = mapa_features.fleet_best(graphs, (k,), decider.model).get(k) if k in feature_sizes else None
+        return fleet[k]
+
+    def wanted(job: Job) -> tuple[bool, int] | None:
+        """(good ring wanted, size) of the feature the job prefers, or None (no preference)."""
+        if job.sensitive and job.gpus >= 2:
+            return (True, job.gpus) if fleet_best(job.gpus) is not None else None
+        if options.insensitive == "best-fit" or smallest_size is None:
+            return None
+        k = smallest_size if options.insensitive == "complement-min" else max(job.gpus, smallest_size)
+        return (False, k) if fleet_best(k) is not None else None
+
+    def has_feature(i: int, mask: int, want: tuple[bool, int]) -> bool:
+        good, k = want
+        return mapa_features.has_good(graphs[i], mask, k, fleet[k], decider.model, options.feature_threshold) == good
+
+    wakeups: list[float] = []  # require: when a job's wait bound ends
+    woken: set[str] = set()
 
     arrivals = _reordered(jobs, options.reorder_window, result)
     pending = next(arrivals, None)
@@ -405,8 +518,11 @@ def simulate(
             totals[1] += best - best_contribution[i]
             best_contribution[i] = best
 
+    def pinned(job: Job) -> bool:
+        return options.pin_nodes and job.nodes == 1 and job.node is not None and job.node in by_name
+
     def candidates(job: Job) -> list[int]:
-        if options.pin_nodes and job.nodes == 1 and job.node is not None and job.node in by_name:
+        if pinned(job):
             return [by_name[job.node]]
         return list(range(n_nodes))
 
@@ -414,21 +530,68 @@ def simulate(
         cands = candidates(job)
         return sum(1 for i in cands if sizes[i] >= job.gpus) >= job.nodes
 
-    def try_start(job: Job, rid: int, t: float) -> bool:
+    def decide_on(i: int, rid: int):
+        return decider.decide(policy, gids[i], free[i], rid, rr_queue[i] if stateful else None,
+                              tuple(sorted(groups[i])) if sees_running else ())
+
+    def chosen_nodes(job: Job, rid: int, t: float, published: list[int] | None) -> tuple[list, int] | None:
+        """slurm / prefer / require: the picks, and 1/-1/0 for preference met/missed/none; None: wait."""
+        fits = [i for i in candidates(job) if free[i].bit_count() >= job.gpus]
+        counts = [mask.bit_count() for mask in free]
+        want = wanted(job) if by_features and not pinned(job) else None  # a job kept on its recorded node prefers nothing
+        outcome = 0
+        order = None
+        if want is not None:
+            assert published is not None
+            good = [i for i in fits if has_feature(i, published[i], want)]
+            order = slurm_pick(good, counts, n_nodes, job.nodes)
+            outcome = 1
+            if order is None:
+                if choice == "require" and want[0] and t - job.submit < options.require_wait:
+                    if job.id not in woken:
+                        woken.add(job.id)
+                        heapq.heappush(wakeups, job.submit + options.require_wait)
+                    return None
+                outcome = -1
+        if order is None:
+            order = slurm_pick(fits, counts, n_nodes, job.nodes)
+            if order is None:
+                return None
         picks = []
-        for i in candidates(job):
-            mask = free[i]
-            if mask.bit_count() < job.gpus:
-                continue
-            found = decider.decide(policy, gids[i], mask, rid, rr_queue[i] if stateful else None,
-                                   tuple(sorted(groups[i])) if sees_running else ())
-            if found is None:
-                continue
+        for i in order:
+            found = decide_on(i, rid)
+            if found is None:  # the policy found no room although the count fits: no other node is tried
+                return None
             picks.append((i, found[0], found[1]))
-            if len(picks) == job.nodes:
-                break
-        if len(picks) < job.nodes:
-            return False
+        return picks, outcome
+
+    def try_start(job: Job, rid: int, t: float, published: list[int] | None = None) -> bool:
+        outcome = 0
+        if choice == "first-fit":
+            picks = []
+            for i in candidates(job):
+                mask = free[i]
+                if mask.bit_count() < job.gpus:
+                    continue
+                found = decide_on(i, rid)
+                if found is None:
+                    continue
+                picks.append((i, found[0], found[1]))
+                if len(picks) == job.nodes:
+                    break
+            if len(picks) < job.nodes:
+                return False
+        else:
+            chosen = chosen_nodes(job, rid, t, published)
+            if chosen is None:
+                return False
+            picks, outcome = chosen
+        if outcome > 0:
+            result.preference_met += 1
+        elif outcome < 0:
+            result.preference_missed += 1
+            if choice == "require" and job.sensitive and job.gpus >= 2:
+                result.relaxed += 1
         nonlocal seq
         result.decisions += 1
         first = picks[0][1]
@@ -448,11 +611,12 @@ def simulate(
         nonlocal head_failed_at, head_job
         scanned = 0
         index = 0
+        published = list(free) if by_features else None  # the features as published at the start of the pass
         while index < len(queue):
             job, rid = queue[index]
             if index == 0 and head_job is job and head_failed_at == releases and not options.backfill:
-                return  # nothing was freed since the head last failed
-            if try_start(job, rid, t):
+                return  # nothing was freed (and no wait bound ended) since the head last failed
+            if try_start(job, rid, t, published):
                 del queue[index]
                 if index == 0:
                     head_job = None
@@ -469,11 +633,15 @@ def simulate(
     while True:
         next_arrival = pending.submit if pending is not None else inf
         next_end = running[0][0] if running else inf
-        t = min(next_arrival, next_end)
+        next_wakeup = wakeups[0] if wakeups else inf
+        t = min(next_arrival, next_end, next_wakeup)
         if t == inf:
             result.stuck = len(queue)
             break
         account(t)
+        while wakeups and wakeups[0] <= t:
+            heapq.heappop(wakeups)
+            releases += 1  # a wait bound ended: the head may start now
         while running and running[0][0] <= t:
             end, _, job, picks, start = heapq.heappop(running)
             for i, decision, _ in picks:
@@ -485,6 +653,8 @@ def simulate(
             result.jobs += 1
             result.last_end = max(result.last_end, end)
             result.wait.add(start - job.submit)
+            if job.sensitive and job.gpus >= 2:
+                result.wait_sensitive.add(start - job.submit)
             result.runtime.add(end - start)
             if job.sensitive:
                 result.runtime_sensitive.add(end - start)
@@ -504,7 +674,7 @@ def simulate(
             if on_record is not None:
                 on_record(
                     Record(
-                        job.id, policy, ",".join(nodes[i].name for i, _, _ in picks), job.submit, start, end,
+                        job.id, result.label, ",".join(nodes[i].name for i, _, _ in picks), job.submit, start, end,
                         first.gpus, job.sensitive, job.shape, first.effective, first.aggregated, first.preserved, job.runtime,
                     )
                 )

@@ -1,0 +1,104 @@
+"""Node features from MAPA (issue 15): names, the brute-force check of the score, and their invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bruteforce import brute_force_all
+from slurm_mapa.core import features
+from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.features import (
+    best_free,
+    complement_name,
+    feature_name,
+    feature_names,
+    fleet_best,
+    has_good,
+    node_features,
+)
+from slurm_mapa.core.patterns import make_pattern
+from slurm_mapa.errors import InputError
+from slurm_mapa.hardware.presets import preset
+
+MODEL = paper_model()
+DGX = preset("dgx1-v100")
+PCIE = preset("pcie-8")
+SIZES = (2, 3, 4, 5)
+
+
+def test_names_and_the_list_for_slurm_conf():
+    assert feature_name(4) == "mapa_ring4" and complement_name(4) == "mapa_noring4"
+    assert feature_name(2, "ring+tree") == "mapa_ring_tree2" and complement_name(3, "tree") == "mapa_notree3"
+    assert feature_names((4, 2, 2)) == ("mapa_ring2", "mapa_noring2", "mapa_ring4", "mapa_noring4")
+    with pytest.raises(InputError, match="unknown pattern"):
+        feature_name(2, "donut")
+
+
+@pytest.mark.parametrize("graph", [DGX, PCIE], ids=lambda g: g.name)
+@pytest.mark.parametrize("free", [(0, 1, 2, 3, 4, 5, 6, 7), (0, 5, 6), (1, 2, 4, 7), (0, 3, 4, 6, 7), (2, 6)])
+def test_best_free_is_the_brute_force_best_ring(graph, free):
+    for k in SIZES:
+        brute = brute_force_all(graph, free, make_pattern("ring", k), MODEL)
+        expected = None if brute is None else brute["effective"][0][0]
+        got = best_free(graph, free, k, MODEL)
+        assert (got is None and expected is None) or got == pytest.approx(expected, abs=1e-9), (free, k)
+
+
+def test_fleet_best_is_the_best_idle_node_type_and_skips_sizes_no_node_holds():
+    mixed = fleet_best([PCIE, DGX, PCIE], (2, 4, 9), MODEL)
+    assert set(mixed) == {2, 4}  # no node holds 9 GPUs
+    assert mixed == fleet_best([DGX], (2, 4), MODEL)  # DGX-1's NVLink beats PCIe at every size
+    assert mixed[2] == pytest.approx(58.925036, abs=1e-5)  # f(2,0,0): two double-NVLink edges
+
+
+def test_an_idle_best_node_has_every_ring_and_a_pcie_node_none():
+    best = fleet_best([PCIE, DGX], SIZES, MODEL)
+    assert node_features(DGX, range(8), best, MODEL, threshold=1.0) == tuple(f"mapa_ring{k}" for k in SIZES)
+    assert node_features(PCIE, range(8), best, MODEL) == tuple(f"mapa_noring{k}" for k in SIZES)
+    assert node_features(DGX, (), best, MODEL) == tuple(f"mapa_noring{k}" for k in SIZES)
+
+
+def test_mask_and_set_agree_and_bad_input_is_refused():
+    best = fleet_best([DGX], SIZES, MODEL)
+    assert node_features(DGX, 0b01100001, best, MODEL) == node_features(DGX, (0, 5, 6), best, MODEL)
+    with pytest.raises(InputError, match="not on"):
+        node_features(DGX, (8,), best, MODEL)
+    with pytest.raises(InputError, match="not on"):
+        node_features(DGX, 1 << 8, best, MODEL)
+    with pytest.raises(InputError, match="threshold"):
+        node_features(DGX, (0, 1), best, MODEL, threshold=0)
+
+
+def test_the_cache_is_keyed_by_free_set_and_clearable():
+    features.clear_cache()
+    best_free(DGX, (0, 1, 2), 2, MODEL)
+    assert len(features._cache) == 1
+    best_free(DGX, 0b111, 2, MODEL)  # the same free set as a mask: no new entry
+    assert len(features._cache) == 1
+    features.clear_cache()
+    assert not features._cache
+
+
+free_sets = st.sets(st.integers(0, 7)).map(lambda s: tuple(sorted(s)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(free=free_sets, extra=free_sets, threshold=st.sampled_from([0.6, 0.8, 0.9, 1.0]), graph=st.sampled_from([DGX, PCIE]))
+def test_invariants(free, extra, threshold, graph):
+    best = fleet_best([DGX, PCIE], SIZES, MODEL)
+    published = node_features(graph, free, best, MODEL, threshold)
+    # exactly one of each pair per size, in size order
+    assert len(published) == len(best)
+    for k, name in zip(sorted(best), published):
+        assert name in (feature_name(k), complement_name(k))
+        assert (name == feature_name(k)) == has_good(graph, free, k, best[k], MODEL, threshold)
+        if len(free) < k:
+            assert name == complement_name(k)
+    # freeing more GPUs never takes a ring feature away
+    more = tuple(sorted(set(free) | set(extra)))
+    rings = {n for n in published if "noring" not in n}
+    assert rings <= {n for n in node_features(graph, more, best, MODEL, threshold) if "noring" not in n}
+    # a lower threshold never takes a ring feature away
+    assert rings <= {n for n in node_features(graph, free, best, MODEL, threshold * 0.9) if "noring" not in n}
