@@ -251,10 +251,11 @@ def current_ledger(
 ) -> tuple[Ledger, list[str], list[tuple[str, float]]]:
     """The ledger reconciled with the jobs directory, without ``job_id`` (which chooses afresh),
     the jobs found to have ended and leftover temporary files. Local files only: no Slurm call."""
+    who = f"job {job_id}" if job_id else "reconcile pass"
     try:
         ledger = ledger_file.read()
     except LedgerCorrupt as error:
-        log(f"job {job_id}: ledger {config.ledger} is corrupt ({error}); rebuilding it from {config.jobs_dir}")
+        log(f"{who}: ledger {config.ledger} is corrupt ({error}); rebuilding it from {config.jobs_dir}")
         ledger = Ledger()
     records, leftovers = jobfiles.scan(config.jobs_dir, also=ledger.holdings)
     records.pop(job_id, None)
@@ -264,7 +265,7 @@ def current_ledger(
     for job, holding in ledger.holdings.items():
         if holding.policy == "slurm" and before.holdings.get(job) != holding:
             with_others = sorted({other for g in holding.gpus for other in shared.get(g, []) if other != job})
-            log(f"job {job_id}: job {job}'s Prolog died before choosing; it runs on Slurm's GPUs "
+            log(f"{who}: job {job}'s Prolog died before choosing; it runs on Slurm's GPUs "
                 f"{','.join(map(str, holding.gpus))}, now held" + (f"; SHARED with job(s) {','.join(with_others)}" if with_others else ""))
     return ledger, ended, leftovers
 
@@ -537,7 +538,8 @@ def forget_ended(config: HookConfig, ended: list[str], leftovers: list[tuple[str
     for job in ended:
         jobfiles.remove_job(config.jobs_dir, job)
     if ended:
-        log(f"job {job_id}: reaped the ledger entries and files of jobs that ended: {','.join(ended)}")
+        who = f"job {job_id}" if is_job_id(job_id) else job_id
+        log(f"{who}: reaped the ledger entries and files of jobs that ended: {','.join(ended)}")
     for name, mtime in leftovers:
         if mtime < (listed_at or time.time()) - 60:  # a writer that was killed: none takes a minute
             paths.remove(Path(config.jobs_dir) / name)
