@@ -8,7 +8,9 @@ pays with hooks off), the Prolog and Epilog wrappers with the node's mapa-agent 
 the same wrappers with the agent out of reach (they run the hooks in-process), and the TaskProlog.
 Runs are a quarter second apart (untimed), so each measures one job's start on a quiet node.
 Every Prolog run decides for the job afresh (a re-run Prolog replaces its own entry), so each
-pays the full path: scontrol show job, squeue, the decision, the ledger, scontrol update.
+pays the full path: the directive from SLURM_JOB_COMMENT (as job_submit.lua leaves it; the mini
+cluster sets job_submit_lua = true), the decision, the ledger, the journal; with the agent the
+AdminComment is written after the answer, in-process before the hook exits.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import subprocess
 RUNNER = r"""
 import json, os, subprocess, sys, time
 job, gpus, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
-env = {"SLURM_JOB_ID": job, "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": gpus, "SLURM_JOB_COMMENT": ""}
+env = {"SLURM_JOB_ID": job, "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": gpus, "SLURM_JOB_COMMENT": "mapa:topology=ring sensitive=yes"}
 no_agent = {**env, "MAPA_AGENT_SOCKET": "/nonexistent/agent.sock"}
 task_env = {"SLURM_JOB_ID": job, "PATH": "/usr/bin:/bin"}
 hooks = {
@@ -36,10 +38,6 @@ hooks = {
 times = {name: [] for name in hooks}
 for _ in range(runs):
     for name, (argv, e) in hooks.items():
-        if name.startswith("prolog"):
-            # Untimed: put back what job_submit.lua stores for `#MAPA topology=ring sensitive=yes`, so
-            # that this run reads the directive and writes its decision as a new job's Prolog does.
-            subprocess.run(["/usr/bin/scontrol", "update", f"job={job}", "AdminComment=mapa:topology=ring sensitive=yes"], check=True)
         # Untimed: let the previous hook's trailing work (the agent's AdminComment write) finish,
         # as it does between real job starts; this measures one job's start, not a storm.
         time.sleep(0.25)

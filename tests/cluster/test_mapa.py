@@ -280,9 +280,11 @@ def test_preserve_ahead_decides_with_the_running_jobs_and_its_log_replays_exactl
 
 
 def _set_node_config(cluster, node: str, extra: str) -> None:
-    """The node's hook config with ``extra`` top-level keys put first."""
+    """The node's hook config with ``extra`` top-level keys put first (replacing the same keys)."""
     base = cluster.exec(node, ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
-    cluster.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=extra + "\n" + base)
+    keys = {line.split("=")[0].strip() for line in extra.splitlines() if "=" in line}
+    kept = "\n".join(line for line in base.splitlines() if line.split("=")[0].strip() not in keys or line.startswith('"'))
+    cluster.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=extra + "\n" + kept + "\n")
 
 
 def _restore_node_config(cluster, node: str) -> None:
@@ -303,22 +305,25 @@ def _wait_for(cluster, node: str, argv: list[str], what: str, timeout: float = 6
 
 
 def test_a_prolog_killed_midway_loses_no_gpu(cluster):
-    """Both Prolog paths are SIGKILLed while they wait for squeue: first mapa-agent (the wrapper
-    then runs the Prolog in-process), then that in-process Prolog. The job still runs, on the GPUs
-    of its job file (the wrapper's retry, or the provisional choice, wrote one) or else on Slurm's
-    (the next Prolog then adopts them), and the next job does not get them."""
+    """Both Prolog paths are SIGKILLed while they wait for Slurm: first mapa-agent (the wrapper
+    then runs the Prolog in-process), then that in-process Prolog. The node is set up as without
+    job_submit.lua, so that a Prolog of a job without a directive reads its batch script, through
+    a slow scontrol. The job still runs, on the GPUs of its job file (the wrapper's retry, or the
+    provisional choice, wrote one) or else on Slurm's (the reconcile pass then adopts them), and
+    the next job does not get them."""
     node = "summit1"
     _ensure_agent(cluster, node)
-    cluster.exec(node, ["sh", "-c", "printf '#!/bin/sh\\nsleep 4\\nexec /usr/bin/squeue \"$@\"\\n' > /usr/local/bin/slow-squeue"
-                                    " && chmod 755 /usr/local/bin/slow-squeue"])
-    _set_node_config(cluster, node, 'squeue = "/usr/local/bin/slow-squeue"')  # within command_timeout (5 s)
+    cluster.exec(node, ["sh", "-c", "printf '#!/bin/sh\\nsleep 4\\nexec /usr/bin/scontrol \"$@\"\\n' > /usr/local/bin/slow-scontrol"
+                                    " && chmod 755 /usr/local/bin/slow-scontrol"])
+    # Within command_timeout (5 s).
+    _set_node_config(cluster, node, 'scontrol = "/usr/local/bin/slow-scontrol"\njob_submit_lua = false')
     try:
-        first = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
+        first = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes").replace("#MAPA", "# no directive:"), "-w", node)
         agent = _wait_for(cluster, node, ["pgrep", "-f", AGENT_PROCESS], "no mapa-agent runs").split()
-        _wait_for(cluster, node, ["pgrep", "-P", ",".join(agent), "-f", "slow-squeue"], "the agent never reached squeue")
+        _wait_for(cluster, node, ["pgrep", "-P", ",".join(agent), "-f", "slow-scontrol write"], "the agent never reached scontrol")
         cluster.exec(node, ["pkill", "-KILL", "-f", AGENT_PROCESS])
         in_process = _wait_for(cluster, node, ["pgrep", "-f", "prolog_main"], "the wrapper did not run the Prolog in-process").split()
-        _wait_for(cluster, node, ["pgrep", "-P", ",".join(in_process), "-f", "slow-squeue"], "the in-process Prolog never reached squeue")
+        _wait_for(cluster, node, ["pgrep", "-P", ",".join(in_process), "-f", "slow-scontrol write"], "the in-process Prolog never reached scontrol")
         cluster.exec(node, ["pkill", "-KILL", "-f", "prolog_main"])
     finally:
         _restore_node_config(cluster, node)
