@@ -153,3 +153,23 @@ def test_the_in_process_prolog_without_an_agent_still_records_and_reconciles_whe
     slurm.running.add("42")
     run_prolog(env_for("42", "1", "mapa:"), config, slurm, logs.append)
     assert not [c for c in slurm.calls if "squeue" in c[0]]  # a pass ran less than reconcile_interval ago
+
+
+def test_a_record_for_a_job_that_already_finished_is_dropped_not_retried(tmp_path):
+    """slurmctld refuses AdminComment updates of finished jobs; a job of a few milliseconds ends
+    before the agent writes its record: the record stays in the node's log, the journal forgets it."""
+    path = write_config(tmp_path, job_submit_lua=True)
+    config = load(path)
+    run_prolog(env_for("61", "0", "mapa:"), config, NoSlurm(), [].append, defer=lambda action: None)
+
+    class Finished(FakeSlurm):
+        def __call__(self, argv):
+            if argv[1] == "update":
+                self.calls.append(list(argv))
+                raise CommandFailed("/usr/bin/scontrol update job=61 exited 1: Job has already finished for job 61")
+            return super().__call__(argv)
+
+    slurm, logs = Finished(), []
+    background = Background(Agent(str(path), [].append, run=lambda timeout: slurm), "dgx1")
+    assert background.flush_records() == 1 and list(config.journal.iterdir()) == []
+    assert "job 61: the AdminComment can no longer be written" in (tmp_path / "log").read_text()

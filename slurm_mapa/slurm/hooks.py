@@ -693,8 +693,10 @@ def record_decision(
             log(f"job {job_id}: could not record the decision in AdminComment ({error}); not recorded")
             return True
         except CommandFailed as error:
-            if "Invalid job id" in str(error):
-                log(f"job {job_id}: slurmctld no longer knows the job; its decision stays in this node's log only")
+            # Refusals that a retry cannot change: the job is gone, or it ended before the record
+            # was written (slurmctld takes no update of a finished job's AdminComment).
+            if "Invalid job id" in str(error) or "already finished" in str(error):
+                log(f"job {job_id}: the AdminComment can no longer be written ({error}); the decision stays in this node's log only")
                 return True
             log(f"job {job_id}: could not record the decision in AdminComment yet ({error}); it stays in the journal")
             return False
