@@ -169,7 +169,7 @@ def test_a_record_for_a_job_that_already_finished_is_dropped_not_retried(tmp_pat
                 raise CommandFailed("/usr/bin/scontrol update job=61 exited 1: Job has already finished for job 61")
             return super().__call__(argv)
 
-    slurm, logs = Finished(), []
+    slurm = Finished()
     background = Background(Agent(str(path), [].append, run=lambda timeout: slurm), "dgx1")
     assert background.flush_records() == 1 and list(config.journal.iterdir()) == []
     assert "job 61: the AdminComment can no longer be written" in (tmp_path / "log").read_text()

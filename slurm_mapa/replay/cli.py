@@ -33,7 +33,7 @@ from .generate import GENERATORS, generate
 from .jobfile import read_jobfile, write_jobfile
 from .jobs import Job, ReadStats
 from .plots import boxplot_png, have_matplotlib, series_png
-from .sacct import SACCT_FIELDS, read_sacct_json, read_sacct_text
+from .sacct import read_sacct_json, read_sacct_text
 from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, Decider, Node, Options, RunResult, simulate
 from .timemodel import parse_curve
 from .traces import TRACE_FORMATS, detect_csv, read_philly, trace_reader

@@ -191,6 +191,8 @@ class Background:
     ``admin_comment_rate`` per second, retried with back-off while slurmctld does not answer)."""
 
     def __init__(self, agent: "Agent", node: str, clock: Callable[[], float] = time.monotonic) -> None:
+        from .features import Publisher
+
         self.agent = agent
         self.node = node
         self.clock = clock
@@ -198,6 +200,7 @@ class Background:
         self.stop = threading.Event()
         self.retry_at: dict[str, float] = {}
         self.failures: dict[str, int] = {}
+        self.features = Publisher(node)
 
     def _config(self):
         config, problem = load_hook_config({"MAPA_CONFIG": self.agent.config_path}, validate=False)
@@ -207,7 +210,15 @@ class Background:
         from .hooks import reconcile_node
 
         config = self._config()
-        return reconcile_node(config, self.node, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
+        run = self.agent.make_runner(config.command_timeout)
+        listed = reconcile_node(config, self.node, run, hook_logger(config.log))
+        self.features.publish(config, run, hook_logger(config.log), force=True)  # slurmctld may have restarted
+        return listed
+
+    def publish_features(self) -> bool:
+        """After starts and ends: publish the node's features if they changed."""
+        config = self._config()
+        return self.features.publish(config, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
 
     def flush_records(self) -> int:
         """Write the journal's due records; how many were written or dropped."""
@@ -266,6 +277,10 @@ class Background:
             self.wake.wait(1.0)
             self.wake.clear()
             try:
+                self.publish_features()  # first: it steers where the next jobs go
+            except Exception as error:  # noqa: BLE001 - the next change or pass publishes again
+                self.agent.log_errors(f"mapa-agent: publishing node features failed: {error}")
+            try:
                 self.flush_records()
             except Exception as error:  # noqa: BLE001 - the records stay in the journal
                 self.agent.log_errors(f"mapa-agent: writing AdminComment records failed: {error}")
@@ -305,7 +320,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 action()
             except Exception as error:  # noqa: BLE001 - the decision is in the ledger and the log already
                 self.server.agent.log_errors(f"mapa-agent: deferred work failed: {error}")
-        if later and self.server.agent.background is not None:
+        if self.server.agent.background is not None:  # a start or an end: records and features
             self.server.agent.background.wake.set()
 
 

@@ -265,3 +265,36 @@ def slurm_gpus_on_only_node(job: dict) -> tuple[int, ...] | None:
         if len(gpus) > MAX_GPU_INDEX + 1:
             raise ValueError(f"gres_detail {detail[0][:60]!r} names more than {MAX_GPU_INDEX + 1} GPUs ({_ACCEPTED_GPUS})")
     return tuple(sorted(set(gpus)))
+
+
+# --- node features (slurm.conf Features=, scontrol update ... ActiveFeatures=) -------------------
+
+_FEATURE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+MAX_FEATURES = 256
+
+
+def show_node_argv(scontrol: str, node: str) -> list[str]:
+    return [scontrol, "--oneliner", "show", "node", node]
+
+
+def parse_available_features(text: str) -> tuple[str, ...]:
+    """The ``AvailableFeatures=`` of `scontrol --oneliner show node NODE` (``(null)``: none).
+    CommandFailed unless the output holds exactly one such token of plain feature names."""
+    if len(text) > MAX_OUTPUT_BYTES:
+        raise CommandFailed(f"scontrol printed {len(text)} characters for one node")
+    values = [token[len("AvailableFeatures="):] for token in text.split() if token.startswith("AvailableFeatures=")]
+    if len(values) != 1:
+        raise CommandFailed(f"scontrol show node printed {len(values)} AvailableFeatures= fields (expected one): {text[:120]!r}")
+    if values[0] in ("", "(null)"):
+        return ()
+    names = tuple(values[0].split(","))
+    if len(names) > MAX_FEATURES or not all(_FEATURE.fullmatch(name) for name in names):
+        raise CommandFailed(f"AvailableFeatures={values[0][:120]!r} is not a list of feature names")
+    return names
+
+
+def active_features_argv(scontrol: str, node: str, features: tuple[str, ...]) -> list[str]:
+    """`scontrol update NodeName=NODE ActiveFeatures=a,b` (ValueError for a name Slurm would not take)."""
+    if not all(_FEATURE.fullmatch(name) for name in features):
+        raise ValueError(f"feature names {features!r} (accepted: letters, digits, '_', '.', '-')")
+    return [scontrol, "update", f"NodeName={node}", f"ActiveFeatures={','.join(features)}"]

@@ -39,7 +39,7 @@ from . import paths
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
-         "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate"}
+         "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate", "features"}
 # The agent answers within the budget and its client gives up after 25 s; the wrapper then runs
 # the Prolog in-process with the same budget: 25 + 20 s stays inside the 60 s PrologEpilogTimeout
 # Slurm's docs suggest.
@@ -69,6 +69,10 @@ class HookConfig:
     journal_dir: Path | None = None  # AdminComment records not yet written; None: "journal" next to the ledger
     reconcile_interval: float = 60.0  # seconds between mapa-agent's listings of the node's jobs
     admin_comment_rate: float = 20.0  # AdminComment writes per second at most, per node
+    # [features]: node features mapa-agent publishes for node choice (none without sizes).
+    feature_sizes: tuple[int, ...] = ()
+    feature_threshold: float = 0.9
+    feature_fleet: tuple[str, ...] = ()  # topologies of the fleet's node types (presets or files)
 
     def configured_policies(self) -> dict:
         """Policies built with this config's settings, for :func:`~slurm_mapa.core.policies.select`."""
@@ -144,6 +148,8 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise InputError(f"{source}: {key} must be a number in [{low:g}, {high:g}], got {value!r}")
             values[key] = float(value)
+    if "features" in data:
+        values.update(_features_table(data["features"], source))
     nodes = data.get("nodes", {})
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
         raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')
@@ -154,6 +160,23 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
         sizes, values["ahead_tolerance"] = settings_from_table(data["preserve_ahead"], source)
         values["ahead_sizes"] = tuple(sorted(sizes.items())) if sizes else ()
     return HookConfig(**values)
+
+
+def _features_table(table: Any, source: str) -> dict[str, Any]:
+    """``[features]``: sizes = [2, 4, 8], threshold = 0.9, fleet = ["dgx1-v100", ...]."""
+    accepted = "sizes (GPU counts 2-64), threshold (a fraction in (0, 1]), fleet (topologies of the fleet's node types)"
+    if not isinstance(table, dict) or set(table) - {"sizes", "threshold", "fleet"}:
+        raise InputError(f"{source}: [features] takes {accepted}")
+    sizes = table.get("sizes", [])
+    if not isinstance(sizes, list) or not sizes or not all(isinstance(k, int) and not isinstance(k, bool) and 2 <= k <= 64 for k in sizes):
+        raise InputError(f"{source}: [features] sizes must be a list of GPU counts 2-64, e.g. [2, 4, 8]; got {sizes!r}")
+    threshold = table.get("threshold", 0.9)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+        raise InputError(f"{source}: [features] threshold must be a fraction in (0, 1], got {threshold!r}")
+    fleet = table.get("fleet", [])
+    if not isinstance(fleet, list) or not all(isinstance(spec, str) and spec for spec in fleet):
+        raise InputError(f"{source}: [features] fleet must be a list of presets or topology files, got {fleet!r}")
+    return {"feature_sizes": tuple(sorted(set(sizes))), "feature_threshold": float(threshold), "feature_fleet": tuple(fleet)}
 
 
 # A config is a few lines; bounding the read keeps a huge or endless file from stalling every hook.

@@ -91,7 +91,6 @@ def within_budget(run: RunCommand, budget: Budget, command_timeout: float) -> Ru
             return run(argv, timeout=timeout)
         return run(argv)
 
-    call.unbounded = run  # type: ignore[attr-defined]  # for work done after the job has started
     return call
 
 

@@ -120,6 +120,20 @@ def slurm_conf_lines(directory: str) -> str:
     )
 
 
+def feature_conf_lines(sizes: tuple[int, ...]) -> str:
+    """The slurm.conf lines node choice needs when mapa.toml has ``[features]``: every name a node
+    may publish among its Features= (``scontrol update ... ActiveFeatures=`` takes only those), and
+    ignore_prefer_validation (a --prefer naming a feature active on no node would hold the job)."""
+    if not sizes:
+        return ""
+    from ..core.features import feature_names
+
+    return ("# node choice ([features] in mapa.toml): add to each GPU node's NodeName= line, next to its own features,\n"
+            f"#   Features={','.join(feature_names(sizes))}\n"
+            "# and to SchedulerParameters= (comma-separated with what is there):\n"
+            "#   ignore_prefer_validation\n")
+
+
 def check_interpreter(python: str) -> Path:
     """The file ``python`` runs, if root may run it for every job: a regular executable that only
     root can change, reached through symlinks in directories only root can change. Raises InputError."""
@@ -168,6 +182,13 @@ def configured_jobs_dir(config: str) -> Path:
 GPU_VENDORS = ("auto", "nvidia", "amd")
 
 
+def configured_feature_sizes(config: str) -> tuple[int, ...]:
+    from .config import load_hook_config
+
+    loaded, problem = load_hook_config({"MAPA_CONFIG": config}, validate=False)
+    return () if problem else loaded.feature_sizes
+
+
 def taskprolog_text(jobs_dir: str, gpu_vendor: str = "auto") -> str:
     """The TaskProlog, reading the per-job files where the config puts them. ``gpu_vendor``
     "auto" tells AMD nodes by the amdgpu driver's /dev/kfd; "nvidia" or "amd" fixes it."""
@@ -204,6 +225,7 @@ def cmd_hooks(args: argparse.Namespace) -> int:
         trusted.replace_file(target, text.encode(), mode=0o755)
         print(f"wrote {target}", file=sys.stderr)
     print(slurm_conf_lines(str(directory)), end="")
+    print(feature_conf_lines(configured_feature_sizes(args.config)), end="")
     return 0
 
 

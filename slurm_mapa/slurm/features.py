@@ -1,0 +1,83 @@
+"""mapa-agent's side of node choice: publish which good placements this node has free.
+
+The pure part (which features a node has) is :mod:`slurm_mapa.core.features`; this module reads
+the node's free GPUs from the ledger and writes the features into slurmctld with
+``scontrol update NodeName=NODE ActiveFeatures=...``, keeping every feature of the node that is not
+MAPA's. Such updates live in slurmctld only (a restart forgets them), so the agent publishes again
+at every reconcile pass as well as after starts and ends; it asks slurmctld only when the features
+changed, or at the reconcile pass. Configured by ``[features]`` in mapa.toml; without it nothing
+is published. docs/admin.md, "Choosing the node", has the slurm.conf lines.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..core.features import PREFIX, feature_names, fleet_best, node_features
+from ..errors import MapaError
+from .commands import CommandFailed, active_features_argv, parse_available_features, show_node_argv
+from .config import HookConfig
+from .ledger import LedgerCorrupt, LedgerFile
+
+RunCommand = Callable[[Sequence[str]], str]
+
+
+def merged_features(available: Sequence[str], mapa: Sequence[str]) -> tuple[str, ...]:
+    """The node's ActiveFeatures: its own (non-MAPA) available features, then MAPA's."""
+    return tuple(name for name in available if not name.startswith(PREFIX)) + tuple(mapa)
+
+
+class Publisher:
+    """Publishes this node's MAPA features; remembers what it last wrote, so that an unchanged
+    set costs slurmctld nothing (``force``: write anyway, after a possible slurmctld restart)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.last: tuple[str, ...] | None = None
+        self._best: dict | None = None
+        self._best_key: tuple | None = None
+
+    def wanted(self, config: HookConfig) -> tuple[str, ...] | None:
+        """MAPA's features for the node's free GPUs now (None: not configured, or no topology)."""
+        from ..core.effbw import load_model_file, paper_model
+        from ..hardware.load import load_topology
+        from .hooks import load_graph
+
+        if not config.feature_sizes:
+            return None
+        graph = load_graph(config, self.node)
+        model = load_model_file(config.model) if config.model else paper_model()
+        key = (config.feature_sizes, config.feature_fleet, config.model, graph)
+        if self._best_key != key:  # the fleet's idle best: computed once per configuration
+            fleet = [load_topology(spec) for spec in config.feature_fleet] or [graph]
+            self._best, self._best_key = fleet_best(fleet + [graph], config.feature_sizes, model), key
+        try:
+            ledger = LedgerFile(config.ledger, graph.size).read()
+        except LedgerCorrupt:
+            return None  # the next Prolog rebuilds it; publish then
+        return node_features(graph, ledger.free(graph.size), self._best or {}, model, config.feature_threshold)
+
+    def publish(self, config: HookConfig, run: RunCommand, log: Callable[[str], None], force: bool = False) -> bool:
+        """Write the node's features if they changed (or ``force``). True if slurmctld was asked."""
+        try:
+            mapa = self.wanted(config)
+        except (MapaError, OSError) as error:
+            log(f"features of {self.node}: cannot tell them ({error}); nothing published")
+            return False
+        if mapa is None or (mapa == self.last and not force):
+            return False
+        try:
+            available = parse_available_features(run(show_node_argv(config.scontrol, self.node)))
+            missing = [name for name in mapa if name not in available]
+            if missing:
+                log(f"features of {self.node}: slurm.conf does not list {','.join(missing)} in the node's Features= "
+                    f"(needed: {','.join(feature_names(config.feature_sizes))}); nothing published")
+                self.last = mapa  # said once per change, not at every start
+                return True
+            run(active_features_argv(config.scontrol, self.node, merged_features(available, mapa)))
+        except (CommandFailed, ValueError) as error:
+            log(f"features of {self.node}: could not publish {','.join(mapa)} ({error}); trying again at the next change or pass")
+            self.last = None
+            return True
+        self.last = mapa
+        return True
