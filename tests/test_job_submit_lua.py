@@ -68,6 +68,7 @@ class Result:
     messages: tuple[str, ...]
     admin_comment: str | None
     comment: str | None = None  # job_desc.comment when the plugin changed it
+    prefer: str | None = None  # job_desc.prefer after the call
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def _bytes(text: str | None) -> bytes | None:
     return None if text is None else text.encode("latin-1")
 
 
-def _run(cases: list[Case], tmp: Path) -> tuple[Load, list[Result]]:
+def _run(cases: list[Case], tmp: Path, plugin: Path = PLUGIN) -> tuple[Load, list[Result]]:
     lua = _require("lua5.1")
     blob = bytearray()
     for case in cases:
@@ -91,7 +92,7 @@ def _run(cases: list[Case], tmp: Path) -> tuple[Load, list[Result]]:
         blob += (script or b"") + (comment or b"")
     cases_file = tmp / "cases.bin"
     cases_file.write_bytes(bytes(blob))
-    done = subprocess.run([lua, str(DRIVER), str(PLUGIN), str(cases_file)], capture_output=True, timeout=120)
+    done = subprocess.run([lua, str(DRIVER), str(plugin), str(cases_file)], capture_output=True, timeout=120)
     assert done.returncode == 0, f"the Lua driver failed:\n{done.stderr.decode(errors='replace')}"
     data, pos = done.stdout, 0
 
@@ -114,10 +115,11 @@ def _run(cases: list[Case], tmp: Path) -> tuple[Load, list[Result]]:
     info = tuple(take(int(line())) for _ in range(int(line().removeprefix("INFO "))))
     results = []
     for _ in cases:
-        rc, count, admin_len, comment_len = (int(v) for v in line().split(" "))
+        rc, count, admin_len, comment_len, prefer_len = (int(v) for v in line().split(" "))
         messages = tuple(take(int(line())) for _ in range(count))
         admin = take(admin_len) if admin_len >= 0 else None
-        results.append(Result(rc, messages, admin, take(comment_len) if comment_len >= 0 else None))
+        comment = take(comment_len) if comment_len >= 0 else None
+        results.append(Result(rc, messages, admin, comment, take(prefer_len) if prefer_len >= 0 else None))
     assert pos == len(data), "the driver wrote more results than cases"
     return Load(load_rc, globals_, info), results
 
@@ -499,3 +501,23 @@ def test_generated_comments_lua_matches_python(tmp_path: Path) -> None:
         assert result.comment == _python_comment(case), case
         changed += result.comment is not None
     assert changed >= 200
+
+
+def test_node_choice_preferences_are_added_only_where_configured_and_never_over_the_users(tmp_path: Path) -> None:
+    plugin = tmp_path / "job_submit.lua"
+    text = PLUGIN.read_text(encoding="latin-1")
+    assert "local _NODE_FEATURE_SIZES = {}\n" in text
+    plugin.write_text(text.replace("local _NODE_FEATURE_SIZES = {}\n", "local _NODE_FEATURE_SIZES = { 2, 4, 8 }\n"), encoding="latin-1")
+    sensitive, insensitive = "#MAPA topology=ring sensitive=yes\n", "#MAPA topology=ring\n"
+    cases = [
+        Case(script=sensitive, mode="gpus4"), Case(script=insensitive, mode="gpus4"), Case(script=sensitive, mode="gpus4typed"),
+        Case(script=sensitive, mode="gpus3"),  # 3 is not a published size
+        Case(script=sensitive, mode="gpus4user"),  # the user's own --prefer stays
+        Case(script="#!/bin/sh\nsrun x\n", mode="gpus4"),  # no directive: left alone
+        Case(script=sensitive, mode="submit"),  # no GPUs per node asked for
+    ]
+    _, results = _run(cases, tmp_path, plugin)
+    assert [r.prefer for r in results] == ["mapa_ring4", "mapa_noring4", "mapa_ring4", None, "bigmem", None, None]
+    assert all(r.rc == SUCCESS for r in results)
+    _, off = _run(cases, tmp_path)  # as shipped: no sizes, no preference
+    assert [r.prefer for r in off] == [None, None, None, None, "bigmem", None, None]

@@ -18,9 +18,11 @@ MODE is one of
 
 RESULTS: first "LOAD RC\n", then "GLOBALS name,name,...\n" (globals the plugin defined), then
 "INFO N\n" and N records "LEN\n" + bytes (what the plugin logged at info level while loading);
-then, per case, "RC NMSG ADMIN_LEN COMMENT_LEN\n", NMSG records "LEN\n" + bytes (the log_user
-messages), ADMIN_LEN bytes of job_desc.admin_comment after the call (-1: nil) and COMMENT_LEN
-bytes of job_desc.comment when the call changed it (-1: unchanged).
+then, per case, "RC NMSG ADMIN_LEN COMMENT_LEN PREFER_LEN\n", NMSG records "LEN\n" + bytes (the log_user
+messages), ADMIN_LEN bytes of job_desc.admin_comment after the call (-1: nil), COMMENT_LEN
+bytes of job_desc.comment when the call changed it (-1: unchanged) and PREFER_LEN bytes of
+job_desc.prefer (-1: nil). Modes gpus4, gpus3, gpus4typed, gpus4user set tres_per_node (and for
+gpus4user the user's own prefer) before a submit.
 --]]
 
 local plugin_path, cases_path = arg[1], arg[2]
@@ -101,7 +103,7 @@ end
 
 while position <= #data do
     local header_end = assert(string.find(data, "\n", position, true), "bad case header")
-    local mode, script_len, comment_len = string.match(string.sub(data, position, header_end - 1), "^(%a+) (%-?%d+) (%-?%d+)$")
+    local mode, script_len, comment_len = string.match(string.sub(data, position, header_end - 1), "^(%w+) (%-?%d+) (%-?%d+)$")
     assert(mode, "bad case header")
     position = header_end + 1
     local script, comment = take(tonumber(script_len)), take(tonumber(comment_len))
@@ -126,6 +128,14 @@ while position <= #data do
         for name, value in pairs(ESLURM) do
             slurm[name] = value
         end
+    elseif mode == "gpus4" or mode == "gpus4user" or mode == "gpus3" or mode == "gpus4typed" then
+        -- --gres=gpu:4 (gpus3: 3, gpus4typed: gpu:v100:4; gpus4user: the user's own --prefer too)
+        job_desc.tres_per_node = ({ gpus4 = "gres/gpu:4", gpus4user = "gres/gpu:4", gpus3 = "gres/gpu:3",
+            gpus4typed = "gres/shard:1,gres/gpu:v100:4" })[mode]
+        if mode == "gpus4user" then
+            job_desc.prefer = "bigmem"
+        end
+        rc = slurm_job_submit(job_desc, {}, 1000)
     elseif mode == "number" then
         job_desc = { script = 42, comment = 7 }
         rc = slurm_job_submit(job_desc, {}, 1000)
@@ -138,7 +148,12 @@ while position <= #data do
     if type(after) ~= "string" or after == comment then
         after = nil -- unchanged
     end
-    emit(string.format("%s %d %d %d\n", tostring(rc), #user_messages, admin and #admin or -1, after and #after or -1))
+    local prefer = rawget(job_desc, "prefer")
+    if type(prefer) ~= "string" then
+        prefer = nil
+    end
+    emit(string.format("%s %d %d %d %d\n", tostring(rc), #user_messages, admin and #admin or -1, after and #after or -1,
+        prefer and #prefer or -1))
     for _, message in ipairs(user_messages) do
         emit_blob(message)
     end
@@ -147,6 +162,9 @@ while position <= #data do
     end
     if after then
         emit(after)
+    end
+    if prefer then
+        emit(prefer)
     end
 end
 

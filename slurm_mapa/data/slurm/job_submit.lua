@@ -55,6 +55,9 @@ local _MAX_LIST_ITEMS = 2048 -- items in edges= or weights=
 local _MAX_WEIGHT_DIGITS = 6 -- digits before and after the decimal point of a weight
 local _MAX_ADMIN_COMMENT_CHARS = 16384 -- as decision.py's MAX_ADMIN_COMMENT_CHARS
 local _MAX_RECORD_CANDIDATES = 32 -- as decision.py's MAX_RECORD_CANDIDATES
+-- Node choice (docs/admin.md, "Choosing the node"): the GPU counts mapa-agent publishes node
+-- features for, as mapa.toml's [features] sizes, e.g. { 2, 4, 8 }. Empty: no preference is added.
+local _NODE_FEATURE_SIZES = {}
 
 local _KEYS = { "topology", "sensitive", "gpus", "edges", "weights" }
 local _SHAPES = { "ring", "chain", "tree", "ring+tree", "all", "star", "mesh2d", "torus2d", "hypercube", "custom" }
@@ -629,6 +632,38 @@ local function _guarded(what, check, ...)
     return _rc("ESLURM_INTERNAL")
 end
 
+-- GPUs per node of a --gres=gpu[:type]:N or --gpus-per-node=N request (tres_per_node), else nil.
+local function _gpus_per_node(job_desc)
+    local tres = _string_field(job_desc, "tres_per_node")
+    if not tres or #tres > 4096 then
+        return nil
+    end
+    for item in string.gmatch(tres, "[^,]+") do
+        local count = string.match(item, "^gres/gpu:(%d+)$") or string.match(item, "^gres/gpu:[%w_%.%-]+:(%d+)$")
+        if count then
+            return tonumber(count)
+        end
+    end
+    return nil
+end
+
+-- A sensitive k-GPU job prefers nodes with a good k-ring free (mapa_ring<k>), an insensitive one
+-- the others (mapa_noring<k>), when k is one of _NODE_FEATURE_SIZES. A job with its own --prefer
+-- or --constraint is left as it is: the user's wish wins, and no job becomes unschedulable.
+local function _add_preference(job_desc, directive)
+    if #_NODE_FEATURE_SIZES == 0 or _string_field(job_desc, "prefer") or _string_field(job_desc, "features") then
+        return
+    end
+    local k = _gpus_per_node(job_desc)
+    for _, size in ipairs(_NODE_FEATURE_SIZES) do
+        if size == k then
+            local sensitive = string.find(directive, "sensitive=yes", 1, true) ~= nil
+            job_desc.prefer = (sensitive and "mapa_ring" or "mapa_noring") .. tostring(k)
+            return
+        end
+    end
+end
+
 local function _check_submit(job_desc, submit_uid)
     local directive = nil
     local comment = _string_field(job_desc, "comment")
@@ -647,6 +682,7 @@ local function _check_submit(job_desc, submit_uid)
         if new_comment then
             job_desc.comment = new_comment
         end
+        _add_preference(job_desc, directive)
         local record = _COMMENT_PREFIX .. directive
         local existing = _string_field(job_desc, "admin_comment")
         if existing and #existing > _MAX_ADMIN_COMMENT_CHARS then
