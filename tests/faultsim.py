@@ -867,7 +867,7 @@ class Simulation:
             text = (self.dir / "mapa.log").read_text(errors="replace")
         except OSError:
             return False
-        return any(f"job {j.plan.job_id}: too few GPUs are free" in text for j in jobs)
+        return any(f"job {j.plan.job_id}: too few GPUs" in line and "SHARES" in line for line in text.splitlines() for j in jobs)
 
     def _job_summary(self, js: JobState) -> dict[str, Any]:
         p = js.plan

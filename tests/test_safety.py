@@ -657,3 +657,23 @@ def test_temporary_files_of_killed_writers_go_even_while_squeue_fails(tmp_path):
     slurm.broken = {"squeue"}
     run_prolog(env_for("8", "0"), config, slurm, logs.append)
     assert sorted(p.name for p in config.jobs_dir.iterdir() if p.name.endswith(".tmp")) == [".claim-3.z3.tmp"]
+
+
+def test_a_prolog_run_again_without_the_lock_takes_back_its_own_claims(tmp_path):
+    """The first run committed GPUs 0,4 (claimed) and was killed; the wrapper's retry cannot get
+    the lock. It must take 0,4 back, not share other jobs' GPUs because 0 and 4 look claimed."""
+    config = make_config(tmp_path, prolog_budget=2)
+    write_job_file_trusted(config, "1", (1, 2, 3, 5, 6, 7))  # another job holds the rest of the node
+    for gpu in (1, 2, 3, 5, 6, 7):
+        assert jobfiles.claim(config.jobs_dir, "1", (gpu,), 1) == (gpu,)
+    assert jobfiles.claim(config.jobs_dir, "9", (0, 4), 2) == (0, 4)  # the first run's claims
+    write_job_file(config.jobs_dir, "9", (0, 4))
+    fd = hold_lock(config)
+    logs: list[str] = []
+    try:
+        slurm = FakeSlurm()
+        slurm.running = {"1", "9"}
+        run_prolog(env_for("9", "4,5"), config, slurm, logs.append)
+    finally:
+        os.close(fd)
+    assert job_gpus(config, "9") == (0, 4) and not any("SHARES" in line for line in logs)

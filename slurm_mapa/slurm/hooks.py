@@ -356,9 +356,16 @@ def record_provisional(
             gpus += jobfiles.claim(config.jobs_dir, ctx.job_id, own + spread(ctx.job_id, set(free) - set(own)), wanted - len(gpus))
             if len(gpus) == wanted:
                 break
-        if len(gpus) < wanted:  # none left unclaimed: share, as little as possible
-            gpus = fallback_gpus(ctx.slurm_gpus, gpus, [g for h in ledger.holdings.values() for g in h.gpus])
-            log(f"job {ctx.job_id}: too few GPUs are free without the lock; it SHARES GPUs of {','.join(map(str, gpus))} with other jobs")
+        if len(gpus) < wanted:
+            # Too few could be claimed. GPUs that no live job holds but whose claims are still there
+            # (their jobs ended after the lock got stuck: only a lock holder removes their files)
+            # come first; only then GPUs live jobs hold, as few jobs as possible.
+            unclaimable = tuple(g for g in ledger.free(size) if g not in gpus)
+            gpus = fallback_gpus(ctx.slurm_gpus, gpus + unclaimable, [g for h in ledger.holdings.values() for g in h.gpus])
+            shared = sorted(set(gpus) & ledger.held())
+            log(f"job {ctx.job_id}: too few GPUs could be claimed without the lock; it takes GPUs {','.join(map(str, gpus))}"
+                + (f" and SHARES GPUs {','.join(map(str, shared))} with other jobs" if shared else
+                   ", some of them claimed by jobs that ended (their files go when a Prolog next holds the lock)"))
         gpus = tuple(sorted(gpus))
         if mark is not None and not owns_job(config, ctx.job_id, mark):
             return None

@@ -175,12 +175,15 @@ def claim_path(jobs_dir: Path, gpu: int) -> Path:
 
 
 def claim(jobs_dir: Path, job_id: str, candidates: tuple[int, ...], wanted: int) -> tuple[int, ...]:
-    """Claim up to ``wanted`` of ``candidates``, in order, skipping GPUs another job has claimed."""
+    """Claim up to ``wanted`` of ``candidates``, in order, skipping GPUs another job has claimed
+    (a claim the job already holds counts: a Prolog run again after a kill takes its GPUs back)."""
     claimed: list[int] = []
     for gpu in candidates:
         if len(claimed) == wanted:
             break
         if paths.create_file(claim_path(jobs_dir, gpu), f"{job_id}\n".encode(), mode=0o600):
+            claimed.append(gpu)
+        elif (_read_claim(claim_path(jobs_dir, gpu)) or (None, None))[1] == job_id:
             claimed.append(gpu)
     return tuple(claimed)
 
