@@ -34,6 +34,7 @@ class Publisher:
     def __init__(self, node: str) -> None:
         self.node = node
         self.last: tuple[str, ...] | None = None
+        self.last_problem = ""  # said once, not at every start and end
         self._best: dict | None = None
         self._best_key: tuple | None = None
 
@@ -62,8 +63,11 @@ class Publisher:
         try:
             mapa = self.wanted(config)
         except (MapaError, OSError) as error:
-            log(f"features of {self.node}: cannot tell them ({error}); nothing published")
+            if str(error) != self.last_problem:
+                log(f"features of {self.node}: cannot tell them ({error}); nothing published")
+            self.last_problem = str(error)
             return False
+        self.last_problem = ""
         if mapa is None or (mapa == self.last and not force):
             return False
         try:
