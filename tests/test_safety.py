@@ -677,3 +677,30 @@ def test_a_prolog_run_again_without_the_lock_takes_back_its_own_claims(tmp_path)
     finally:
         os.close(fd)
     assert job_gpus(config, "9") == (0, 4) and not any("SHARES" in line for line in logs)
+
+
+def test_searches_left_behind_cannot_pile_up():
+    """At most N searches run at once; a Prolog that gets no slot within its budget gives up at
+    once with a TimeoutError (and keeps its provisional choice), and a finished search frees its slot."""
+    from slurm_mapa.slurm.hooks import search_within
+
+    slots = threading.BoundedSemaphore(2)
+    release = threading.Event()
+    for _ in range(2):  # two searches outlive their Prologs' budgets
+        with pytest.raises(TimeoutError, match="did not finish"):
+            search_within(0.05, release.wait, slots)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="earlier jobs still run"):
+        search_within(0.2, lambda: 42, slots)
+    assert 0.15 < time.monotonic() - started < 3.0
+    release.set()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            assert search_within(0.5, lambda: 42, slots) == 42
+            break
+        except TimeoutError:
+            time.sleep(0.01)
+    with pytest.raises(ZeroDivisionError):
+        search_within(0.5, lambda: 1 / 0, slots)  # an error in the search reaches the Prolog, and frees the slot
+    assert search_within(0.5, lambda: 7, slots) == 7 and search_within(0.5, lambda: 8, slots) == 8

@@ -115,6 +115,47 @@ def run_for_at_most(seconds: float, work: Callable[[], Any]) -> Any:
     return value
 
 
+# A search left behind by a Prolog whose budget ran out runs on until it ends (a Python thread
+# cannot be stopped). In mapa-agent, many of them would starve every other thread of the
+# interpreter, Prologs holding the ledger's lock included (a 64-GPU soak saw answers take 25 s):
+# so at most this many searches run at once, and a Prolog that cannot get a slot within its
+# budget keeps its provisional choice.
+MAX_CONCURRENT_SEARCHES = 2
+_search_slots = threading.BoundedSemaphore(MAX_CONCURRENT_SEARCHES)
+
+
+def search_within(seconds: float, work: Callable[[], Any], slots: threading.BoundedSemaphore | None = None) -> Any:
+    """``work()``'s result, run in a search slot within ``seconds``; TimeoutError otherwise (the
+    work, once started, finishes alone and then frees its slot)."""
+    slots = slots or _search_slots
+    deadline = time.monotonic() + max(seconds, 0.0)
+    if not slots.acquire(timeout=max(seconds, 0.0)):
+        raise TimeoutError("searches of earlier jobs still run, and no slot came free within the Prolog's budget")
+    outcome: list = []
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome.append((False, error))
+        finally:
+            slots.release()
+            done.set()
+
+    try:
+        threading.Thread(target=target, daemon=True).start()
+    except BaseException:
+        slots.release()  # the thread never started
+        raise
+    if not done.wait(max(deadline - time.monotonic(), 0.0)):
+        raise TimeoutError("the search did not finish within the Prolog's budget")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
 # --- the Prolog -----------------------------------------------------------------------------
 
 
@@ -460,11 +501,11 @@ def _decide_and_commit(
     while decision is None:
         snapshot, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at, ctx.slurm_gpus)
         try:
-            proposal = run_for_at_most(budget.for_step(budget.left()),
-                                       lambda: choose(ctx, config, graph, directive, snapshot, size, problem, unhealthy))
-        except TimeoutError:
+            proposal = search_within(budget.for_step(budget.left()),
+                                     lambda: choose(ctx, config, graph, directive, snapshot, size, problem, unhealthy))
+        except TimeoutError as error:
             proposal = None
-            log(f"job {ctx.job_id}: the search did not finish within the Prolog's budget; keeping the provisional choice")
+            log(f"job {ctx.job_id}: {error}; keeping the provisional choice")
         try:
             with ledger_file.locked(timeout=max(budget.left() - 0.2, 0.1)):
                 # Checked under the lock, so that no write can follow a takeover or a client gone meanwhile.
