@@ -187,8 +187,9 @@ MAX_BACKOFF_S = 300.0
 class Background:
     """mapa-agent's work off the job-start path, in two threads: reconcile passes (one squeue
     listing per ``reconcile_interval``, with jitter, so that the nodes of a cluster do not ask at
-    once) and the journal's AdminComment records (written after the Prolog answered, at most
-    ``admin_comment_rate`` per second, retried with back-off while slurmctld does not answer)."""
+    once), and after starts and ends the node's features (``[features]``, when they changed) and
+    the journal's AdminComment records (at most ``admin_comment_rate`` per second, retried with
+    back-off while slurmctld does not answer)."""
 
     def __init__(self, agent: "Agent", node: str, clock: Callable[[], float] = time.monotonic) -> None:
         from .features import Publisher
