@@ -23,6 +23,8 @@ from slurm_mapa.hardware.presets import preset
 from slurm_mapa.hardware.rocm_smi import detect_amd_tool, format_showtopo, parse_amd_topology
 from slurm_mapa.hardware.topofile import Topology, graph_from_toml_text, topology_from_toml_text, topology_to_toml
 
+from line_mutations import mutations
+
 DATA = Path(__file__).parent / "data" / "rocm-smi"
 IN_PACKAGE = {(0, 1), (2, 3), (4, 5), (6, 7)}
 
@@ -218,23 +220,6 @@ def test_amd_errors_quote_the_line(text, quoted, expected):
     assert expected in str(caught.value) and quoted in str(caught.value)
 
 
-def _mutations(lines: list[str]):
-    for i, line in enumerate(lines):
-        yield f"delete {i}", lines[:i] + lines[i + 1 :]
-        yield f"double {i}", lines[: i + 1] + [line] + lines[i + 1 :]
-        if i + 1 < len(lines) and lines[i + 1] != line:
-            yield f"swap {i}", lines[:i] + [lines[i + 1], line] + lines[i + 2 :]
-            yield f"join {i}", lines[:i] + [line + lines[i + 1]] + lines[i + 2 :]
-        if len(line.strip()) > 2:
-            yield f"truncate {i}", lines[:i] + [line[: len(line) // 2]] + lines[i + 1 :]
-        cells = line.split()
-        for j, cell in enumerate(cells):
-            head, tail = cells[:j], cells[j + 1 :]
-            replacement = "XGMI" if cell != "XGMI" else "PCIE"
-            for new in (head + tail, head + [cell, cell] + tail, head + [replacement] + tail, head + ["30"] + tail):
-                yield f"cell {i}:{j}", lines[:i] + ["   ".join(new)] + lines[i + 1 :]
-
-
 def _reading(text: str):
     result = parse_amd_topology(text)
     return result.graph, result.notes, result.pci_bus_ids
@@ -246,7 +231,7 @@ def test_a_corrupted_amd_line_gives_an_error_never_a_wrong_graph(name):
     expected = _reading(text)
     lines = text.splitlines()
     caught = 0
-    for label, mutated in _mutations(lines):
+    for label, mutated in mutations(lines, ("XGMI", "PCIE"), "   ", extra_cells=("30",)):
         try:
             got = _reading("\n".join(mutated))
         except InputError:

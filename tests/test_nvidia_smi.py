@@ -25,6 +25,8 @@ from slurm_mapa.hardware.nvidia_smi import (
 from slurm_mapa.hardware.presets import PRESETS, preset
 from slurm_mapa.hardware.topofile import graph_vendor
 
+from line_mutations import mutations
+
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 # nvidia-smi can only print NVIDIA servers: the AMD presets (xGMI) have their own tests.
 NVIDIA_PRESETS = sorted(name for name in PRESETS if graph_vendor(preset(name)) == "nvidia")
@@ -188,25 +190,6 @@ def test_errors_quote_the_line_and_say_what_is_expected(text, quoted, expected):
     assert quoted in message
 
 
-def _mutations(lines: list[str]):
-    """Every single-line corruption: each line deleted, doubled, swapped, truncated, joined with
-    the next; and in each line each cell deleted, doubled, or replaced by another link class."""
-    for i, line in enumerate(lines):
-        yield f"delete {i}", lines[:i] + lines[i + 1 :]
-        yield f"double {i}", lines[: i + 1] + [line] + lines[i + 1 :]
-        if i + 1 < len(lines) and lines[i + 1] != line:
-            yield f"swap {i}", lines[:i] + [lines[i + 1], line] + lines[i + 2 :]
-            yield f"join {i}", lines[:i] + [line + lines[i + 1]] + lines[i + 2 :]
-        if len(line.strip()) > 2:
-            yield f"truncate {i}", lines[:i] + [line[: len(line) // 2]] + lines[i + 1 :]
-        cells = line.split()
-        for j, cell in enumerate(cells):
-            head, tail = cells[:j], cells[j + 1 :]
-            replacement = "PIX" if cell != "PIX" else "SYS"
-            for new in (head + tail, head + [cell, cell] + tail, head + [replacement] + tail):
-                yield f"cell {i}:{j}", lines[:i] + ["\t".join(new)] + lines[i + 1 :]
-
-
 def _reading(text: str):
     result = parse_topo_matrix(text)
     return (result.graph, result.nics, result.nic_links, result.cpu_affinity, result.numa_affinity,
@@ -221,7 +204,7 @@ def test_a_corrupted_line_gives_an_error_never_a_wrong_graph(name):
     caught = 0
     matrix_lines = {i for i, line in enumerate(lines) if line.strip() and not line.startswith("#")
                     and "Legend" not in line and "=" not in line and "nvidia-smi" not in line}
-    for label, mutated in _mutations(lines):
+    for label, mutated in mutations(lines, ("PIX", "SYS"), "\t"):
         try:
             got = _reading("\n".join(mutated))
         except InputError:
