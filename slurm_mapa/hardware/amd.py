@@ -253,32 +253,29 @@ def health(amdsmi: Any, *, job_pids: Collection[int] | Callable[[int], bool] = (
     return HealthReport(problems)
 
 
+def _unless_absent(amdsmi: Any, query: Callable[[], Any], default: Any) -> Any:
+    """``query()``, or ``default`` where the GPU or the driver does not offer it."""
+    try:
+        return query()
+    except amdsmi.AmdSmiException as error:
+        if not _absent(error):
+            raise
+        return default
+
+
 def _check(amdsmi: Any, handle: Any, owned: Callable[[int], bool], reasons: list[str]) -> None:
-    try:
-        errors = int(amdsmi.amdsmi_get_gpu_total_ecc_count(handle).get("uncorrectable_count", 0))
-        if errors:
-            reasons.append(f"{errors} uncorrectable ECC errors")
-    except amdsmi.AmdSmiException as error:
-        if not _absent(error):
-            raise
-    try:
-        pages = amdsmi.amdsmi_get_gpu_bad_page_info(handle)
-    except amdsmi.AmdSmiException as error:
-        if not _absent(error):
-            raise
-        pages = []
+    ecc = _unless_absent(amdsmi, lambda: amdsmi.amdsmi_get_gpu_total_ecc_count(handle), {})
+    errors = int(ecc.get("uncorrectable_count", 0))
+    if errors:
+        reasons.append(f"{errors} uncorrectable ECC errors")
+    pages = _unless_absent(amdsmi, lambda: amdsmi.amdsmi_get_gpu_bad_page_info(handle), [])
     if isinstance(pages, (list, tuple)):  # the library returns a sentence when there are none
         statuses = [int(page.get("status", -1)) for page in pages if isinstance(page, dict)]
         if _PAGE_PENDING in statuses:
             reasons.append("bad page retirement pending (reset the GPU)")
         if _PAGE_UNRESERVABLE in statuses:
             reasons.append("a bad page could not be retired")
-    try:
-        processes = amdsmi.amdsmi_get_gpu_process_list(handle)
-    except amdsmi.AmdSmiException as error:
-        if not _absent(error):
-            raise
-        processes = []
+    processes = _unless_absent(amdsmi, lambda: amdsmi.amdsmi_get_gpu_process_list(handle), [])
     for process in processes:
         pid = int(process["pid"]) if isinstance(process, dict) else int(process)
         if not owned(pid):
