@@ -94,8 +94,9 @@ def within_budget(run: RunCommand, budget: Budget, command_timeout: float) -> Ru
     return call
 
 
-def run_for_at_most(seconds: float, work: Callable[[], Any]) -> Any:
-    """``work()``'s result, or TimeoutError after ``seconds`` (the work is left to finish alone)."""
+def run_for_at_most(seconds: float, work: Callable[[], Any], when_done: Callable[[], None] = lambda: None) -> Any:
+    """``work()``'s result, or TimeoutError after ``seconds`` (the work is left to finish alone).
+    ``when_done`` runs once the work has ended, whenever that is (also if it never started)."""
     outcome: list = []
 
     def target() -> None:
@@ -103,9 +104,15 @@ def run_for_at_most(seconds: float, work: Callable[[], Any]) -> Any:
             outcome.append((True, work()))
         except BaseException as error:  # noqa: BLE001 - handed to the caller
             outcome.append((False, error))
+        finally:
+            when_done()
 
     thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        when_done()
+        raise
     thread.join(max(seconds, 0.0))
     if not outcome:
         raise TimeoutError(f"did not finish within {max(seconds, 0.0):.1f} s")
@@ -131,29 +138,10 @@ def search_within(seconds: float, work: Callable[[], Any], slots: threading.Boun
     deadline = time.monotonic() + max(seconds, 0.0)
     if not slots.acquire(timeout=max(seconds, 0.0)):
         raise TimeoutError("searches of earlier jobs still run, and no slot came free within the Prolog's budget")
-    outcome: list = []
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            outcome.append((True, work()))
-        except BaseException as error:  # noqa: BLE001 - handed to the caller
-            outcome.append((False, error))
-        finally:
-            slots.release()
-            done.set()
-
     try:
-        threading.Thread(target=target, daemon=True).start()
-    except BaseException:
-        slots.release()  # the thread never started
-        raise
-    if not done.wait(max(deadline - time.monotonic(), 0.0)):
-        raise TimeoutError("the search did not finish within the Prolog's budget")
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+        return run_for_at_most(deadline - time.monotonic(), work, when_done=slots.release)
+    except TimeoutError:
+        raise TimeoutError("the search did not finish within the Prolog's budget") from None
 
 
 # --- the Prolog -----------------------------------------------------------------------------
