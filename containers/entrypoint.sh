@@ -21,7 +21,6 @@ link_config() {
     for f in slurm.conf cgroup.conf; do
         ln -sfn "$MAPA/config/$f" "/etc/slurm/$f"
     done
-    ln -sfn /opt/slurm-mapa/slurm_mapa/data/slurm/job_submit.lua /etc/slurm/job_submit.lua
     # A copy, not a link: fault tests change a node's hook config and put it back.
     install -m 644 "$MAPA/config/mapa.toml" /etc/slurm/mapa.toml
 }
@@ -61,6 +60,78 @@ start_agent() {
             sleep 1
         done
     ) &
+}
+
+# The mapa CLI from the mounted source, as root.
+mapa() {
+    /usr/bin/python3 -I -X pycache_prefix=/var/cache/slurm-mapa/pycache -c \
+        'import sys; sys.path.insert(0, "/opt/slurm-mapa"); from slurm_mapa.cli import main; sys.exit(main(sys.argv[1:]))' "$@"
+}
+
+# `mapa release` (docs/directives.md, placement=require), as the mapa-release systemd unit runs it
+# but every 5 s instead of 30 (one squeue of the pending jobs per pass): the tests should not wait.
+start_releaser() {
+    (
+        set +e
+        while true; do
+            mapa release --every 5
+            log "mapa release exited ($?); restarting it"
+            sleep 1
+        done
+    ) &
+}
+
+# gres.conf for this node's layout in slurm.conf: the preset's Cores= ranges are its sockets (in
+# order), and socket k of a node with C cores per socket is Cores=k*C..k*C+C-1 here.
+# Arguments: the preset's gres.conf, then slurm.conf and the node name (tests give them).
+socket_gres() {
+    local gres=$1 conf=${2:-/etc/slurm/slurm.conf} node=${3:-$(uname -n)} sockets per_socket
+    sockets=$(sed -n "s/^NodeName=$node .*SocketsPerBoard=\([0-9]*\).*/\1/p" "$conf")
+    per_socket=$(sed -n "s/^NodeName=$node .*CoresPerSocket=\([0-9]*\).*/\1/p" "$conf")
+    [[ -n $sockets && -n $per_socket ]] || { log "no SocketsPerBoard/CoresPerSocket for $node in slurm.conf"; exit 1; }
+    awk -v per="$per_socket" -v sockets="$sockets" '
+        { line[NR] = $0; if (match($0, /Cores=[0-9]+(-[0-9]+)?/)) { r = substr($0, RSTART + 6, RLENGTH - 6); split(r, b, "-"); if (!(r in start)) { start[r] = b[1] + 0; ranges[++n] = r } } }
+        END {
+            for (i = 1; i <= n; i++) { rank[ranges[i]] = 0; for (j = 1; j <= n; j++) if (start[ranges[j]] < start[ranges[i]]) rank[ranges[i]]++ }
+            if (n > sockets) { print "socket_gres: " n " Cores= ranges for " sockets " sockets" > "/dev/stderr"; exit 1 }
+            for (k = 1; k <= NR; k++) {
+                out = line[k]
+                if (match(out, /Cores=[0-9]+(-[0-9]+)?/)) {
+                    r = substr(out, RSTART + 6, RLENGTH - 6); first = rank[r] * per; last = first + per - 1
+                    out = substr(out, 1, RSTART - 1) "Cores=" first (last > first ? "-" last : "") substr(out, RSTART + RLENGTH)
+                }
+                print out
+            }
+        }' "$gres"
+}
+
+# Docker (cgroup v1, the host's cgroup namespace) mounts each controller's hierarchy read-only at
+# /sys/fs/cgroup/<controllers>, showing the container's own cgroup. slurmd's cgroup plugin and
+# mapa-agent's device isolation write there, so a node whose cgroup.conf enables the plugin gets
+# the same view, writable: each hierarchy is mounted afresh (CAP_SYS_ADMIN, compose.yml), the
+# container's own cgroup bound over the read-only mount point, and the whole hierarchy unmounted
+# again. Children of the container's cgroup stay inside its limits (compose.yml's device rules).
+writable_cgroups() {
+    local point options controllers own
+    grep -Eqi '^[[:space:]]*CgroupPlugin[[:space:]]*=[[:space:]]*disabled' /etc/slurm/cgroup.conf && return
+    [[ -f /sys/fs/cgroup/cgroup.controllers ]] && return  # cgroup v2: nothing to do here
+    mkdir -p /run/cgroup-hierarchies
+    local mounts entry
+    # Read them all first: the loop changes the mount table.
+    mapfile -t mounts < <(awk '{ for (i = 7; i < NF; i++) if ($i == "-") { if ($(i + 1) == "cgroup" && $5 ~ "^/sys/fs/cgroup/" && $NF !~ /name=/) print $5, $NF; break } }' /proc/self/mountinfo)
+    for entry in "${mounts[@]}"; do
+        read -r point options <<<"$entry"
+        controllers=${options##* }
+        controllers=$(printf '%s' "$controllers" | tr ',' '\n' | grep -Ev '^(rw|ro)$' | paste -sd, -)
+        own=$(awk -F: -v c="$controllers" '$2 == c { print $3 }' /proc/self/cgroup)
+        [[ -n $own ]] || { log "no cgroup of this container for $controllers"; continue; }
+        mkdir -p "/run/cgroup-hierarchies/$controllers"
+        mount -t cgroup -o "$controllers" cgroup "/run/cgroup-hierarchies/$controllers"
+        umount "$point" 2>/dev/null || true
+        mount --bind "/run/cgroup-hierarchies/$controllers$own" "$point"
+        # Only the container's own cgroup stays mounted: nothing may write above it.
+        umount "/run/cgroup-hierarchies/$controllers"
+    done
 }
 
 shared_dirs() {
@@ -151,6 +222,9 @@ case $ROLE in
         link_config
         start_munge
         shared_dirs
+        # job_submit.lua with mapa.toml's [features], as an admin writes it with `mapa job-submit-lua`.
+        mapa job-submit-lua /etc/slurm/job_submit.lua --config /etc/slurm/mapa.toml >/dev/null
+        start_releaser
         exec /usr/sbin/slurmctld -D -i "$@"
         ;;
     slurmd)
@@ -158,8 +232,10 @@ case $ROLE in
         : "${MAPA_PRESET:?compute nodes need MAPA_PRESET (the gres_conf/<preset>.gres.conf to use)}"
         gres="$MAPA/gres_conf/$MAPA_PRESET.gres.conf"
         [[ -f $gres ]] || { log "no $gres"; exit 1; }
-        ln -sfn "$gres" /etc/slurm/gres.conf
+        rm -f /etc/slurm/gres.conf
+        socket_gres "$gres" > /etc/slurm/gres.conf
         make_gpu_devices "$gres"
+        writable_cgroups
         # The mock nvidia-smi (rocm-smi on an AMD node) prints this node's topology, so
         # `mapa topo discover` works here.
         if grep -q 'File=/dev/dri/' "$gres"; then

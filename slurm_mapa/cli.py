@@ -95,10 +95,16 @@ def cmd_select(args: argparse.Namespace) -> int:
         raise InputError("how many GPUs? give --gpus K or gpus=K in the directive")
     request = to_request(directive, gpus)
     running = _parse_running(args.running)
-    result = select(args.policy, graph, free, request, model, _configured(args), running)
+    why = None
+    if args.job_cpus is not None or args.affinity is not None or args.affinity_max_loss is not None:
+        result, why = _select_with_affinity(args, graph, free, request, model, running)
+    else:
+        result = select(args.policy, graph, free, request, model, _configured(args), running)
     if isinstance(result, Allocation):
         result = reported_allocation(graph, request, result, model)  # one number per GPU set for collectives
     out = allocation_as_dict(result, graph, free, request, model)
+    if why is not None:
+        out["affinity"] = why.as_dict()
     if args.explain and isinstance(result, Allocation):
         out["alternatives"] = [
             {
@@ -117,6 +123,21 @@ def cmd_select(args: argparse.Namespace) -> int:
     return 0 if out["fits"] else EXIT_NO_FIT
 
 
+def _select_with_affinity(args: argparse.Namespace, graph: HardwareGraph, free: Sequence[int], request: Request,
+                          model: EffectiveBandwidthModel, running: tuple[tuple[int, ...], ...]):
+    """--job-cpus / --affinity / --affinity-max-loss: the policy under the CPU affinity rule."""
+    from .core.affinity import DEFAULT_MAX_LOSS, DEFAULT_MODE, parse_cpu_ids, select_with_affinity
+
+    try:
+        job_cpus = parse_cpu_ids(args.job_cpus) if args.job_cpus is not None else None
+    except InputError as error:
+        raise InputError(f"--job-cpus: {error}") from None
+    mode = args.affinity or DEFAULT_MODE
+    max_loss = args.affinity_max_loss if args.affinity_max_loss is not None else DEFAULT_MAX_LOSS
+    return select_with_affinity(args.policy, graph, free, request, job_cpus, mode, max_loss=max_loss, model=model,
+                                configured=_configured(args), running=running)
+
+
 def _fmt(value: float | None) -> str:
     return "n/a (1 GPU)" if value is None else f"{value:.3f} GB/s"
 
@@ -129,6 +150,8 @@ def _format_selection(out: dict[str, Any]) -> str:
     ]
     if not out["fits"]:
         lines.append(f"{out['policy']}: does not fit: {out['reason']}")
+        if "affinity" in out:
+            lines.append(_affinity_text(out["affinity"]))
         return "\n".join(lines)
     lines += [
         f"{out['policy']} ({out['objective']}): GPUs {','.join(map(str, out['gpus']))} (pattern order)",
@@ -137,9 +160,17 @@ def _format_selection(out: dict[str, Any]) -> str:
         f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])}",
         f"  link counts          {', '.join(f'{k}={v}' for k, v in out['link_counts'].items())} ({out['model']})",
     ]
+    if "affinity" in out:
+        lines.append(_affinity_text(out["affinity"]))
     for alt in out.get("alternatives", []):
         lines.append(f"  instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}")
     return "\n".join(lines)
+
+
+def _affinity_text(why: dict[str, Any]) -> str:
+    local = {True: "yes", False: "no", None: "-"}[why["local"]]
+    return (f"  CPU affinity         {why['mode']}: local GPUs {','.join(map(str, why['local_gpus'])) or 'none'}, "
+            f"chosen local: {local} ({why['note']})")
 
 
 # --- entry point ----------------------------------------------------------------------------
@@ -165,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="preserve-ahead: how much of a sensitive job's best it may give up for the future (default 0)")
     sel.add_argument("--running", metavar="GPUS/GPUS...",
                      help="preserve-ahead: the GPUs of each job running on the node, e.g. 0,1/4-6 (default: none)")
+    sel.add_argument("--job-cpus", metavar="LIST",
+                     help="the job's CPUs on the node in the topology's CPU numbering, Slurm's CPU_IDs= syntax, e.g. 0-3,40-43 "
+                          "(default: unknown, every GPU counts as local)")
+    sel.add_argument("--affinity", choices=["strict", "prefer", "ignore"],
+                     help="CPU affinity: strict (only GPUs local to --job-cpus), prefer (local unless that loses more than "
+                          "--affinity-max-loss of the predicted bandwidth), ignore (default: prefer)")
+    sel.add_argument("--affinity-max-loss", type=float, metavar="FRACTION",
+                     help="prefer: the fraction of the predicted bandwidth a local choice may give up (default 0.25)")
     sel.add_argument("--model", help="an effective-bandwidth model file (default: the MAPA paper's DGX-1 V100 model)")
     sel.add_argument("--explain", action="store_true", help="also show the best alternatives and why they lost")
     sel.add_argument("--json", action="store_true", help="machine-readable output")
@@ -173,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin_commands(commands)
     from .slurm.install import add_commands as add_hook_commands
     add_hook_commands(commands)
+    from .slurm.release import add_commands as add_release_commands
+    add_release_commands(commands)
     from .calibrate.commands import add_commands as add_calibrate_commands
     add_calibrate_commands(commands)
     _add_plugin_commands(commands, topo_commands)

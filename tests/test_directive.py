@@ -236,7 +236,9 @@ def directives(draw: st.DrawFn) -> Directive:
     weights = None
     if count and count <= 200 and draw(st.booleans()):
         weights = tuple(draw(st.lists(WEIGHT, min_size=count, max_size=count)))
-    return Directive(shape, sensitive, gpus, grid, edges, weights)
+    placement = draw(st.sampled_from([None, "prefer", "any"] + (["require"] if sensitive else [])))
+    wait = draw(st.none() | st.integers(1, 1440)) if placement == "require" else None
+    return Directive(shape, sensitive, gpus, grid, edges, weights, placement, wait)
 
 
 @given(directives())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -110,18 +111,32 @@ def test_mini_cluster_files_keep_their_gpu_lines(name):
 
 
 def test_mini_cluster_cores_fit_slurm_conf():
-    """Cores= must stay inside the core count slurm.conf gives the node, or slurmd stops (fatal)."""
+    """The mini cluster's nodes have their presets' sockets with one core each; entrypoint.sh
+    (socket_gres) renames each preset gres.conf's Cores= ranges to those sockets' cores. Cores=
+    must stay inside the node's cores, or slurmd stops (fatal), and GPUs of one socket share one."""
     conf = ROOT / "containers" / "config" / "slurm.conf"
-    if not conf.exists():
-        pytest.skip("no mini cluster config")
-    nodes = {"dgx1": "dgx1-v100", "torus1": "torus2d-16", "summit1": "summit", "mi250x1": "mi250x"}
+    entrypoint = ROOT / "containers" / "entrypoint.sh"
+    nodes = {"dgx1": "dgx1-v100", "torus1": "torus2d-16", "summit1": "summit", "mi250x1": "mi250x", "dgx2": "dgx1-v100"}
+    seen = set()
     for line in conf.read_text().splitlines():
         match = re.match(r"NodeName=(\S+) .*SocketsPerBoard=(\d+) CoresPerSocket=(\d+)", line)
-        if match and match.group(1) in nodes:
-            cores = int(match.group(2)) * int(match.group(3))
-            text = (ROOT / "gres_conf" / f"{nodes[match.group(1)]}.gres.conf").read_text()
-            for value in re.findall(r"(?m)^Name=gpu .*Cores=(\S+)", text):
-                assert max(parse_cpu_list(value)) < cores
+        if not match or match.group(1) not in nodes:
+            continue
+        node, sockets, per_socket = match.group(1), int(match.group(2)), int(match.group(3))
+        seen.add(node)
+        preset_text = (ROOT / "gres_conf" / f"{nodes[node]}.gres.conf").read_text()
+        script = f'log() {{ echo "$*" >&2; }}; source <(sed -n "/^socket_gres()/,/^}}/p" {entrypoint}); socket_gres "$1" "$2" "$3"'
+        done = subprocess.run(["bash", "-c", script, "bash", str(ROOT / "gres_conf" / f"{nodes[node]}.gres.conf"), str(conf), node],
+                              capture_output=True, text=True, check=True)
+        before = re.findall(r"(?m)^Name=gpu (File=\S+) .*?Cores=(\S+)", preset_text)
+        after = re.findall(r"(?m)^Name=gpu (File=\S+) .*?Cores=(\S+)", done.stdout)
+        assert [f for f, _ in before] == [f for f, _ in after]
+        for (_, old), (_, new) in zip(before, after):
+            assert max(parse_cpu_list(new)) < sockets * per_socket
+            # GPUs that shared a socket in the preset share one here, and only they do.
+            assert [c == old for _, c in before] == [c == new for _, c in after]
+        assert done.stdout.replace("\n", "").count("Links=") == preset_text.replace("\n", "").count("Links=")
+    assert seen == set(nodes)
 
 
 def test_gres_conf_command(capsys):

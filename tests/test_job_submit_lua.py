@@ -69,6 +69,7 @@ class Result:
     admin_comment: str | None
     comment: str | None = None  # job_desc.comment when the plugin changed it
     prefer: str | None = None  # job_desc.prefer after the call
+    placement: str = "features= begin="  # job_desc.features and begin_time (seconds from now) after it
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,12 @@ def _run(cases: list[Case], tmp: Path, plugin: Path = PLUGIN) -> tuple[Load, lis
     info = tuple(take(int(line())) for _ in range(int(line().removeprefix("INFO "))))
     results = []
     for _ in cases:
-        rc, count, admin_len, comment_len, prefer_len = (int(v) for v in line().split(" "))
+        rc, count, admin_len, comment_len, prefer_len, place_len = (int(v) for v in line().split(" "))
         messages = tuple(take(int(line())) for _ in range(count))
         admin = take(admin_len) if admin_len >= 0 else None
         comment = take(comment_len) if comment_len >= 0 else None
-        results.append(Result(rc, messages, admin, comment, take(prefer_len) if prefer_len >= 0 else None))
+        prefer = take(prefer_len) if prefer_len >= 0 else None
+        results.append(Result(rc, messages, admin, comment, prefer, take(place_len)))
     assert pos == len(data), "the driver wrote more results than cases"
     return Load(load_rc, globals_, info), results
 
@@ -227,9 +229,12 @@ VALUES = {
                  "mesh2d:", "mesh2d:2x4:1", "ring:2x4", "chain:2X4", "rnig", "ring,chain"],
     "sensitive": ["yes", "no", "true", "false", "1", "0", "YES", "False", "maybe", "y"],
     "gpus": ["1", "2", "3", "4", "6", "7", "8", "16", "64", "04", "0064", "0", "65", "00004", "2.0", "-1"],
+    "placement": ["prefer", "require", "any", "REQUIRE", "Prefer", "anywhere", "require,any"],
+    "wait": ["1", "30", "0030", "1440", "1441", "0", "00000", "000001", "99999", "1.5", "-5", "10m"],
 }
 WEIGHTS = ["1", "2", "0.5", "4.000", "010.50", "000.000100", "999999.999999", "0.000001", "0", "0.000", "1e3", ".5", "4.", "1234567", ""]
-KEY_SPELLINGS = ["topology", "sensitive", "gpus", "edges", "weights"] * 4 + ["Topology", "GPUS", "Weights", "topo", ""]
+KEY_SPELLINGS = (["topology", "sensitive", "gpus", "edges", "weights", "placement", "wait"] * 4
+                 + ["Topology", "GPUS", "Weights", "Placement", "WAIT", "topo", ""])
 
 
 def _value(rnd: random.Random, key: str) -> str:
@@ -503,21 +508,70 @@ def test_generated_comments_lua_matches_python(tmp_path: Path) -> None:
     assert changed >= 200
 
 
-def test_node_choice_preferences_are_added_only_where_configured_and_never_over_the_users(tmp_path: Path) -> None:
+def _configured_plugin(tmp_path: Path, sizes: tuple[int, ...], insensitive_jobs: str = "none") -> Path:
+    from slurm_mapa.slurm.install import job_submit_text
+
     plugin = tmp_path / "job_submit.lua"
-    text = PLUGIN.read_text(encoding="latin-1")
-    assert "local _NODE_FEATURE_SIZES = {}\n" in text
-    plugin.write_text(text.replace("local _NODE_FEATURE_SIZES = {}\n", "local _NODE_FEATURE_SIZES = { 2, 4, 8 }\n"), encoding="latin-1")
+    plugin.write_text(job_submit_text(sizes, insensitive_jobs), encoding="latin-1")
+    return plugin
+
+
+def test_node_choice_preferences_are_added_only_where_configured_and_never_over_the_users(tmp_path: Path) -> None:
+    plugin = _configured_plugin(tmp_path, (2, 4, 8), "noring")
     sensitive, insensitive = "#MAPA topology=ring sensitive=yes\n", "#MAPA topology=ring\n"
+    plain = "#!/bin/sh\nsrun x\n"
     cases = [
         Case(script=sensitive, mode="gpus4"), Case(script=insensitive, mode="gpus4"), Case(script=sensitive, mode="gpus4typed"),
         Case(script=sensitive, mode="gpus3"),  # 3 is not a published size
         Case(script=sensitive, mode="gpus4user"),  # the user's own --prefer stays
-        Case(script="#!/bin/sh\nsrun x\n", mode="gpus4"),  # no directive: left alone
+        Case(script=plain, mode="gpus4"),  # no directive: an insensitive job's preference (with "noring")
         Case(script=sensitive, mode="submit"),  # no GPUs per node asked for
+        Case(script=sensitive, mode="gpus4and"),  # a plain AND constraint: kept, and preferred with the feature
+        Case(script=sensitive, mode="gpus4or"),  # any other constraint: left alone
+        Case(script="#MAPA sensitive=yes placement=any\n", mode="gpus4"),  # no preference asked for
+        Case(script=sensitive, mode="gpus4pinned"),  # the user chose the node (-w)
     ]
     _, results = _run(cases, tmp_path, plugin)
-    assert [r.prefer for r in results] == ["mapa_ring4", "mapa_noring4", "mapa_ring4", None, "bigmem", None, None]
+    assert [r.prefer for r in results] == ["mapa_ring4", "mapa_noring4", "mapa_ring4", None, "bigmem", "mapa_noring4", None,
+                                           "bigmem&ib&mapa_ring4", None, None, None]
     assert all(r.rc == SUCCESS for r in results)
+    # Never a constraint (Slurm fails a job whose constraint no node has active), never a delay.
+    assert [r.placement for r in results] == ["features= begin="] * 7 + ["features=bigmem&ib begin=", "features=bigmem|ib begin=",
+                                                                          "features= begin=", "features= begin="]
     _, off = _run(cases, tmp_path)  # as shipped: no sizes, no preference
-    assert [r.prefer for r in off] == [None, None, None, None, "bigmem", None, None]
+    assert [r.prefer for r in off] == [None, None, None, None, "bigmem", None, None, None, None, None, None]
+    _, alone = _run(cases, tmp_path, _configured_plugin(tmp_path, (2, 4, 8)))  # insensitive_jobs = "none": only sensitive jobs
+    assert [r.prefer for r in alone] == ["mapa_ring4", None, "mapa_ring4", None, "bigmem", None, None, "bigmem&ib&mapa_ring4", None, None,
+                                         None]
+
+
+def _delay(result: Result) -> int | None:
+    begin = result.placement.partition(" begin=")[2]
+    return int(begin) if begin else None
+
+
+def test_placement_require_delays_the_start_by_its_wait_and_prefers_the_good_feature(tmp_path: Path) -> None:
+    plugin = _configured_plugin(tmp_path, (2, 4))
+    require = "#MAPA sensitive=yes placement=require wait=7\n"
+    cases = [
+        Case(script=require, mode="gpus4"),
+        Case(script="#MAPA sensitive=yes placement=require\n", mode="gpus4"),  # the default wait, 30 minutes
+        Case(script=require, mode="gpus4and"),
+        Case(script=require, mode="gpus4begin"),  # the user's own --begin: only the preference
+        Case(script=require, mode="gpus4user"),  # the user's own --prefer: nothing
+        Case(script=require, mode="gpus3"),  # no feature for 3 GPUs: nothing
+        Case(script=require, comment="mine\x1fx", mode="gpus4"),  # `mapa release` could not read it: no delay
+        Case(comment="mapa:sensitive=yes placement=require wait=2", mode="gpus4"),
+    ]
+    _, results = _run(cases, tmp_path, plugin)
+    assert all(r.rc == SUCCESS for r in results), results
+    assert [r.prefer for r in results] == ["mapa_ring4", "mapa_ring4", "bigmem&ib&mapa_ring4", "mapa_ring4", "bigmem", None,
+                                           "mapa_ring4", "mapa_ring4"]
+    delays = [_delay(r) for r in results]
+    assert 7 * 60 - 5 <= delays[0] <= 7 * 60 and 30 * 60 - 5 <= delays[1] <= 30 * 60 and 7 * 60 - 5 <= delays[2] <= 7 * 60
+    assert delays[3] > 7000  # the user's own begin time, untouched
+    assert delays[4:7] == [None, None, None]
+    assert 2 * 60 - 5 <= delays[7] <= 2 * 60
+    assert results[2].placement.startswith("features=bigmem&ib ")
+    assert [r.admin_comment for r in results[:2]] == ["mapa:topology=ring sensitive=yes placement=require wait=7",
+                                                      "mapa:topology=ring sensitive=yes placement=require wait=30"]

@@ -93,12 +93,43 @@ def test_the_fleets_best_sets_the_bar(tmp_path):
     ("sizes = []", "sizes must be"), ("sizes = [1]", "sizes must be"), ("sizes = [2, true]", "sizes must be"),
     ("sizes = [2]\nthreshold = 0", "threshold"), ("sizes = [2]\nthreshold = 1.5", "threshold"),
     ("sizes = [2]\nfleet = \"dgx1-v100\"", "fleet"), ("sizes = [2]\nshape = \"tree\"", "takes sizes"),
+    ("sizes = [2]\ninsensitive_jobs = \"ring\"", "insensitive_jobs must be \"none\""),
 ])
 def test_a_bad_features_table_is_refused_naming_what_is_accepted(table, message):
     with pytest.raises(InputError, match=message):
         config_from_text(f"[features]\n{table}\n", "mapa.toml", validate=False)
     good = config_from_text("[features]\nsizes = [4, 2, 4]\nfleet = [\"dgx1-v100\"]\n", "mapa.toml", validate=False)
     assert (good.feature_sizes, good.feature_threshold, good.feature_fleet) == ((2, 4), 0.9, ("dgx1-v100",))
+    assert good.feature_insensitive_jobs == "none"
+    steered = config_from_text("[features]\nsizes = [2]\ninsensitive_jobs = \"noring\"\n", "mapa.toml", validate=False)
+    assert steered.feature_insensitive_jobs == "noring"
+
+
+def test_mapa_job_submit_lua_writes_the_plugin_with_the_configs_settings(tmp_path, capsys):
+    import os
+
+    from slurm_mapa.cli import main as mapa_main
+    from slurm_mapa.slurm.install import JOB_SUBMIT_LUA, job_submit_text
+
+    shipped = JOB_SUBMIT_LUA.read_text()
+    text = job_submit_text((2, 4), "noring")
+    changed = [(a, b) for a, b in zip(shipped.splitlines(), text.splitlines()) if a != b]
+    assert changed == [("local _NODE_FEATURE_SIZES = {}", "local _NODE_FEATURE_SIZES = { 2, 4 }"),
+                       ('local _INSENSITIVE_JOBS = "none"', 'local _INSENSITIVE_JOBS = "noring"')]
+    assert job_submit_text(()) == shipped
+    with pytest.raises(InputError, match="noring or none"):
+        job_submit_text((2,), "all")
+    config = tmp_path / "mapa.toml"
+    config.write_text("[features]\nsizes = [4, 8]\n")
+    os.chmod(config, 0o644)
+    target = tmp_path / "etc" / "job_submit.lua"
+    target.parent.mkdir()
+    assert mapa_main(["job-submit-lua", str(target), "--config", str(config)]) == 0
+    assert target.read_text() == job_submit_text((4, 8)) and oct(target.stat().st_mode & 0o777) == "0o644"
+    assert capsys.readouterr().out.startswith("JobSubmitPlugins=lua\n# node choice")
+    os.chmod(target.parent, 0o777)  # a directory others can change: refused
+    assert mapa_main(["job-submit-lua", str(target), "--config", str(config)]) != 0
+    assert "cannot write" in capsys.readouterr().err
 
 
 def test_mapa_hooks_prints_the_slurm_conf_lines_node_choice_needs():

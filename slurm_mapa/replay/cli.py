@@ -34,6 +34,8 @@ from .jobfile import read_jobfile, write_jobfile
 from .jobs import Job, ReadStats
 from .plots import boxplot_png, have_matplotlib, series_png
 from .sacct import read_sacct_json, read_sacct_text
+from ..core.affinity import DEFAULT_MAX_LOSS as AFFINITY_MAX_LOSS
+from ..core.affinity import MODES as AFFINITY_MODES
 from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, Decider, Node, Options, RunResult, simulate
 from .timemodel import parse_curve
 from .traces import TRACE_FORMATS, detect_csv, read_philly, trace_reader
@@ -399,7 +401,10 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
         raise InputError(f"--require-wait must be 0 minutes or more, got {args.require_wait:g}")
     if not 0 < args.feature_threshold <= 1:
         raise InputError(f"--feature-threshold must be a fraction in (0, 1], got {args.feature_threshold:g}")
+    affinity, affinity_max_loss = _affinity(args, config)
     options = Options(
+        affinity=affinity,
+        affinity_max_loss=affinity_max_loss,
         insensitive=args.insensitive_choice,
         feature_threshold=args.feature_threshold,
         feature_sizes=_feature_sizes(args.feature_sizes),
@@ -424,6 +429,7 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
                     "time_model": [list(p) for p in options.time_model.points] if options.time_model else None,
                     "sensitive_share": share, "extrapolate": extrapolate,
                     "node_choice": node_choices,
+                    "cpu_affinity": {"mode": affinity, "max_loss": affinity_max_loss} if affinity else None,
                     "node_features": {"threshold": options.feature_threshold,
                                       "sizes": list(options.feature_sizes) if options.feature_sizes else "2..largest node",
                                       "insensitive_jobs_prefer": options.insensitive,
@@ -440,6 +446,8 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
     header += _directive_lines(source.stats, share)
     header += cluster_notes
     header.append(_model_line(model, extrapolate))
+    if affinity:
+        header.append(_affinity_line(affinity, affinity_max_loss, results))
     parts = ["\n".join(header), report.table(results)]
     dropped = report.dropped_text(results)
     if dropped:
@@ -473,6 +481,28 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
         parts.append("reader assumptions: " + "; ".join(f"{n} x {what}" for what, n in sorted(source.stats.notes.items())))
     _emit(args, out, parts)
     return 0
+
+
+def _affinity(args, config: Config) -> tuple[str | None, float]:
+    """(mode or None, max_loss): --affinity, else the config's [affinity], else not modelled."""
+    mode = getattr(args, "affinity", None)
+    max_loss = getattr(args, "affinity_max_loss", None)
+    if mode is None and config.affinity is not None:
+        mode = config.affinity[0]
+        max_loss = config.affinity[1] if max_loss is None else max_loss
+    if mode is None and max_loss is not None:
+        raise InputError("--affinity-max-loss is a setting of --affinity prefer (give --affinity too)")
+    max_loss = AFFINITY_MAX_LOSS if max_loss is None else max_loss
+    if not 0 <= max_loss <= 1:
+        raise InputError(f"--affinity-max-loss must be a fraction from 0 to 1, got {max_loss:g}")
+    return mode, float(max_loss)
+
+
+def _affinity_line(mode: str, max_loss: float, results: Sequence[RunResult]) -> str:
+    counts = "; ".join(f"{r.label} {r.affinity_local} local / {r.affinity_remote} not" for r in results)
+    setting = f"prefer, max loss {max_loss:g}" if mode == "prefer" else mode
+    return (f"CPU affinity: {setting}; each job's CPUs modelled as those of the lowest-numbered free GPUs "
+            f"(nodes without CPU affinity count every GPU as local); jobs on GPUs local to their CPUs: {counts}")
 
 
 def _load_config(path: str | None) -> Config:
@@ -609,6 +639,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="prefer/require: what insensitive and 1-GPU jobs prefer: best-fit (nothing: Slurm's tightest fit), "
                         "complement (mapa_noring<k> of their size), complement-min (mapa_noring<smallest size>) "
                         f"(default {Options.insensitive})")
+    p.add_argument("--affinity", choices=AFFINITY_MODES, default=None,
+                   help="CPU affinity in the decision: strict (only GPUs local to the job's CPUs), prefer (local unless "
+                        "that loses more than --affinity-max-loss), ignore (count only); each job's CPUs are modelled as "
+                        "those of the lowest-numbered free GPUs (default: the config's [affinity], else not modelled)")
+    p.add_argument("--affinity-max-loss", type=float, default=None, metavar="FRACTION",
+                   help="prefer: the fraction of the predicted bandwidth a local choice may give up (default 0.25)")
     p.add_argument("--no-pin", action="store_true", help="do not keep sacct jobs on their recorded node")
     p.add_argument("--csv", help="write one CSV row per job and policy to this file")
     p.add_argument("--plot", metavar="DIR", help="write PNG box plots to DIR (needs matplotlib)")

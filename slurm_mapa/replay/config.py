@@ -19,6 +19,10 @@
     sizes = { 1 = 0.4, 2 = 0.3, 4 = 0.3 }
     tolerance = 0.0
 
+    [affinity]                   # as for the Prolog: CPU affinity in the decision; the replay
+    mode = "prefer"              # uses it unless --affinity is given (without either: ignore)
+    max_loss = 0.25
+
     model = "/etc/slurm/mapa-model.toml"   # the hooks' effective-bandwidth model (a file or a
                                            # bundled name): the replay uses it too unless --model
 """
@@ -50,6 +54,7 @@ class Config:
     default_shape: str = "ring"
     default_sensitive: bool = False
     model: str | None = None  # the hooks' `model` key: a model file or a bundled model name
+    affinity: tuple[str, float] | None = None  # [affinity] (mode, max_loss); None: not configured
     source_dir: str | None = None  # the config file's folder: a relative `model` path is looked up there too
 
 
@@ -71,9 +76,10 @@ def _topology_name(value: Any, where: str) -> str:
 def config_from_dict(data: dict, source: str = "config") -> Config:
     # The same file can configure the Slurm hooks (/etc/slurm/mapa.toml): their keys are theirs.
     hook_keys = {"policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "health"}
-    unknown = set(data) - {"nodes", "cluster", "defaults", "rules", "preserve_ahead"} - hook_keys
+    unknown = set(data) - {"nodes", "cluster", "defaults", "rules", "preserve_ahead", "affinity"} - hook_keys
     if unknown:
-        raise InputError(f"{source}: unknown section(s) {', '.join(sorted(unknown))} (accepted: nodes, cluster, defaults, rules, preserve_ahead)")
+        raise InputError(f"{source}: unknown section(s) {', '.join(sorted(unknown))} "
+                         "(accepted: nodes, cluster, defaults, rules, preserve_ahead, affinity)")
     config = Config()
     for pattern, topo in (data.get("nodes") or {}).items():
         config.node_topologies.append((pattern, _topology_name(topo, f"{source}: [nodes] {pattern!r}")))
@@ -97,6 +103,10 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
     from ..core.ahead import settings_from_table
 
     config.ahead_sizes, config.ahead_tolerance = settings_from_table(data.get("preserve_ahead"), source)
+    if "affinity" in data:
+        from ..core.affinity import settings_from_table as affinity_settings
+
+        config.affinity = affinity_settings(data["affinity"], source)
     return config
 
 

@@ -35,6 +35,7 @@ def summary(result: RunResult) -> dict:
         "wait_sensitive": five(result.wait_sensitive),
         "node_preference": {"met": result.preference_met, "missed": result.preference_missed,
                             "relaxed_constraints": result.relaxed},
+        "cpu_affinity": {"local_jobs": result.affinity_local, "remote_jobs": result.affinity_remote},
         "runtime": five(result.runtime),
         "runtime_sensitive": five(result.runtime_sensitive),
         "makespan": _r(result.makespan),

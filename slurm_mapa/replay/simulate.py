@@ -21,6 +21,14 @@ Which node a job starts on is ``Options.node_choice`` (issue 15, see :func:`slur
   they have waited ``Options.require_wait`` seconds, then prefer it; the simulator wakes at that
   bound so the relaxed job is looked at again even if nothing else happens.
 
+CPU affinity (``Options.affinity``, issue 14 item 4, :mod:`~slurm_mapa.core.affinity`): each job's
+CPUs on a node are modelled as cons_tres would give them *if it took the lowest-numbered free GPUs*:
+every CPU in those GPUs' affinity (:func:`~slurm_mapa.core.affinity.modelled_job_cpus`); the
+simulator does not track which cores are busy. Then the affinity mode (strict, prefer, ignore)
+wraps the policy as the Prolog would. ``None`` (the default) leaves affinity out, as before;
+``ignore`` decides the same but counts how many jobs got GPUs local to their CPUs. Nodes whose
+topology has no CPU affinity count every GPU as local; round-robin's stateful path ignores affinity.
+
 Every decision is memoised per (topology, policy, free set, request): a node has at most 2^n free
 sets, so a long log costs a bounded number of searches. The scores kept for a decision are the
 reported ones (:func:`~slurm_mapa.core.explain.reported_placement`: one number per GPU set for
@@ -33,12 +41,15 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import inf
 from typing import Callable, Iterable, Iterator, Sequence
 
 from ..core import features as mapa_features
 from ..core import peers
+from ..core.affinity import check_settings as check_affinity
+from ..core.affinity import decide as affinity_decide
+from ..core.affinity import gpu_cpus, modelled_job_cpus
 from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel, grounded_model, paper_model
 from ..core.explain import reported_placement
 from ..core.hardware import HardwareGraph
@@ -121,6 +132,7 @@ class Decision:
     preserved: float
     grounded: bool = False  # effective bandwidth from the link-bound model: the size is outside the model's fitted range
     extrapolated: bool = False  # effective bandwidth from the model outside its fitted range (--extrapolate)
+    local: bool | None = None  # GPUs local to the job's modelled CPUs; None: affinity not modelled or the node has none
 
 
 @dataclass
@@ -138,6 +150,8 @@ class Options:
     feature_threshold: float = mapa_features.DEFAULT_THRESHOLD
     feature_sizes: tuple[int, ...] | None = None  # ring sizes the nodes publish (None: 2 .. largest node)
     require_wait: float = 3600.0  # seconds a 'require' job holds out for its feature
+    affinity: str | None = None  # CPU affinity mode (strict, prefer, ignore); None: not modelled
+    affinity_max_loss: float = 0.25  # prefer: the fraction of the value a local choice may give up
 
 
 class Decider:
@@ -191,10 +205,13 @@ class Decider:
         """Whether ``policy`` looks at the running jobs' GPUs (preserve-ahead's outlook)."""
         return getattr(self.policies[policy], "sees_running", False)
 
-    def decide(self, policy: str, gid: int, mask: int, rid: int, queue: tuple[int, ...] | None = None, running: tuple[int, ...] = ()):
+    def decide(self, policy: str, gid: int, mask: int, rid: int, queue: tuple[int, ...] | None = None, running: tuple[int, ...] = (),
+               affinity: tuple[str, float] | None = None):
         """The decision (or None: does not fit); for round-robin also the new device queue.
 
         ``running``: the sorted masks of the jobs running on the node, for policies that see them.
+        ``affinity``: (mode, max_loss) of the CPU affinity rule, with the job's CPUs modelled from
+        the free mask (module docstring); None: no affinity.
         """
         self.lookups += 1
         if queue is not None:
@@ -215,7 +232,7 @@ class Decider:
                 found = self._decision(gid, rid, result.placement, chosen)
                 self._store(key, found)
             return found, picked[1]
-        key = (gid, policy, mask, rid, running)
+        key = (gid, policy, mask, rid, running) if affinity is None else (gid, policy, mask, rid, running, affinity)
         found = self.memo.get(key)
         if found is not None or key in self.memo:
             return found
@@ -226,9 +243,19 @@ class Decider:
         new_queue = None
         if running and self.sees_running(policy):
             groups = tuple(tuple(i for i in range(graph.size) if group >> i & 1) for group in running)
-            result = self.policies[policy](graph, free, request, self.model, running=groups)
+
+            def run(subset: tuple[int, ...]):
+                return self.policies[policy](graph, subset, request, self.model, running=groups)
         else:
-            result = self.policies[policy](graph, free, request, self.model)
+            def run(subset: tuple[int, ...]):
+                return self.policies[policy](graph, subset, request, self.model)
+        local = None
+        if affinity is None:
+            result = run(free)
+        else:
+            cpus = modelled_job_cpus(graph, free, request.gpus)
+            result, why = affinity_decide(run, graph, free, request, cpus, affinity[0], max_loss=affinity[1], policy=policy)
+            local = why.local if gpu_cpus(graph) is not None else None
         if not isinstance(result, Allocation):
             self._store(key, None)
             return None
@@ -236,6 +263,8 @@ class Decider:
         for g in result.placement.gpus:
             used |= 1 << g
         decision = self._decision(gid, rid, result.placement, used)
+        if local is not None:
+            decision = replace(decision, local=local)
         value = (decision, new_queue)
         self._store(key, value)
         return value
@@ -364,6 +393,8 @@ class RunResult:
     preference_met: int = 0  # jobs that wanted a feature (prefer/require) and started on a node that had it
     preference_missed: int = 0  # ... and started elsewhere (Slurm's fallback, or a relaxed constraint)
     relaxed: int = 0  # require: jobs that started without their feature after the wait bound
+    affinity_local: int = 0  # jobs whose GPUs are all local to their modelled CPUs (Options.affinity set)
+    affinity_remote: int = 0  # ... and jobs with a GPU that is not
 
     @property
     def label(self) -> str:
@@ -440,6 +471,9 @@ def simulate(
         raise InputError(f"feature threshold must be a fraction in (0, 1], got {options.feature_threshold:g}")
     if options.require_wait < 0:
         raise InputError(f"the require wait bound must be 0 or more, got {options.require_wait:g}")
+    if options.affinity is not None:
+        check_affinity(options.affinity, options.affinity_max_loss)
+    affinity = (options.affinity, float(options.affinity_max_loss)) if options.affinity is not None else None
     decider = decider or Decider(options.model, configured=options.configured, extrapolate=options.extrapolate)
     result = RunResult(policy, node_choice=options.node_choice)
     choice = options.node_choice
@@ -532,7 +566,7 @@ def simulate(
 
     def decide_on(i: int, rid: int):
         return decider.decide(policy, gids[i], free[i], rid, rr_queue[i] if stateful else None,
-                              tuple(sorted(groups[i])) if sees_running else ())
+                              tuple(sorted(groups[i])) if sees_running else (), affinity)
 
     def chosen_nodes(job: Job, rid: int, t: float, published: list[int] | None) -> tuple[list, int] | None:
         """slurm / prefer / require: the picks, and 1/-1/0 for preference met/missed/none; None: wait."""
@@ -650,6 +684,12 @@ def simulate(
                     groups[i].remove(decision.mask)
             releases += 1
             first = picks[0][1]
+            localities = [decision.local for _, decision, _ in picks if decision.local is not None]
+            if localities:
+                if all(localities):
+                    result.affinity_local += 1
+                else:
+                    result.affinity_remote += 1
             result.jobs += 1
             result.last_end = max(result.last_end, end)
             result.wait.add(start - job.submit)

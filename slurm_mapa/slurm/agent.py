@@ -13,6 +13,10 @@ A client that goes away before the decision is written (slurmd killed the Prolog
 more written: its job keeps the provisional choice the Prolog recorded first, and the wrapper's
 in-process run decides again.
 
+The TaskProlog, as the job's user, asks on a second socket that anyone may use and that takes
+only ``isolate`` requests: the agent isolates the asking task's GPU devices (slurm/isolation.py),
+judging the caller by its pid and its task's cgroup, never by what the request says.
+
 A burst of Prologs (32 or more jobs allocated at once) queues in a deep listen backlog instead of
 falling back; past MAX_HANDLERS concurrent requests a client is told ``error busy`` at once and
 runs the hook in-process. The agent answers within the Prolog's configured budget
@@ -36,11 +40,13 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..errors import InputError
-from .agent_client import DEFAULT_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES, MAX_REQUEST_BYTES, MAX_VALUE_BYTES
+from .agent_client import (DEFAULT_SOCKET, ISOLATE, ISOLATE_KEYS, ISOLATE_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES,
+                           MAX_REQUEST_BYTES, MAX_VALUE_BYTES)
 from .commands import Runner
-from .config import hook_logger, load_hook_config
+from .config import HookConfig, hook_logger, load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
+from .isolation import Isolator, IsolationError, job_devices_for
 
 # One deadline for reading the whole request: a client that trickles a byte every few seconds
 # must not hold a thread (a timeout per recv would let it go on for ever).
@@ -52,20 +58,20 @@ LISTEN_BACKLOG = 256
 MAX_HANDLERS = 128
 
 
-def parse_header(line: bytes) -> tuple[str, int]:
+def parse_header(line: bytes, kinds: tuple[str, ...] = KINDS) -> tuple[str, int]:
     """``MAPA1 <kind> <length>`` -> (kind, length). Raises InputError naming what was wrong."""
     parts = line.rstrip(b"\n").split(b" ")
     if len(parts) != 3 or parts[0] != b"MAPA1":
         raise InputError(f"request header {line[:MAX_HEADER_BYTES]!r} is not 'MAPA1 <kind> <length>'")
     kind = parts[1].decode("ascii", "replace")
-    if kind not in KINDS:
-        raise InputError(f"unknown hook kind {kind!r} (accepted: {', '.join(KINDS)})")
+    if kind not in kinds:
+        raise InputError(f"unknown hook kind {kind!r} (accepted: {', '.join(kinds)})")
     if not parts[2].isdigit() or int(parts[2]) > MAX_REQUEST_BYTES:
         raise InputError(f"request length {parts[2][:20]!r} is not a number up to {MAX_REQUEST_BYTES}")
     return kind, int(parts[2])
 
 
-def parse_payload(payload: bytes) -> dict[str, str]:
+def parse_payload(payload: bytes, keys: tuple[str, ...] = KEYS) -> dict[str, str]:
     """NUL-separated ``KEY=VALUE`` pairs -> an environment holding only the accepted keys."""
     env: dict[str, str] = {}
     if not payload:
@@ -73,8 +79,8 @@ def parse_payload(payload: bytes) -> dict[str, str]:
     for pair in payload.split(b"\0"):
         key, eq, value = pair.partition(b"=")
         name = key.decode("ascii", "replace")
-        if not eq or name not in KEYS:
-            raise InputError(f"request variable {name[:40]!r} is not accepted (accepted: {', '.join(KEYS)})")
+        if not eq or name not in keys:
+            raise InputError(f"request variable {name[:40]!r} is not accepted (accepted: {', '.join(keys)})")
         if name in env:
             raise InputError(f"request variable {name} given twice")
         if len(value) > MAX_VALUE_BYTES:
@@ -103,7 +109,8 @@ def client_still_there(conn: socket.socket) -> bool:
         return False
 
 
-def read_request(conn: socket.socket, timeout: float = REQUEST_READ_TIMEOUT_S) -> tuple[str, dict[str, str]]:
+def read_request(conn: socket.socket, timeout: float = REQUEST_READ_TIMEOUT_S, kinds: tuple[str, ...] = KINDS,
+                 keys: tuple[str, ...] = KEYS) -> tuple[str, dict[str, str]]:
     """The request's kind and variables, read within ``timeout`` seconds in all; InputError otherwise."""
     deadline = time.monotonic() + timeout
 
@@ -123,14 +130,14 @@ def read_request(conn: socket.socket, timeout: float = REQUEST_READ_TIMEOUT_S) -
         if not chunk or len(header) >= MAX_HEADER_BYTES:
             raise InputError("request header missing or too long")
         header += chunk
-    kind, length = parse_header(header)
+    kind, length = parse_header(header, kinds)
     payload = b""
     while len(payload) < length:
         chunk = receive(min(65536, length - len(payload)))
         if not chunk:
             raise InputError(f"request ended after {len(payload)} of {length} bytes")
         payload += chunk
-    return kind, parse_payload(payload)
+    return kind, parse_payload(payload, keys)
 
 
 class Agent:
@@ -141,8 +148,13 @@ class Agent:
         config_path: str,
         log_errors: Callable[[str], None] | None = None,
         run: Callable[[float], Callable[[list[str]], str]] = lambda timeout: Runner(timeout=timeout),
+        node: str | None = None,
+        isolator: Isolator | None = None,
     ) -> None:
         self.config_path = config_path
+        self.node = node or os.uname().nodename.split(".")[0]
+        self.isolator = isolator or Isolator()  # tests give one reading a fake /proc
+        self.isolated: set[tuple[str, str]] = set()  # (job, step) whose isolation was logged
         self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
         self.make_runner = run  # tests give a fake Slurm here
         self.background: Background | None = None  # started by main(); tests drive it directly
@@ -161,6 +173,45 @@ class Agent:
                                 still_wanted=still_wanted, defer=defer, requester_pid=requester_pid)
         else:
             epilog_failing_open(env, config_env, " (in mapa-agent)")
+
+    def isolate(self, pid: int, uid: int, env: Mapping[str, str]) -> str:
+        """The answer to a TaskProlog's isolate request from process ``pid`` of user ``uid``."""
+        config, problem = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
+        log = hook_logger(config.log)
+        if problem:
+            log(f"isolation: not applied, the config is unusable ({problem})")
+        if config.isolation == "off":
+            return "done off"
+        try:
+            outcome = self.isolator.isolate(pid, uid, env, job_devices_for(config, self.node))
+        except (IsolationError, InputError) as error:
+            reason = str(error)
+        except Exception as error:  # noqa: BLE001 - a bug must not decide whether the task runs
+            reason = f"internal error: {error!r}"
+        else:
+            if (outcome.job_id, outcome.step) not in self.isolated:  # once per step, not per task
+                if len(self.isolated) > 10000:
+                    self.isolated.clear()
+                self.isolated.add((outcome.job_id, outcome.step))
+                log(f"isolation: {outcome.state}: {outcome.detail}")
+            return f"done {outcome.state} {outcome.detail}"
+        return self._isolation_failed(config, log, reason, pid, uid)
+
+    def isolation_failed(self, reason: str, pid: int, uid: int) -> str:
+        """The answer to an isolate request that could not even be read: as the mode says."""
+        config, _ = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
+        if config.isolation == "off":
+            return "done off"
+        return self._isolation_failed(config, hook_logger(config.log), reason, pid, uid)
+
+    @staticmethod
+    def _isolation_failed(config: HookConfig, log: Callable[[str], None], reason: str, pid: int, uid: int) -> str:
+        reason = " ".join(reason.split())[:900]
+        if config.isolation == "fail-closed":
+            log(f"isolation: refused the task of process {pid} (uid {uid}), as isolation = \"fail-closed\": {reason}")
+            return f"error {reason}"
+        log(f"isolation: the task of process {pid} (uid {uid}) runs without it (isolation = \"fail-open\"): {reason}")
+        return f"done failed-open {reason}"
 
     def warm_up(self, node: str) -> None:
         """Load this node's topology and search tables once, so the first job is as fast as the rest."""
@@ -296,6 +347,9 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         conn: socket.socket = self.request
+        if self.server.public:
+            self.handle_isolate(conn)
+            return
         try:
             pid, uid = peer_credentials(conn)
             if uid != 0:
@@ -324,6 +378,21 @@ class _Handler(socketserver.BaseRequestHandler):
         if self.server.agent.background is not None:  # a start or an end: records and features
             self.server.agent.background.wake.set()
 
+    def handle_isolate(self, conn: socket.socket) -> None:
+        """A TaskProlog's request, from any user: only ``isolate``, judged by the caller's pid."""
+        pid = uid = -1
+        try:
+            pid, uid = peer_credentials(conn)
+            _, env = read_request(conn, self.server.request_read_timeout, (ISOLATE,), ISOLATE_KEYS)
+        except (InputError, OSError) as error:
+            answer = self.server.agent.isolation_failed(f"bad request: {error}", pid, uid)
+        else:
+            answer = self.server.agent.isolate(pid, uid, env)
+        try:
+            conn.sendall(answer.replace("\n", " ").encode("utf-8", "replace")[:1023] + b"\n")
+        except OSError:
+            pass
+
 
 def _discard_unread(conn: socket.socket) -> None:
     """Read and drop what the client has sent, without waiting (at most one request's worth)."""
@@ -340,8 +409,9 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     request_queue_size = LISTEN_BACKLOG
     request_read_timeout = REQUEST_READ_TIMEOUT_S
 
-    def __init__(self, path: str, agent: Agent, max_handlers: int = MAX_HANDLERS) -> None:
+    def __init__(self, path: str, agent: Agent, max_handlers: int = MAX_HANDLERS, public: bool = False) -> None:
         self.agent = agent
+        self.public = public  # the TaskPrologs' socket: isolate requests from anyone, nothing else
         self.handler_slots = threading.BoundedSemaphore(max_handlers)
         self.refused: list[tuple[float, socket.socket]] = []  # told busy, closed by service_actions
         super().__init__(path, _Handler)
@@ -416,17 +486,39 @@ def serve(socket_path: str, agent: Agent, max_handlers: int = MAX_HANDLERS) -> A
     return server
 
 
+def serve_isolation(socket_path: str, agent: Agent, max_handlers: int = MAX_HANDLERS) -> AgentServer:
+    """The TaskPrologs' server: ``socket_path`` is mode 666 in a root-owned directory of mode 755,
+    so every job's user can ask; it takes isolate requests only."""
+    path = Path(socket_path)
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    info = path.parent.stat()
+    if info.st_uid != os.geteuid():
+        raise InputError(f"{path.parent} belongs to another user; mapa-agent needs a directory of its own")
+    os.chmod(path.parent, 0o755)
+    if path.is_socket() or path.exists():
+        path.unlink()
+    old_umask = os.umask(0o077)
+    try:
+        server = AgentServer(str(path), agent, max_handlers, public=True)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o666)
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mapa-agent", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.environ.get("MAPA_CONFIG", "/etc/slurm/mapa.toml"), help="the hooks' config (default %(default)s)")
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help="where to listen (default %(default)s)")
+    parser.add_argument("--isolate-socket", default=ISOLATE_SOCKET,
+                        help="where TaskPrologs ask for GPU isolation, open to every user (default %(default)s)")
     parser.add_argument("--node", default=os.uname().nodename.split(".")[0], help="this node's Slurm name, for the warm-up (default: the host name)")
     args = parser.parse_args(argv)
     os.umask(0o022)  # whatever started us: nothing the hooks create may be writable by others
     if os.geteuid() != 0:
         print("mapa-agent: must run as root, like the Prolog it replaces", file=sys.stderr)
         return 2
-    agent = Agent(args.config)
+    agent = Agent(args.config, node=args.node)
     try:
         agent.warm_up(args.node)
     except Exception as error:  # noqa: BLE001 - a cold cache is only slower
@@ -436,6 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, OSError) as error:
         print(f"mapa-agent: cannot listen on {args.socket}: {error}", file=sys.stderr)
         return 2
+    try:
+        isolation_server = serve_isolation(args.isolate_socket, agent)
+    except (InputError, OSError) as error:  # the hooks still work; a TaskProlog asking gets no answer
+        print(f"mapa-agent: cannot listen on {args.isolate_socket} ({error}); no GPU isolation", file=sys.stderr)
+    else:
+        threading.Thread(target=isolation_server.serve_forever, daemon=True, name="mapa-agent isolation").start()
     agent.background = Background(agent, args.node)
     agent.background.start()
     print(f"mapa-agent: listening on {args.socket} (config {args.config})", file=sys.stderr, flush=True)

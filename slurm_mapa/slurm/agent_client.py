@@ -14,6 +14,13 @@ The protocol (version 1): the client sends ``MAPA1 <kind> <length>\\n`` and then
 ``KEY=VALUE`` pairs separated by NUL bytes (environment values cannot hold NUL); the agent answers
 one line, ``done`` or ``error <why>`` (``error busy`` when it runs too many requests already). The client keeps its end open until it has the answer, so
 the agent can tell that a killed client no longer wants its decision.
+
+The TaskProlog, as the job's user, runs ``agent_client.py isolate SOCKET`` to have its task's GPU
+devices isolated (slurm/isolation.py), on a second socket anyone may use, which takes only this
+kind. The agent answers ``done <state> <detail>`` (state: cgroup-v1, cgroup-v2, off, failed-open)
+or ``error <why>`` (isolation = "fail-closed" and it failed). The client prints
+``export MAPA_ISOLATION=<state>`` for the TaskProlog and exits 0; when refused, a ``print`` line
+(Slurm shows it in the task's output) and exit status 1; 3 when there was no answer.
 """
 
 import os
@@ -36,14 +43,22 @@ MAX_HEADER_BYTES = 64
 ANSWER_TIMEOUT_S = 25.0
 CONNECT_TIMEOUT_S = 2.0
 FALL_BACK = 3
+# Anyone may connect here (the directory is 755, the socket 666): it takes isolate requests only.
+ISOLATE_SOCKET = "/run/slurm-mapa-isolate/isolate.sock"
+ISOLATE = "isolate"
+# The job id is only checked against the task's cgroup; the step's GPUs narrow within the job.
+ISOLATE_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_GPUS")
+ISOLATE_TIMEOUT_S = 10.0  # the task waits for this; isolation takes milliseconds
+BUSY_RETRIES = 5
+REFUSED = 1
 
 
 def request_bytes(kind, env):
     """The request for hook ``kind`` carrying the whitelisted variables of ``env``."""
-    if kind not in KINDS:
-        raise ValueError("hook kind must be one of " + ", ".join(KINDS))
+    if kind not in KINDS + (ISOLATE,):
+        raise ValueError("hook kind must be one of " + ", ".join(KINDS + (ISOLATE,)))
     pairs = []
-    for key in KEYS:
+    for key in ISOLATE_KEYS if kind == ISOLATE else KEYS:
         value = env.get(key)
         if value is None:
             continue
@@ -76,10 +91,33 @@ def ask_agent(kind, env, path=DEFAULT_SOCKET, timeout=ANSWER_TIMEOUT_S):
     return answer.split(b"\n", 1)[0].decode("utf-8", "replace")
 
 
+def isolate(path, env=os.environ, retries=BUSY_RETRIES):
+    """Ask for the task's isolation; (exit status, line for the TaskProlog's output or None)."""
+    import time
+
+    for attempt in range(retries + 1):
+        answer = ask_agent(ISOLATE, env, path, ISOLATE_TIMEOUT_S)
+        if answer != "error busy" or attempt == retries:
+            break
+        time.sleep(0.05 * (attempt + 1))
+    if answer is None or answer == "error busy":
+        return FALL_BACK, None
+    words = answer.split(" ", 2)
+    if words[0] == "done" and len(words) > 1 and words[1] in ("cgroup-v1", "cgroup-v2", "off", "failed-open"):
+        return 0, "export MAPA_ISOLATION=" + words[1]
+    # Slurm reads the TaskProlog's stdout and stderr together; a "print" line reaches the task's output.
+    return REFUSED, "print mapa: GPU isolation failed, the task does not start: " + answer[:500]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) in (1, 2) and argv[0] == ISOLATE:
+        status, line = isolate(argv[1] if len(argv) == 2 else ISOLATE_SOCKET)
+        if line:
+            sys.stdout.write(line + "\n")
+        return status
     if len(argv) != 1 or argv[0] not in KINDS:
-        sys.stderr.write("usage: agent_client.py prolog|epilog\n")
+        sys.stderr.write("usage: agent_client.py prolog|epilog|isolate [SOCKET]\n")
         return FALL_BACK
     answer = ask_agent(argv[0], os.environ, os.environ.get("MAPA_AGENT_SOCKET") or DEFAULT_SOCKET)
     return 0 if answer == "done" else FALL_BACK

@@ -11,10 +11,15 @@
     squeue = "/usr/bin/squeue"
     model = ""                                 # an effective-bandwidth model file, or the paper's
     health = "auto"                            # "off": do not ask NVML which GPUs are sick
+    isolation = "off"                          # "fail-open" | "fail-closed": tasks open only their GPUs (docs/isolation.md)
 
     [preserve_ahead]                           # only for policy = "preserve-ahead"
     sizes = { 1 = 0.2, 2 = 0.2, 3 = 0.2, 4 = 0.2, 5 = 0.2 }   # GPUs -> weight (default: the paper's)
     tolerance = 0.0                            # fraction of a sensitive job's best it may give up
+
+    [affinity]                                 # CPU affinity in the decision (core/affinity.py)
+    mode = "prefer"                            # "strict" | "prefer" | "ignore"
+    max_loss = 0.25                            # prefer: the bandwidth fraction a local choice may give up
 
     [nodes]                                    # node-name glob -> preset or topology file
     "dgx*" = "dgx1-v100"
@@ -39,7 +44,8 @@ from . import paths
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
-         "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate", "features"}
+         "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate", "features",
+         "affinity", "isolation"}
 # The agent answers within the budget and its client gives up after 25 s; the wrapper then runs
 # the Prolog in-process with the same budget: 25 + 20 s stays inside the 60 s PrologEpilogTimeout
 # Slurm's docs suggest.
@@ -60,6 +66,8 @@ class HookConfig:
     squeue: str = "/usr/bin/squeue"
     model: str = ""
     health: str = "auto"
+    # Device isolation of tasks by mapa-agent (slurm/isolation.py): "off" until a site opts in.
+    isolation: str = "off"
     nodes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     ahead_sizes: tuple[tuple[int, float], ...] = ()  # empty: preserve-ahead's default (uniform 1..5)
     ahead_tolerance: float = 0.0
@@ -73,6 +81,10 @@ class HookConfig:
     feature_sizes: tuple[int, ...] = ()
     feature_threshold: float = 0.9
     feature_fleet: tuple[str, ...] = ()  # topologies of the fleet's node types (presets or files)
+    # [affinity]: CPU affinity in the decision (parsed and validated; the hooks do not use it yet).
+    affinity_mode: str = "prefer"
+    affinity_max_loss: float = 0.25
+    feature_insensitive_jobs: str = "none"  # what job_submit.lua has insensitive jobs prefer: none | noring
 
     def configured_policies(self) -> dict:
         """Policies built with this config's settings, for :func:`~slurm_mapa.core.policies.select`."""
@@ -114,13 +126,16 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
     if unknown:
         raise InputError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} (accepted: {', '.join(sorted(_KEYS))})")
     values: dict[str, Any] = {}
-    for key in ("policy", "default_directive", "scontrol", "squeue", "model", "health"):
+    for key in ("policy", "default_directive", "scontrol", "squeue", "model", "health", "isolation"):
         if key in data:
             if not isinstance(data[key], str):
                 raise InputError(f"{source}: {key} must be a string, got {data[key]!r}")
             values[key] = data[key]
     if values.get("health", "auto") not in ("auto", "off"):
         raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {values['health']!r}")
+    if values.get("isolation", "off") not in ("off", "fail-open", "fail-closed"):
+        raise InputError(f"{source}: isolation must be \"off\", \"fail-open\" (a task runs, logged, when its GPUs cannot be "
+                         f"isolated) or \"fail-closed\" (the task fails then), got {values['isolation']!r}")
     if validate:
         _validate_with_engine(values, source)
     for key in ("ledger", "jobs_dir", "log", "journal_dir"):
@@ -150,6 +165,10 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
             values[key] = float(value)
     if "features" in data:
         values.update(_features_table(data["features"], source))
+    if "affinity" in data:
+        from ..core.affinity import settings_from_table
+
+        values["affinity_mode"], values["affinity_max_loss"] = settings_from_table(data["affinity"], source)
     nodes = data.get("nodes", {})
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
         raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')
@@ -164,8 +183,9 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
 
 def _features_table(table: Any, source: str) -> dict[str, Any]:
     """``[features]``: sizes = [2, 4, 8], threshold = 0.9, fleet = ["dgx1-v100", ...]."""
-    accepted = "sizes (GPU counts 2-64), threshold (a fraction in (0, 1]), fleet (topologies of the fleet's node types)"
-    if not isinstance(table, dict) or set(table) - {"sizes", "threshold", "fleet"}:
+    accepted = ("sizes (GPU counts 2-64), threshold (a fraction in (0, 1]), fleet (topologies of the fleet's node types), "
+                "insensitive_jobs (none or noring)")
+    if not isinstance(table, dict) or set(table) - {"sizes", "threshold", "fleet", "insensitive_jobs"}:
         raise InputError(f"{source}: [features] takes {accepted}")
     sizes = table.get("sizes", [])
     if not isinstance(sizes, list) or not sizes or not all(isinstance(k, int) and not isinstance(k, bool) and 2 <= k <= 64 for k in sizes):
@@ -176,7 +196,12 @@ def _features_table(table: Any, source: str) -> dict[str, Any]:
     fleet = table.get("fleet", [])
     if not isinstance(fleet, list) or not all(isinstance(spec, str) and spec for spec in fleet):
         raise InputError(f"{source}: [features] fleet must be a list of presets or topology files, got {fleet!r}")
-    return {"feature_sizes": tuple(sorted(set(sizes))), "feature_threshold": float(threshold), "feature_fleet": tuple(fleet)}
+    insensitive = table.get("insensitive_jobs", "none")
+    if insensitive not in ("noring", "none"):
+        raise InputError(f"{source}: [features] insensitive_jobs must be \"none\" (no preference) or \"noring\" (insensitive "
+                         f"jobs and jobs without a directive prefer mapa_noring<k>), got {insensitive!r}")
+    return {"feature_sizes": tuple(sorted(set(sizes))), "feature_threshold": float(threshold), "feature_fleet": tuple(fleet),
+            "feature_insensitive_jobs": insensitive}
 
 
 # A config is a few lines; bounding the read keeps a huge or endless file from stalling every hook.

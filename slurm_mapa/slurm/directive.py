@@ -13,12 +13,14 @@ Grammar (one body, whitespace-separated tokens; keys and keyword values are case
 
     body     := token*                     # a token starting with '#' ends the body (comment)
     token    := key '=' value
-    key      := topology | sensitive | gpus | edges | weights
+    key      := topology | sensitive | gpus | edges | weights | placement | wait
     topology := shape [':' R 'x' C]        # grid only for mesh2d / torus2d
     sensitive:= yes | no | true | false | 1 | 0
     gpus     := 1..64
     edges    := A '-' B (',' A '-' B)*     # topology=custom only; GPUs 0..63, A != B
     weights  := W (',' W)*                 # one per pattern edge; W = digits{1,6} ['.' digits{1,6}] > 0
+    placement:= prefer | require | any     # node choice (docs/directives.md); require needs sensitive=yes
+    wait     := 1..1440                    # minutes; placement=require only (default 30)
 
 Scripts follow sbatch's rule for ``#SBATCH``: only the lines before the first command count
 (see :func:`parse_directive_lines`).
@@ -36,7 +38,10 @@ from ..errors import InputError
 
 KEYWORD = "#MAPA"
 COMMENT_PREFIX = "mapa:"
-KEYS = ("topology", "sensitive", "gpus", "edges", "weights")
+KEYS = ("topology", "sensitive", "gpus", "edges", "weights", "placement", "wait")
+PLACEMENTS = ("prefer", "require", "any")
+DEFAULT_REQUIRE_WAIT = 30  # minutes a placement=require job holds out for a good node
+MAX_WAIT_MINUTES = 1440
 GRID_SHAPES = ("mesh2d", "torus2d")
 TRUE_WORDS = ("yes", "true", "1")
 FALSE_WORDS = ("no", "false", "0")
@@ -53,6 +58,7 @@ _KEY_LIST = ", ".join(KEYS)
 _SHAPE_LIST = ", ".join(SHAPES)
 _GRID_RE = re.compile(r"([0-9]{1,2})x([0-9]{1,2})")
 _GPUS_RE = re.compile(r"[0-9]{1,4}")
+_WAIT_RE = re.compile(r"[0-9]{1,5}")
 _EDGE_RE = re.compile(r"([0-9]{1,2})-([0-9]{1,2})")
 _WEIGHT_RE = re.compile(r"[0-9]{1,%d}(\.[0-9]{1,%d})?" % (MAX_WEIGHT_DIGITS, MAX_WEIGHT_DIGITS))
 _WEIGHT_QUANTUM = Decimal(1).scaleb(-MAX_WEIGHT_DIGITS)
@@ -79,6 +85,8 @@ class Directive:
     grid: tuple[int, int] | None = None
     edges: tuple[tuple[int, int], ...] | None = None
     weights: tuple[float, ...] | None = None
+    placement: str | None = None  # None: the site's default (a preference when features are on)
+    wait: int | None = None  # minutes; only with placement=require, which defaults it
 
     def __post_init__(self) -> None:
         if self.topology not in SHAPES:
@@ -118,6 +126,18 @@ class Directive:
             for value in weights:
                 _format_weight(value)  # raises on a value the grammar cannot write
             object.__setattr__(self, "weights", tuple(float(w) for w in weights))
+        if self.placement is not None and self.placement not in PLACEMENTS:
+            raise _fail(f"bad value {_q(str(self.placement))} for placement (accepted: {', '.join(PLACEMENTS)})")
+        if self.placement == "require" and not self.sensitive:
+            raise _fail("placement=require needs sensitive=yes: an insensitive job has no good node to wait for "
+                        "(accepted: placement=prefer or placement=any without sensitive=yes)")
+        if self.wait is not None:
+            if self.placement != "require":
+                raise _fail("wait= is only accepted with placement=require (accepted: placement=require wait=MINUTES)")
+            if not _is_int_in(self.wait, 1, MAX_WAIT_MINUTES):
+                raise _fail(f"bad value {_q(str(self.wait))} for wait (accepted: whole minutes from 1 to {MAX_WAIT_MINUTES})")
+        elif self.placement == "require":
+            object.__setattr__(self, "wait", DEFAULT_REQUIRE_WAIT)
         size = self.gpus if self.gpus is not None else (self.grid[0] * self.grid[1] if self.grid else None)
         if size is not None:
             _check_size(self, size)
@@ -127,8 +147,9 @@ class Directive:
     def normalised(self) -> str:
         """The canonical one-line text, e.g. ``topology=ring sensitive=yes``.
 
-        Keys in the order topology, sensitive, gpus, edges, weights; topology and sensitive always
-        (defaults included), the others only when given; lower case; ``sensitive`` as yes/no.
+        Keys in the order topology, sensitive, gpus, edges, weights, placement, wait; topology and
+        sensitive always (defaults included), the others only when given, and wait always with
+        placement=require; lower case; ``sensitive`` as yes/no.
         """
         topology = self.topology + (f":{_grid_text(self.grid)}" if self.grid else "")
         parts = [f"topology={topology}", f"sensitive={'yes' if self.sensitive else 'no'}"]
@@ -138,6 +159,10 @@ class Directive:
             parts.append("edges=" + ",".join(f"{a}-{b}" for a, b in self.edges))
         if self.weights is not None:
             parts.append("weights=" + ",".join(_format_weight(w) for w in self.weights))
+        if self.placement is not None:
+            parts.append(f"placement={self.placement}")
+        if self.wait is not None:
+            parts.append(f"wait={self.wait}")
         return " ".join(parts)
 
     def as_comment(self) -> str:
@@ -314,6 +339,8 @@ def _build(lines: list[tuple[list[str], int | None]]) -> Directive:
         grid=grid,
         edges=values.get("edges"),  # type: ignore[arg-type]
         weights=values.get("weights"),  # type: ignore[arg-type]
+        placement=values.get("placement"),  # type: ignore[arg-type]
+        wait=values.get("wait"),  # type: ignore[arg-type]
     )
 
 
@@ -387,12 +414,27 @@ def _parse_weights(value: str) -> tuple[tuple[float, ...], str]:
     return tuple(weights), ",".join(_format_weight(w) for w in weights)
 
 
+def _parse_placement(value: str) -> tuple[str, str]:
+    lowered = value.lower()
+    if lowered in PLACEMENTS:
+        return lowered, lowered
+    raise InputError(f"bad value {_q(value)} for placement (accepted: {', '.join(PLACEMENTS)})")
+
+
+def _parse_wait(value: str) -> tuple[int, str]:
+    if _WAIT_RE.fullmatch(value) and 1 <= int(value) <= MAX_WAIT_MINUTES:
+        return int(value), str(int(value))
+    raise InputError(f"bad value {_q(value)} for wait (accepted: whole minutes from 1 to {MAX_WAIT_MINUTES})")
+
+
 _VALUE_PARSERS = {
     "topology": _parse_topology,
     "sensitive": _parse_sensitive,
     "gpus": _parse_gpus,
     "edges": _parse_edges,
     "weights": _parse_weights,
+    "placement": _parse_placement,
+    "wait": _parse_wait,
 }
 
 

@@ -46,6 +46,16 @@ def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], 
     except TimeoutError as error:
         jobfiles.remove_job(config.jobs_dir, job_id, keep_ended=jobs_dir_there)
         log(f"job {job_id}: {error}; removed its files; the next Prolog that gets the lock drops its ledger entry")
+    release_isolation(job_id, log)
+
+
+def release_isolation(job_id: str, log: Callable[[str], None]) -> None:
+    """Remove the job's device cgroups (docs/isolation.md), whatever the config says now: it may
+    have turned isolation off while the job ran. A cgroup still busy is logged and left."""
+    from .isolation import release_job
+
+    for problem in release_job(job_id):
+        log(f"job {job_id}: device isolation not cleaned up: {problem}")
 
 
 def epilog_failing_open(env: Mapping[str, str], config_env: Mapping[str, str], where: str = "") -> None:

@@ -182,6 +182,14 @@ def configured_jobs_dir(config: str) -> Path:
 GPU_VENDORS = ("auto", "nvidia", "amd")
 
 
+def configured_isolation(config: str) -> str:
+    """mapa.toml's isolation ("off" when the config is missing or unusable)."""
+    from .config import load_hook_config
+
+    loaded, problem = load_hook_config({"MAPA_CONFIG": config}, validate=False)
+    return "off" if problem else loaded.isolation
+
+
 def configured_feature_sizes(config: str) -> tuple[int, ...]:
     from .config import load_hook_config
 
@@ -189,14 +197,52 @@ def configured_feature_sizes(config: str) -> tuple[int, ...]:
     return () if problem else loaded.feature_sizes
 
 
-def taskprolog_text(jobs_dir: str, gpu_vendor: str = "auto") -> str:
+JOB_SUBMIT_LUA = PACKAGE_DIR / "data" / "slurm" / "job_submit.lua"
+
+
+def job_submit_text(sizes: tuple[int, ...], insensitive_jobs: str = "none") -> str:
+    """job_submit.lua with its node-choice settings from mapa.toml's ``[features]``."""
+    if insensitive_jobs not in ("noring", "none"):
+        raise InputError(f"insensitive_jobs {insensitive_jobs!r}: expected noring or none")
+    text = JOB_SUBMIT_LUA.read_text()
+    wanted = {
+        "local _NODE_FEATURE_SIZES = {}\n": "local _NODE_FEATURE_SIZES = {" + (" " + ", ".join(map(str, sizes)) + " " if sizes else "") + "}\n",
+        'local _INSENSITIVE_JOBS = "none"\n': f'local _INSENSITIVE_JOBS = "{insensitive_jobs}"\n',
+    }
+    for default, line in wanted.items():
+        if text.count(default) != 1:
+            raise InputError(f"{JOB_SUBMIT_LUA} has no single line {default.strip()!r} to set")
+        text = text.replace(default, line)
+    return text
+
+
+ISOLATION_MODES = ("off", "fail-open", "fail-closed")
+
+
+def taskprolog_text(jobs_dir: str, gpu_vendor: str = "auto", isolation: str = "off", python: str | None = None,
+                    package_parent: str | None = None) -> str:
     """The TaskProlog, reading the per-job files where the config puts them. ``gpu_vendor``
-    "auto" tells AMD nodes by the amdgpu driver's /dev/kfd; "nvidia" or "amd" fixes it."""
+    "auto" tells AMD nodes by the amdgpu driver's /dev/kfd; "nvidia" or "amd" fixes it.
+    ``isolation`` (mapa.toml's) other than "off", with ``python`` and ``package_parent``: each task
+    first asks mapa-agent to isolate its GPUs (agent_client.py isolate), and with "fail-closed"
+    the task fails when there is no agent to ask."""
     if gpu_vendor not in GPU_VENDORS:
         raise InputError(f"GPU vendor {gpu_vendor!r}: expected one of {', '.join(GPU_VENDORS)}")
+    if isolation not in ISOLATION_MODES:
+        raise InputError(f"isolation {isolation!r}: expected one of {', '.join(ISOLATION_MODES)}")
+    settings = [("JOBS_DIR=/run/slurm-mapa/jobs\n", f"JOBS_DIR={shlex.quote(jobs_dir)}\n"),
+                ("GPU_VENDOR=auto\n", f"GPU_VENDOR={gpu_vendor}\n")]
+    if isolation != "off":
+        if python is None or package_parent is None:
+            raise InputError(f"isolation {isolation!r} needs the Python and the package directory the TaskProlog runs")
+        client = os.path.join(package_parent, "slurm_mapa", "slurm", "agent_client.py")
+        for what, path in (("python", python), ("package directory", package_parent)):
+            if not os.path.isabs(path) or any(c in path for c in "\n'\"\\$`"):
+                raise InputError(f"the {what} path {path!r} must be absolute and free of quotes, backslashes, $ and newlines")
+        settings += [("ISOLATION=off\n", f"ISOLATION={isolation}\n"), ("MAPA_PYTHON=\n", f"MAPA_PYTHON={shlex.quote(python)}\n"),
+                     ("MAPA_CLIENT=\n", f"MAPA_CLIENT={shlex.quote(client)}\n")]
     text = TASKPROLOG.read_text()
-    for default, wanted in (("JOBS_DIR=/run/slurm-mapa/jobs\n", f"JOBS_DIR={shlex.quote(jobs_dir)}\n"),
-                            ("GPU_VENDOR=auto\n", f"GPU_VENDOR={gpu_vendor}\n")):
+    for default, wanted in settings:
         if default not in text:
             raise InputError(f"{TASKPROLOG} has no line {default.strip()!r} to set")
         text = text.replace(default, wanted)
@@ -213,7 +259,8 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     jobs_dir = str(configured_jobs_dir(args.config))
     texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix, jobs_dir=jobs_dir)
              for kind in ENTRY}
-    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor)
+    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, configured_isolation(args.config), python,
+                                               str(PACKAGE_DIR.parent))
     try:
         trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
     except trusted.UnsafePath as error:
@@ -229,7 +276,35 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_job_submit_lua(args: argparse.Namespace) -> int:
+    """Write job_submit.lua for the controller with mapa.toml's node-choice settings."""
+    from .config import load_hook_config
+
+    loaded, problem = load_hook_config({"MAPA_CONFIG": args.config}, validate=False)
+    if problem:
+        raise InputError(f"--config {args.config}: {problem}")
+    target = Path(args.path)
+    try:
+        trusted.ensure_trusted_dir(target.resolve().parent)  # slurmctld runs it, as SlurmUser
+    except trusted.UnsafePath as error:
+        raise InputError(f"cannot write {target}: {error}") from None
+    trusted.replace_file(target.resolve(), job_submit_text(loaded.feature_sizes, loaded.feature_insensitive_jobs).encode(), mode=0o644)
+    print(f"wrote {target}", file=sys.stderr)
+    print("JobSubmitPlugins=lua\n", end="")
+    print(feature_conf_lines(loaded.feature_sizes), end="")
+    return 0
+
+
 def add_commands(commands: Any) -> None:
+    lua = commands.add_parser(
+        "job-submit-lua",
+        help="write job_submit.lua (the directive validator) for slurmctld, with mapa.toml's [features]",
+        description="Write the job_submit.lua plugin to PATH (next to slurm.conf, e.g. /etc/slurm/job_submit.lua) with "
+        "the node-choice settings of mapa.toml's [features], and print the slurm.conf lines it needs.",
+    )
+    lua.add_argument("path", help="where to write it, e.g. /etc/slurm/job_submit.lua")
+    lua.add_argument("--config", default="/etc/slurm/mapa.toml", help="the config with [features] (default %(default)s)")
+    lua.set_defaults(handler=cmd_job_submit_lua)
     hooks = commands.add_parser(
         "hooks",
         help="write the Prolog/Epilog wrappers and the TaskProlog for this installation",

@@ -33,6 +33,7 @@ NODES: dict[str, tuple[str, int]] = {
     "torus1": ("torus2d-16", 16),
     "summit1": ("summit", 6),
     "mi250x1": ("mi250x", 8),
+    "dgx2": ("dgx1-v100", 8),
 }
 SERVICES = ("mariadb", "slurmdbd", "slurmctld", *NODES)
 CONTROLLER = "slurmctld"
@@ -300,6 +301,15 @@ class Cluster:
                     f"state {node['state']} reason {node.get('reason')!r}"
                 )
             time.sleep(poll)
+
+    def restart_controller(self, timeout: float = 120) -> None:
+        """Restart the slurmctld container (its state is saved in the container) and wait until it answers."""
+        subprocess.run(["docker", "restart", self.container(CONTROLLER)], check=True, capture_output=True, timeout=120)
+        deadline = time.monotonic() + timeout
+        while "UP" not in self.exec(CONTROLLER, ["scontrol", "ping"], check=False).stdout:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"slurmctld did not answer within {timeout}s of its restart")
+            time.sleep(1)
 
     def kill_node(self, name: str) -> None:
         subprocess.run(["docker", "kill", self.container(name)], check=True, capture_output=True, timeout=60)

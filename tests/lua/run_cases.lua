@@ -18,11 +18,13 @@ MODE is one of
 
 RESULTS: first "LOAD RC\n", then "GLOBALS name,name,...\n" (globals the plugin defined), then
 "INFO N\n" and N records "LEN\n" + bytes (what the plugin logged at info level while loading);
-then, per case, "RC NMSG ADMIN_LEN COMMENT_LEN PREFER_LEN\n", NMSG records "LEN\n" + bytes (the log_user
-messages), ADMIN_LEN bytes of job_desc.admin_comment after the call (-1: nil), COMMENT_LEN
-bytes of job_desc.comment when the call changed it (-1: unchanged) and PREFER_LEN bytes of
-job_desc.prefer (-1: nil). Modes gpus4, gpus3, gpus4typed, gpus4user set tres_per_node (and for
-gpus4user the user's own prefer) before a submit.
+then, per case, "RC NMSG ADMIN_LEN COMMENT_LEN PREFER_LEN PLACE_LEN\n", NMSG records "LEN\n" + bytes
+(the log_user messages), ADMIN_LEN bytes of job_desc.admin_comment after the call (-1: nil),
+COMMENT_LEN bytes of job_desc.comment when the call changed it (-1: unchanged), PREFER_LEN bytes
+of job_desc.prefer (-1: nil) and PLACE_LEN bytes of "features=<job_desc.features> begin=<seconds
+from now of job_desc.begin_time>" (either empty when unset). Modes gpus4, gpus3, gpus4typed,
+gpus4user, gpus4and, gpus4or, gpus4begin, gpus4pinned set tres_per_node (and the user's own prefer, constraint
+or begin time) before a submit.
 --]]
 
 local plugin_path, cases_path = arg[1], arg[2]
@@ -128,12 +130,22 @@ while position <= #data do
         for name, value in pairs(ESLURM) do
             slurm[name] = value
         end
-    elseif mode == "gpus4" or mode == "gpus4user" or mode == "gpus3" or mode == "gpus4typed" then
-        -- --gres=gpu:4 (gpus3: 3, gpus4typed: gpu:v100:4; gpus4user: the user's own --prefer too)
-        job_desc.tres_per_node = ({ gpus4 = "gres/gpu:4", gpus4user = "gres/gpu:4", gpus3 = "gres/gpu:3",
-            gpus4typed = "gres/shard:1,gres/gpu:v100:4" })[mode]
+    elseif string.sub(mode, 1, 4) == "gpus" then
+        -- --gres=gpu:4 (gpus3: 3, gpus4typed: gpu:v100:4; gpus4user: the user's own --prefer too,
+        -- gpus4and / gpus4or: their own --constraint, gpus4begin: their own --begin, gpus4pinned: -w)
+        job_desc.tres_per_node = ({ gpus3 = "gres/gpu:3", gpus4typed = "gres/shard:1,gres/gpu:v100:4" })[mode] or "gres/gpu:4"
         if mode == "gpus4user" then
             job_desc.prefer = "bigmem"
+        elseif mode == "gpus4and" then
+            job_desc.features = "bigmem&ib"
+        elseif mode == "gpus4or" then
+            job_desc.features = "bigmem|ib"
+        elseif mode == "gpus4begin" then
+            job_desc.begin_time = os.time() + 7200
+        elseif mode == "gpus4pinned" then
+            job_desc.req_nodes = "dgx1"
+        else
+            job_desc.begin_time = 0 -- what Slurm hands the plugin when the user gave no --begin
         end
         rc = slurm_job_submit(job_desc, {}, 1000)
     elseif mode == "number" then
@@ -152,8 +164,11 @@ while position <= #data do
     if type(prefer) ~= "string" then
         prefer = nil
     end
-    emit(string.format("%s %d %d %d %d\n", tostring(rc), #user_messages, admin and #admin or -1, after and #after or -1,
-        prefer and #prefer or -1))
+    local features, begin = rawget(job_desc, "features"), rawget(job_desc, "begin_time")
+    local place = "features=" .. (type(features) == "string" and features or "") .. " begin="
+        .. ((type(begin) == "number" and begin > 0) and string.format("%d", begin - os.time()) or "")
+    emit(string.format("%s %d %d %d %d %d\n", tostring(rc), #user_messages, admin and #admin or -1, after and #after or -1,
+        prefer and #prefer or -1, #place))
     for _, message in ipairs(user_messages) do
         emit_blob(message)
     end
@@ -166,6 +181,7 @@ while position <= #data do
     if prefer then
         emit(prefer)
     end
+    emit(place)
 end
 
 io.stdout:write(table.concat(out))

@@ -57,9 +57,19 @@ local _MAX_ADMIN_COMMENT_CHARS = 16384 -- as decision.py's MAX_ADMIN_COMMENT_CHA
 local _MAX_RECORD_CANDIDATES = 32 -- as decision.py's MAX_RECORD_CANDIDATES
 -- Node choice (docs/admin.md, "Choosing the node"): the GPU counts mapa-agent publishes node
 -- features for, as mapa.toml's [features] sizes, e.g. { 2, 4, 8 }. Empty: no preference is added.
+-- `mapa hooks --job-submit-lua PATH` writes this file with both lines set from mapa.toml.
 local _NODE_FEATURE_SIZES = {}
+-- What insensitive jobs (and jobs without a directive) prefer: "none" (nothing; the default) or
+-- "noring" (mapa_noring<k>: they keep off the nodes with a good k-ring free, the replay study's
+-- best choice, but on a cluster where every node has a good ring free they then wait for the
+-- backfill scheduler: Slurm's main scheduler skips a job whose preferred feature no node has).
+local _INSENSITIVE_JOBS = "none"
 
-local _KEYS = { "topology", "sensitive", "gpus", "edges", "weights" }
+local _KEYS = { "topology", "sensitive", "gpus", "edges", "weights", "placement", "wait" }
+local _PLACEMENTS = { "prefer", "require", "any" }
+local _PLACEMENT_LIST = table.concat(_PLACEMENTS, ", ")
+local _DEFAULT_REQUIRE_WAIT = 30 -- minutes a placement=require job holds out for a good node
+local _MAX_WAIT_MINUTES = 1440
 local _SHAPES = { "ring", "chain", "tree", "ring+tree", "all", "star", "mesh2d", "torus2d", "hypercube", "custom" }
 local _KEY_LIST = table.concat(_KEYS, ", ")
 local _SHAPE_LIST = table.concat(_SHAPES, ", ")
@@ -77,6 +87,7 @@ end
 
 local _KEY_SET = _set_of(_KEYS)
 local _SHAPE_SET = _set_of(_SHAPES)
+local _PLACEMENT_SET = _set_of(_PLACEMENTS)
 
 -- ASCII-only case mapping: string.lower/upper follow the C locale of slurmctld.
 local _TO_LOWER, _TO_UPPER = {}, {}
@@ -282,12 +293,32 @@ local function _parse_weights(value, line)
     return texts, table.concat(texts, ",")
 end
 
+local function _parse_placement(value, line)
+    local lowered = _lower(value)
+    if _PLACEMENT_SET[lowered] then
+        return lowered, lowered
+    end
+    _fail("bad value " .. _q(value) .. " for placement (accepted: " .. _PLACEMENT_LIST .. ")", line)
+end
+
+local function _parse_wait(value, line)
+    if string.find(value, "^[0-9][0-9]?[0-9]?[0-9]?[0-9]?$") then
+        local number = tonumber(value)
+        if number >= 1 and number <= _MAX_WAIT_MINUTES then
+            return number, _int(number)
+        end
+    end
+    _fail("bad value " .. _q(value) .. " for wait (accepted: whole minutes from 1 to " .. _int(_MAX_WAIT_MINUTES) .. ")", line)
+end
+
 local _VALUE_PARSERS = {
     topology = _parse_topology,
     sensitive = _parse_sensitive,
     gpus = _parse_gpus,
     edges = _parse_edges,
     weights = _parse_weights,
+    placement = _parse_placement,
+    wait = _parse_wait,
 }
 
 -- The number of edges of a shape over `size` GPUs (slurm_mapa.core.patterns.make_pattern).
@@ -428,6 +459,18 @@ local function _build(lines)
     elseif d.topology == "custom" then
         _fail("topology=custom needs edges=, e.g. edges=0-1,1-2 (accepted: comma-separated GPU pairs)")
     end
+    local placement, wait = values.placement, values.wait
+    if placement == "require" and not d.sensitive then
+        _fail("placement=require needs sensitive=yes: an insensitive job has no good node to wait for "
+            .. "(accepted: placement=prefer or placement=any without sensitive=yes)")
+    end
+    if wait ~= nil then
+        if placement ~= "require" then
+            _fail("wait= is only accepted with placement=require (accepted: placement=require wait=MINUTES)")
+        end
+    elseif placement == "require" then
+        wait = _DEFAULT_REQUIRE_WAIT
+    end
     local size = d.gpus
     if size == nil and d.rows ~= nil then
         size = d.rows * d.cols
@@ -447,6 +490,12 @@ local function _build(lines)
         if seen[key] then
             parts[#parts + 1] = key .. "=" .. seen[key].canonical
         end
+    end
+    if placement ~= nil then
+        parts[#parts + 1] = "placement=" .. placement
+    end
+    if wait ~= nil then
+        parts[#parts + 1] = "wait=" .. _int(wait)
     end
     return table.concat(parts, " ")
 end
@@ -498,6 +547,11 @@ local function _directive_in_comment(comment)
     end
     _check_line(body, nil)
     return _build({ { tokens = _tokens(body), line = nil } })
+end
+
+local function _directive_in_comment_safe(comment)
+    local ok, directive = pcall(_directive_in_comment, comment)
+    return ok and directive or nil
 end
 
 -- The comment to leave on a job with this directive (directive.py's comment_with_directive), or
@@ -647,20 +701,75 @@ local function _gpus_per_node(job_desc)
     return nil
 end
 
--- A sensitive k-GPU job prefers nodes with a good k-ring free (mapa_ring<k>), an insensitive one
--- the others (mapa_noring<k>), when k is one of _NODE_FEATURE_SIZES. A job with its own --prefer
--- or --constraint is left as it is: the user's wish wins, and no job becomes unschedulable.
-local function _add_preference(job_desc, directive)
-    if #_NODE_FEATURE_SIZES == 0 or _string_field(job_desc, "prefer") or _string_field(job_desc, "features") then
+-- A constraint the preference can be merged with: feature names joined by '&', else nil.
+local function _plain_and(text)
+    if text and #text <= 1024 and string.find(text, "^[%w_%.%-]+$") then
+        return text
+    end
+    if text and #text <= 1024 and string.find(text, "^[%w_%.%-]+&[%w_%.%-&]*[%w_%.%-]$")
+        and not string.find(text, "&&", 1, true) then
+        return text
+    end
+    return nil
+end
+
+local function _is_sensitive(directive)
+    return string.find(" " .. directive .. " ", " sensitive=yes ", 1, true) ~= nil
+end
+
+local function _placement(directive)
+    return string.match(" " .. directive .. " ", " placement=(%l+) ")
+end
+
+-- A begin time the user set (sbatch --begin), else nil.
+local function _user_begin_time(job_desc)
+    local value = job_desc.begin_time
+    if type(value) == "number" and value > 0 and value ~= slurm.NO_VAL and value ~= slurm.NO_VAL64 then
+        return value
+    end
+    return nil
+end
+
+-- Node choice for a k-GPU job, k one of _NODE_FEATURE_SIZES: a sensitive job prefers nodes with a
+-- good k-ring free (mapa_ring<k>); with _INSENSITIVE_JOBS = "noring" an insensitive one, or one
+-- without a directive, the others (mapa_noring<k>). placement=any adds nothing. The user's own
+-- --prefer or nodes (-w) win; a --constraint of plain feature names joined by '&' is kept and the
+-- MAPA feature added to the preference with it; any other --constraint is left alone. Never a constraint: Slurm 24.11 fails a job whose
+-- constraint no node has active (BadConstraints), and MAPA's features come and go.
+-- placement=require also delays the job's start by wait= minutes (its begin time, which Slurm
+-- itself enforces); `mapa release` on the controller starts it earlier, as soon as a node of its
+-- partition has its feature. Only when `mapa release` can read the directive back from the job
+-- comment (`readable`) and the user gave no --begin; otherwise it stays a preference.
+local function _add_preference(job_desc, directive, readable)
+    if #_NODE_FEATURE_SIZES == 0 or _string_field(job_desc, "prefer") or _string_field(job_desc, "req_nodes") then
+        return -- nothing to steer, or the user chose: their own preference, or the nodes (-w)
+    end
+    local k, listed = _gpus_per_node(job_desc), false
+    for _, size in ipairs(_NODE_FEATURE_SIZES) do
+        listed = listed or size == k
+    end
+    local user = _string_field(job_desc, "features")
+    if not listed or (user and not _plain_and(user)) then
         return
     end
-    local k = _gpus_per_node(job_desc)
-    for _, size in ipairs(_NODE_FEATURE_SIZES) do
-        if size == k then
-            local sensitive = string.find(directive, "sensitive=yes", 1, true) ~= nil
-            job_desc.prefer = (sensitive and "mapa_ring" or "mapa_noring") .. tostring(k)
+    if directive ~= nil and _placement(directive) == "any" then
+        return
+    end
+    local feature = "mapa_ring" .. _int(k)
+    if directive == nil or not _is_sensitive(directive) then
+        if _INSENSITIVE_JOBS ~= "noring" then
             return
         end
+        feature = "mapa_noring" .. _int(k)
+    end
+    local wanted = feature
+    if user then
+        wanted = user .. "&" .. feature
+    end
+    job_desc.prefer = wanted
+    if directive ~= nil and _placement(directive) == "require" and readable and not _user_begin_time(job_desc) then
+        local wait = tonumber(string.match(" " .. directive .. " ", " wait=(%d+) "))
+        job_desc.begin_time = os.time() + wait * 60
     end
 end
 
@@ -677,12 +786,17 @@ local function _check_submit(job_desc, submit_uid)
             directive = from_script
         end
     end
-    if directive ~= nil then
+    if directive == nil then
+        _add_preference(job_desc, nil, false)
+    else
         local new_comment = _comment_with_directive(comment, directive)
         if new_comment then
             job_desc.comment = new_comment
         end
-        _add_preference(job_desc, directive)
+        -- `mapa release` finds placement=require in the comment: only a comment it can read.
+        local final = new_comment or comment or ""
+        local readable = _directive_in_comment_safe(final) == directive and not string.find(final, "[\r\n\30\31]")
+        _add_preference(job_desc, directive, readable)
         local record = _COMMENT_PREFIX .. directive
         local existing = _string_field(job_desc, "admin_comment")
         if existing and #existing > _MAX_ADMIN_COMMENT_CHARS then

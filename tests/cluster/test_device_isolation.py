@@ -1,0 +1,145 @@
+"""Device isolation in a real Slurm (issue 14): with cgroups on (the production profile of the mini
+cluster) and isolation = "fail-open" in mapa.toml (set here on the DGX nodes), every task opens
+only the GPUs MAPA chose for it. A permitted open of a mock GPU fails with ENXIO (no driver behind it), a denied one with EPERM
+(the device cgroup): that is how the jobs below tell the two apart."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from slurm_mapa.hardware.nvidia_smi import fake_uuid
+
+pytestmark = pytest.mark.cluster
+
+# Prints what its batch step may open, waits for the test's go, then does the same in an srun step
+# of one GPU (fewer than the job's) and lists the GPUs as the (mock) driver shows them.
+PROBE = r"""
+for i in $(seq 0 7); do
+  python3 -c "
+import errno, os, sys
+try:
+    os.open('/dev/nvidia$i', os.O_RDWR)
+except OSError as e:
+    print(errno.errorcode[e.errno])
+    sys.exit(0)
+print('OPENED')
+" | sed "s/^/$1 $i /"
+done
+echo "$1 cvd=$CUDA_VISIBLE_DEVICES mapa=$MAPA_GPUS isolation=$MAPA_ISOLATION"
+MAPA_PRESET=dgx1-v100 nvidia-smi -L | sed "s/^/$1 smi /"
+"""
+JOB = """#!/bin/bash
+#SBATCH --gres=gpu:{gpus}
+#MAPA topology=ring sensitive={sensitive}
+cat > /shared/jobs/probe-$SLURM_JOB_ID.sh <<'PROBE'
+{probe}
+PROBE
+bash /shared/jobs/probe-$SLURM_JOB_ID.sh batch
+for _ in $(seq 600); do [ -e /shared/jobs/go-$SLURM_JOB_ID ] && break; sleep 0.2; done
+srun --gres=gpu:1 -n1 bash /shared/jobs/probe-$SLURM_JOB_ID.sh step
+"""
+
+
+HOOKS = ("import sys; sys.path.insert(0, '/opt/slurm-mapa'); from slurm_mapa.cli import main; "
+         "sys.exit(main(sys.argv[1:]))")
+
+
+def _write_hooks(cluster, node: str) -> None:
+    """`mapa hooks` again, as an admin must after changing isolation (the TaskProlog holds the mode)."""
+    cluster.exec(node, ["/usr/bin/python3", "-I", "-X", "pycache_prefix=/var/cache/slurm-mapa/pycache", "-c", HOOKS,
+                        "hooks", "/usr/local/sbin", "--python", "/usr/bin/python3", "--config", "/etc/slurm/mapa.toml",
+                        "--pycache-prefix", "/var/cache/slurm-mapa/pycache"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _isolation_on(cluster):
+    """isolation = "fail-open" on the DGX nodes for this module; the shipped config afterwards."""
+    for node in ("dgx1", "dgx2"):
+        base = cluster.exec(node, ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
+        assert 'isolation = "off"\n' in base
+        cluster.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=base.replace('isolation = "off"\n', 'isolation = "fail-open"\n'))
+        _write_hooks(cluster, node)
+    yield
+    for node in ("dgx1", "dgx2"):
+        cluster.exec(node, ["install", "-m", "644", "/etc/slurm-mapa/config/mapa.toml", "/etc/slurm/mapa.toml"])
+        _write_hooks(cluster, node)
+
+
+def _submit(cluster, gpus: int, sensitive: str, node: str = "dgx1") -> int:
+    return cluster.sbatch(JOB.format(gpus=gpus, sensitive=sensitive, probe=PROBE.strip()), "-w", node)
+
+
+def _wait_output(cluster, jobid: int, marker: str, timeout: float = 90) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = cluster.exec("slurmctld", ["cat", f"{cluster.job_dir}/{jobid}.out"], check=False).stdout
+        if marker in out:
+            return out
+        if time.monotonic() > deadline:
+            raise cluster.Error(f"job {jobid} printed no {marker!r}: {out!r}")
+        time.sleep(0.5)
+
+
+def _seen(out: str, where: str) -> tuple[dict[int, str], tuple[int, ...], str, list[str], str]:
+    """(GPU -> errno name or OPENED, MAPA's GPUs, CUDA_VISIBLE_DEVICES, UUIDs listed, isolation state)."""
+    opens = {int(m.group(1)): m.group(2) for m in re.finditer(rf"^{where} (\d) (\w+)$", out, re.M)}
+    info = re.search(rf"^{where} cvd=(\S*) mapa=(\S*) isolation=(\S*)$", out, re.M)
+    assert info, out
+    uuids = re.findall(rf"^{where} smi GPU \d+: .* \(UUID: (\S+)\)$", out, re.M)
+    return opens, tuple(int(g) for g in info.group(2).split(",") if g), info.group(1), uuids, info.group(3)
+
+
+def _check_isolated(out: str, where: str, allowed: tuple[int, ...]) -> None:
+    opens, _, cvd, uuids, state = _seen(out, where)
+    assert state == "cgroup-v1", out
+    assert opens == {gpu: ("ENXIO" if gpu in allowed else "EPERM") for gpu in range(8)}, out
+    # The driver shows the allowed GPUs, numbered from 0 in bus order; CUDA_VISIBLE_DEVICES names
+    # them by that number, in MAPA's pattern order.
+    assert uuids == [fake_uuid("dgx1-v100", gpu) for gpu in sorted(allowed)], out
+    assert [uuids[int(rank)] for rank in cvd.split(",")] == [fake_uuid("dgx1-v100", gpu) for gpu in allowed], out
+
+
+def test_each_task_opens_only_its_gpus_and_two_jobs_never_each_others(cluster):
+    first = _submit(cluster, 3, "yes")
+    second = _submit(cluster, 2, "no")
+    outs = {jobid: _wait_output(cluster, jobid, "batch smi") for jobid in (first, second)}
+    mapa = {}
+    for jobid, out in outs.items():
+        _, gpus, _, _, _ = _seen(out, "batch")
+        assert gpus, out
+        mapa[jobid] = gpus
+        _check_isolated(out, "batch", gpus)
+    assert not set(mapa[first]) & set(mapa[second])
+    # slurmd restarts (as systemd would bring it back); a new step is isolated all the same.
+    cluster.exec("dgx1", ["pkill", "-x", "slurmd"])
+    cluster.wait_node("dgx1", lambda s: "IDLE" in s or "MIXED" in s or "ALLOCATED" in s, timeout=60, what="back")
+    for jobid in (first, second):
+        cluster.run("touch", f"{cluster.job_dir}/go-{jobid}")
+    for jobid in (first, second):
+        out = _wait_output(cluster, jobid, "step smi")
+        _check_isolated(out, "step", mapa[jobid][:1])  # a 1-GPU step: the first GPU in pattern order
+        cluster.wait_state(jobid, "COMPLETED", timeout=60)
+    # The Epilog removed the jobs' device cgroups.
+    left = cluster.exec("dgx1", ["sh", "-c", "ls /sys/fs/cgroup/devices/mapa 2>/dev/null"], check=False).stdout.split()
+    assert not {f"job_{first}", f"job_{second}"} & set(left), left
+
+
+def test_a_job_runs_unisolated_and_says_why_when_the_cgroups_cannot_be_written(cluster):
+    node = "dgx2"
+    cluster.exec(node, ["mount", "-o", "remount,ro,bind", "/sys/fs/cgroup/devices"])
+    try:
+        jobid = _submit(cluster, 2, "yes", node)
+        out = _wait_output(cluster, jobid, "batch smi")
+        opens, gpus, cvd, _, state = _seen(out, "batch")
+        assert state == "failed-open", out
+        assert set(opens.values()) == {"ENXIO"}, out  # every GPU: nothing was isolated
+        assert [int(g) for g in cvd.split(",")] == list(gpus), out  # indices, not ranks
+        log = cluster.exec(node, ["cat", "/var/log/slurm-mapa.log"]).stdout
+        assert re.search(r"isolation: the task of process \d+ \(uid \d+\) runs without it \(isolation = \"fail-open\"\): \S", log), log[-2000:]
+        cluster.run("touch", f"{cluster.job_dir}/go-{jobid}")
+        cluster.wait_state(jobid, "COMPLETED", timeout=90)
+    finally:
+        cluster.exec(node, ["mount", "-o", "remount,rw,bind", "/sys/fs/cgroup/devices"], check=False)

@@ -1,0 +1,154 @@
+"""Node choice in a real Slurm (issue 15): mapa-agent's node features, job_submit.lua's --prefer,
+placement=require's bounded wait and `mapa release`, on the two mock DGX-1 V100 nodes (partition
+``dgx``; the mini cluster's mapa.toml publishes sizes 2, 3 and 4 against the DGX-1's best rings).
+
+The scene the tests build: on each DGX node an insensitive 2-GPU job, then a 3-GPU job. After a
+sensitive one MAPA's Preserve leaves three GPUs free that hold no good 3-ring (mapa_noring3: GPUs
+1, 2, 5); after an insensitive one, three that do (mapa_ring3: GPUs 4, 6, 7), as
+slurm_mapa.core.features says for those free sets (the features are checked, not assumed)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+DGX = ("dgx1", "dgx2")
+SLEEPING_JOB = """#!/bin/bash
+#MAPA {directive}
+sleep 600
+"""
+
+
+def _features(cluster, node: str) -> set[str]:
+    return set(cluster.node(node).get("active_features") or ())
+
+
+def _mapa_features(cluster, node: str) -> set[str]:
+    return {name for name in _features(cluster, node) if name.startswith("mapa_")}
+
+
+def _wait_features(cluster, node: str, predicate, timeout: float = 40, what: str = "") -> set[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = _mapa_features(cluster, node)
+        if predicate(seen):
+            return seen
+        if time.monotonic() > deadline:
+            raise cluster.Error(f"{node}'s MAPA features not {what} after {timeout}s: {sorted(seen)}")
+        time.sleep(0.5)
+
+
+SUBMITTED: list[int] = []  # by this module's tests
+
+
+def _submit(cluster, directive: str, gpus: int, *args: str) -> int:
+    jobid = cluster.sbatch(SLEEPING_JOB.format(directive=directive), f"--gres=gpu:{gpus}", *args)
+    SUBMITTED.append(jobid)
+    return jobid
+
+
+def _running_node(cluster, jobid: int, timeout: float = 60) -> str:
+    job = cluster.wait_state(jobid, "RUNNING", timeout=timeout)
+    return job["nodes"]
+
+
+def _one_of_each_pair(features: set[str]) -> bool:
+    return all((f"mapa_ring{k}" in features) != (f"mapa_noring{k}" in features) for k in (2, 3, 4))
+
+
+def _build_scene(cluster, good_ring: tuple[str, ...] = ()) -> dict[str, list[int]]:
+    """Both DGX nodes: five GPUs busy, three free, a good 3-ring among them only on the nodes in
+    ``good_ring``. Returns each node's jobs."""
+    jobs: dict[str, list[int]] = {}
+    for node in DGX:
+        _wait_features(cluster, node, lambda f: "mapa_ring3" in f, what="idle (mapa_ring3)")
+        small = _submit(cluster, "topology=ring sensitive=no", 2, "-w", node)
+        _running_node(cluster, small)
+        big = _submit(cluster, f"topology=ring sensitive={'no' if node in good_ring else 'yes'}", 3, "-w", node)
+        _running_node(cluster, big)
+        jobs[node] = [small, big]
+    for node in DGX:
+        wanted = "mapa_ring3" if node in good_ring else "mapa_noring3"
+        seen = _wait_features(cluster, node, lambda f: wanted in f and "mapa_ring2" in f, what=f"with {wanted}")
+        assert _one_of_each_pair(seen), seen
+    return jobs
+
+
+def test_features_follow_jobs_and_a_sensitive_job_lands_on_the_node_with_a_good_ring(cluster):
+    jobs = _build_scene(cluster, good_ring=("dgx2",))
+    # Slurm alone (placement=any: no preference) puts a 3-GPU job on dgx1, as loaded as dgx2,
+    # whose three free GPUs hold no good ring; that is the choice MAPA's preference changes.
+    blind = _submit(cluster, "topology=ring sensitive=yes placement=any", 3, "-p", "dgx")
+    assert _running_node(cluster, blind) == "dgx1"
+    assert not cluster.job(blind).get("prefer")
+    _wait_features(cluster, "dgx1", lambda f: "mapa_noring2" in f, what="full (mapa_noring2)")
+    cluster.cancel(blind)
+    _wait_features(cluster, "dgx1", lambda f: "mapa_noring3" in f and "mapa_ring2" in f, what="back to the scene")
+
+    chosen = _submit(cluster, "topology=ring sensitive=yes", 3, "-p", "dgx")
+    assert cluster.job(chosen)["prefer"] == "mapa_ring3"
+    assert _running_node(cluster, chosen) == "dgx2"
+    # dgx2 has lost its good 3-ring (all its GPUs) to that job; its end gives it back.
+    _wait_features(cluster, "dgx2", lambda f: f == {"mapa_noring2", "mapa_noring3", "mapa_noring4"}, what="full")
+    cluster.cancel(chosen)
+    _wait_features(cluster, "dgx2", lambda f: "mapa_ring3" in f, what="with a good 3-ring again")
+    cluster.cancel(*jobs["dgx1"], *jobs["dgx2"])
+    for node in DGX:
+        _wait_features(cluster, node, lambda f: f == {"mapa_ring2", "mapa_ring3", "mapa_ring4"}, what="idle again")
+
+
+def test_require_waits_for_a_good_node_and_starts_when_one_frees(cluster):
+    jobs = _build_scene(cluster)
+    waiting = _submit(cluster, "topology=ring sensitive=yes placement=require wait=10", 3, "-p", "dgx")
+    time.sleep(12)  # two passes of `mapa release` and several scheduling passes
+    job = cluster.job(waiting)
+    assert job["job_state"] == ["PENDING"] and job["state_reason"] == "BeginTime", job["state_reason"]
+    assert job["prefer"] == "mapa_ring3"
+    # A good 3-ring frees on dgx2: `mapa release` starts the job there, long before its 10 minutes.
+    freed = time.monotonic()
+    cluster.cancel(jobs["dgx2"][1])
+    assert _running_node(cluster, waiting, timeout=60) == "dgx2"
+    assert time.monotonic() - freed < 60
+    cluster.cancel(waiting, *jobs["dgx1"], *jobs["dgx2"])
+
+
+def test_require_runs_anyway_after_its_wait(cluster):
+    jobs = _build_scene(cluster)
+    submitted = time.monotonic()
+    waiting = _submit(cluster, "topology=ring sensitive=yes placement=require wait=1", 3, "-p", "dgx")
+    time.sleep(20)
+    assert cluster.job(waiting)["state_reason"] == "BeginTime"
+    node = _running_node(cluster, waiting, timeout=120)
+    assert node in DGX
+    assert time.monotonic() - submitted >= 55  # its minute, give or take Slurm's scheduling pass
+    cluster.cancel(waiting, *jobs["dgx1"], *jobs["dgx2"])
+
+
+def test_features_are_published_again_after_a_slurmctld_restart(cluster):
+    jobs = _build_scene(cluster)
+    before = {node: _mapa_features(cluster, node) for node in DGX}
+    cluster.restart_controller()
+    # The agents publish at every reconcile pass (10 s in this cluster's mapa.toml).
+    for node in DGX:
+        _wait_features(cluster, node, lambda f: f == before[node], timeout=45, what=f"{sorted(before[node])}")
+    cluster.cancel(*jobs["dgx1"], *jobs["dgx2"])
+
+
+def test_no_job_was_held_or_failed_for_its_constraints(cluster):
+    """Runs after the tests above (file order). Slurm fails a job whose constraint is active on no
+    node it may use (state FAILED, reason BadConstraints, at submission) and holds a pending one
+    with that reason: none of this module's jobs, all cancelled by their tests, went that way."""
+    assert len(SUBMITTED) >= 10, SUBMITTED
+    pending = cluster.run("squeue", "-h", "-t", "PD", "-o", "%A %r")
+    assert "BadConstraints" not in pending, pending
+    ids = ",".join(map(str, SUBMITTED))
+    deadline = time.monotonic() + 60
+    while True:  # sacct hears of the last cancellations within seconds
+        states = dict(line.split("|") for line in cluster.run("sacct", "-X", "-n", "-P", "-j", ids, "-o", "JobID,State").splitlines())
+        if len(states) == len(SUBMITTED) and all(state.startswith("CANCELLED") for state in states.values()):
+            break
+        assert time.monotonic() < deadline, states
+        time.sleep(2)

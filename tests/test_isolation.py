@@ -1,0 +1,593 @@
+"""GPU device isolation: /proc/PID/cgroup texts of both cgroup versions, the v1 rule lines, the v2
+BPF program run by a small interpreter, writes to a fake cgroupfs, the agent's isolate requests
+with their peer checks, the modes, and (as root, on a host with a v1 devices hierarchy) the kernel."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_mapa.errors import InputError
+from slurm_mapa.slurm import agent_client
+from slurm_mapa.slurm.agent import Agent, serve_isolation
+from slurm_mapa.slurm.config import config_from_text
+from slurm_mapa.slurm.install import taskprolog_text
+from slurm_mapa.slurm.isolation import (
+    DenyRange,
+    IsolationError,
+    Isolator,
+    SlurmCgroup,
+    apply_v1,
+    apply_v2,
+    cgroup_mounts,
+    device_program,
+    device_rules,
+    parse_proc_cgroup,
+    parse_status,
+    prog_attach_attr,
+    prog_load_attr,
+    release_job_v1,
+    step_gpus,
+    v1_rule_lines,
+    v1_writes,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# --- /proc/PID/cgroup ---------------------------------------------------------------------------
+# A batch task under task/cgroup (ConstrainCores, ConstrainRAMSpace) and proctrack/cgroup, cgroup
+# v1 on a systemd host: the devices line is slurmd's, as ConstrainDevices=no leaves it.
+V1_BATCH = """\
+12:devices:/system.slice/slurmd.service
+11:freezer:/slurm/uid_1000/job_12/step_batch
+10:memory:/slurm/uid_1000/job_12/step_batch/task_0
+7:cpuset:/slurm/uid_1000/job_12/step_batch/task_0
+4:cpu,cpuacct:/system.slice/slurmd.service
+1:name=systemd:/system.slice/slurmd.service
+0::/system.slice/slurmd.service
+"""
+V2_STEP = "0::/system.slice/slurmstepd.scope/job_12/step_0/user/task_3\n"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (V1_BATCH, SlurmCgroup(1, "12", "batch", "0", "/slurm/uid_1000/job_12/step_batch")),
+        ("6:freezer:/slurm/uid_1000/job_77/step_3\n5:devices:/\n",  # proctrack/cgroup only: no task level
+         SlurmCgroup(1, "77", "3", None, "/slurm/uid_1000/job_77/step_3")),
+        ("6:freezer:/slurm_node7/uid_0/job_5/step_0+1/task_2\n",  # MULTIPLE_SLURMD prepend, a het component
+         SlurmCgroup(1, "5", "0+1", "2", "/slurm_node7/uid_0/job_5/step_0+1")),
+        ("3:cpuset:/slurm/uid_1000/job_9/step_interactive/task_0\n",
+         SlurmCgroup(1, "9", "interactive", "0", "/slurm/uid_1000/job_9/step_interactive")),
+        (V2_STEP, SlurmCgroup(2, "12", "0", "3", V2_STEP[3:-1])),
+        ("0::/system.slice/slurmstepd.scope/job_12/step_batch/user/task_special\n",
+         SlurmCgroup(2, "12", "batch", "special", "/system.slice/slurmstepd.scope/job_12/step_batch/user/task_special")),
+        ("0::/system.slice/node1_slurmstepd.scope/job_4/step_extern/user/task_special\n",
+         SlurmCgroup(2, "4", "extern", "special", "/system.slice/node1_slurmstepd.scope/job_4/step_extern/user/task_special")),
+    ],
+)
+def test_slurm_cgroup_paths_of_both_versions_name_the_job_and_step(text, expected):
+    assert parse_proc_cgroup(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0::/user.slice/user-1000.slice/session-3.scope\n",  # a login shell
+        "0::/system.slice/slurmstepd.scope/job_12/step_0/slurm\n",  # slurmstepd itself, not a task
+        "0::/system.slice/slurmstepd.scope/job_12/step_0/user/task_0/../../../x\n",
+        "11:freezer:/slurm/uid_1000/job_12/step_0\n10:memory:/slurm/uid_1000/job_13/step_0/task_0\n",  # disagree
+        "11:freezer:/slurm/job_12/step_0\n",  # no uid level: not Slurm's v1 layout
+        "11:freezer:/slurm/uid_1000/job_12/step_x/task_0\n",
+        "garbage\n\n:::\n",
+        "",
+    ],
+)
+def test_texts_that_are_no_slurm_task_give_none(text):
+    assert parse_proc_cgroup(text) is None
+
+
+def test_status_and_mountinfo_parsers():
+    status = "Name:\tslurmstepd\nUmask:\t0022\nState:\tS (sleeping)\nPPid:\t4100\nUid:\t1000\t1000\t1000\t1000\n"
+    info = parse_status(4242, status)
+    assert (info.pid, info.name, info.ppid, info.uids) == (4242, "slurmstepd", 4100, (1000, 1000))
+    with pytest.raises(ValueError, match="lacks Name, PPid or Uid"):
+        parse_status(1, "Name:\tx\n")
+    mountinfo = (
+        "31 23 0:28 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755\n"
+        "36 31 0:33 / /sys/fs/cgroup/devices rw,nosuid shared:16 - cgroup cgroup rw,devices\n"
+        "37 31 0:34 / /sys/fs/cgroup/freezer rw - cgroup cgroup rw,freezer\n"
+        "41 31 0:38 / /sys/fs/cgroup/unified rw shared:5 - cgroup2 cgroup2 rw,nsdelegate\n"
+    )
+    assert cgroup_mounts(mountinfo) == ("/sys/fs/cgroup/devices", "/sys/fs/cgroup/unified")
+    assert cgroup_mounts("30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n") == (None, "/sys/fs/cgroup")
+
+
+def test_a_smaller_step_gets_the_jobs_first_gpus_like_the_taskprolog_exports():
+    assert step_gpus((4, 7, 6, 5), "4,5") == (4, 7)
+    assert step_gpus((4, 7, 6, 5), None) == (4, 7, 6, 5)
+    assert step_gpus((4, 7), "0,1,2") == (4, 7)
+    assert step_gpus((4, 7), "0;1") == (4, 7)  # not a GPU list: the job's
+    assert step_gpus((), "") == ()
+
+
+# --- the rules ----------------------------------------------------------------------------------
+def test_v1_lines_deny_every_other_nvidia_gpu_and_allow_the_jobs():
+    lines = v1_rule_lines(device_rules("nvidia", [4, 5]))
+    assert len(lines) == 254
+    assert [line for name, line in lines if name == "devices.allow"] == ["c 195:4 rwm", "c 195:5 rwm"]
+    denied = [line for name, line in lines if name == "devices.deny"]
+    assert denied[:3] == ["c 195:0 rwm", "c 195:1 rwm", "c 195:2 rwm"] and denied[-1] == "c 195:253 rwm"
+    assert "c 195:254 rwm" not in denied and "c 195:255 rwm" not in denied  # nvidia-modeset, nvidiactl
+    amd = v1_rule_lines(device_rules("amd", [129]))
+    assert ("devices.allow", "c 226:129 rwm") in amd and ("devices.deny", "c 226:128 rwm") in amd
+    assert all(line.startswith("c 226:") and 128 <= int(line.split(":")[1].split()[0]) <= 255 for _, line in amd)
+    assert all(name == "devices.deny" for name, _ in v1_rule_lines(device_rules("nvidia", [])))  # no GPUs: none
+    with pytest.raises(InputError, match=r"outside 195:0-253"):
+        device_rules("nvidia", [255])
+    with pytest.raises(InputError, match="expected nvidia or amd"):
+        device_rules("intel", [0])
+
+
+# --- the v2 program, run by an interpreter of exactly the opcodes it may hold --------------------
+def run_bpf(program: bytes, dev_type: int, access: int, major: int, minor: int) -> int:
+    """Run a BPF_PROG_TYPE_CGROUP_DEVICE program on struct bpf_cgroup_dev_ctx; the verifier's
+    rules that matter here are checked too: forward jumps only, r0 set before exit."""
+    assert len(program) % 8 == 0 and 0 < len(program) // 8 <= 4096
+    ctx = struct.pack("<III", (access << 16) | dev_type, major, minor)
+    regs: list[int | str | None] = [None] * 11
+    regs[1] = "ctx"
+    pc = 0
+    while True:
+        assert 0 <= pc < len(program) // 8, f"pc {pc} out of the program"
+        code, registers, off, imm = struct.unpack_from("<BBhi", program, pc * 8)
+        dst, src = registers & 0x0F, registers >> 4
+        pc += 1
+        if code == 0x61:  # ldxw dst, [src + off]
+            assert regs[src] == "ctx" and off in (0, 4, 8)
+            regs[dst] = struct.unpack_from("<I", ctx, off)[0]
+        elif code == 0x54:  # and32 dst, imm
+            regs[dst] = (regs[dst] & imm) & 0xFFFFFFFF  # type: ignore[operator]
+        elif code == 0xB7:  # mov64 dst, imm
+            regs[dst] = imm
+        elif code in (0x15, 0x55, 0x25, 0xA5):  # jeq, jne, jgt, jlt (unsigned) dst, imm
+            assert off >= 0, "a backward jump: the verifier refuses loops"
+            value = regs[dst]
+            assert isinstance(value, int)
+            taken = {0x15: value == imm, 0x55: value != imm, 0x25: value > imm, 0xA5: value < imm}[code]
+            if taken:
+                pc += off
+        elif code == 0x95:  # exit
+            assert regs[0] in (0, 1), "r0 must be 0 or 1 at exit"
+            return regs[0]  # type: ignore[return-value]
+        else:
+            raise AssertionError(f"opcode {code:#04x} is not one the program may use")
+
+
+def expected(rules, dev_type, major, minor) -> int:
+    return 0 if dev_type == 2 and any(r.major == major and minor in r.denied() for r in rules) else 1
+
+
+def test_the_program_encodes_instructions_as_the_kernel_reads_them():
+    program = device_program(device_rules("nvidia", [1]))
+    assert program[:8] == bytes.fromhex("6112000000000000")  # r2 = *(u32 *)(r1 + 0)
+    assert program[8:16] == bytes.fromhex("54020000ffff0000")  # w2 &= 0xffff
+    assert program[16:24] == bytes.fromhex("6114040000000000")  # r4 = *(u32 *)(r1 + 4)
+    assert program[-16:] == bytes.fromhex("b700000001000000" "9500000000000000")  # r0 = 1; exit
+    assert program[32:40] == bytes.fromhex("5502") + struct.pack("<h", (len(program) - 16) // 8 - 5) + bytes.fromhex("02000000")
+
+
+@pytest.mark.parametrize("rules", [
+    device_rules("nvidia", [4, 5]),
+    device_rules("nvidia", []),
+    device_rules("amd", [129, 131]),
+    device_rules("nvidia", [0]) + device_rules("amd", [255]),  # two rules: the jumps between them
+])
+def test_the_program_denies_exactly_what_the_rules_deny(rules):
+    program = device_program(rules)
+    for major in (1, 195, 226, 510):
+        for minor in (*range(0, 260), 4096):
+            for dev_type in (1, 2):  # block, char
+                assert run_bpf(program, dev_type, 2 | 4, major, minor) == expected(rules, dev_type, major, minor), \
+                    (dev_type, major, minor)
+    assert run_bpf(program, 2, 1, 195, 255) == 1  # mknod of nvidiactl
+
+
+def test_the_program_for_a_job_with_gpus_4_and_5():
+    program = device_program(device_rules("nvidia", [4, 5]))
+    assert run_bpf(program, 2, 6, 195, 4) == 1 and run_bpf(program, 2, 6, 195, 5) == 1
+    assert run_bpf(program, 2, 6, 195, 0) == 0 and run_bpf(program, 2, 2, 195, 7) == 0
+    assert run_bpf(program, 2, 6, 195, 255) == 1 and run_bpf(program, 2, 6, 195, 254) == 1  # nvidiactl, modeset
+    assert run_bpf(program, 2, 6, 1, 3) == 1  # /dev/null
+    assert run_bpf(program, 2, 6, 231, 192) == 1  # /dev/infiniband/uverbs0
+
+
+def test_bpf_attr_layouts():
+    load = prog_load_attr(0x1000, 12, 0x2000)
+    assert len(load) == 64
+    assert struct.unpack_from("<IIQQ", load) == (15, 12, 0x1000, 0x2000)  # BPF_PROG_TYPE_CGROUP_DEVICE
+    assert load[48:64] == b"mapa_gpus" + bytes(7)
+    assert prog_attach_attr(3, 4) == bytes.fromhex("03000000" "04000000" "06000000" "02000000")  # CGROUP_DEVICE, ALLOW_MULTI
+
+
+# --- the fake cgroupfs --------------------------------------------------------------------------
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_v1_creates_the_jobs_cgroup_writes_its_rules_once_and_moves_the_task(tmp_path):
+    rules = device_rules("nvidia", [4, 5])
+    configured: set = set()
+    (tmp_path / "mapa").mkdir()
+    (tmp_path / "mapa" / "devices.list").write_text("a *:* rwm\n")  # a host's root cgroup allows all
+    where = apply_v1(tmp_path, "12", rules, "batch", None, 4242, configured=configured)
+    job = tmp_path / "mapa" / "job_12"
+    (job / "devices.list").write_text("a *:* rwm\n")  # what the kernel shows for a default-allow cgroup
+    assert where == job and lines(job / "cgroup.procs") == ["4242"]
+    assert lines(job / "devices.allow") == ["c 195:4 rwm", "c 195:5 rwm"] and len(lines(job / "devices.deny")) == 252
+    apply_v1(tmp_path, "12", rules, "batch", None, 4243, configured=configured)  # a second task
+    assert lines(job / "cgroup.procs") == ["4242", "4243"] and len(lines(job / "devices.deny")) == 252
+    step = apply_v1(tmp_path, "12", rules, "1", device_rules("nvidia", [4]), 4300, configured=configured)
+    assert step == job / "step_1" and lines(step / "cgroup.procs") == ["4300"]
+    assert lines(step / "devices.allow") == ["c 195:4 rwm"] and "c 195:5 rwm" in lines(step / "devices.deny")
+    problems = release_job_v1(tmp_path, "12")  # the fake's files are no cgroupfs's: nothing can go
+    assert [p.split(":")[0] for p in problems] == [str(step), str(job)] and all("Directory not empty" in p for p in problems)
+    for directory in (step, job):
+        for name in ("cgroup.procs", "devices.allow", "devices.deny", "devices.list"):
+            if (directory / name).exists():
+                (directory / name).unlink()
+    assert release_job_v1(tmp_path, "12") == [] and not job.exists()
+    assert release_job_v1(tmp_path, "12") == []  # nothing left: nothing to do
+
+
+# A Docker container's devices.list (default deny, its allow list), as the kernel prints it.
+DOCKER_LIST = """c 1:5 rwm
+c 1:3 rwm
+c 1:9 rwm
+c 1:8 rwm
+c 5:0 rwm
+c 5:1 rwm
+c *:* m
+b *:* m
+c 1:7 rwm
+c 136:* rwm
+c 5:2 rwm
+c 10:200 rwm
+c 195:* rwm
+c 226:* rwm
+c 511:* rwm
+"""
+
+
+def test_v1_under_an_allow_list_parent_rebuilds_the_list_without_the_denied_gpus():
+    writes = v1_writes(DOCKER_LIST, device_rules("nvidia", [1, 5]))
+    assert writes[0] == ("devices.deny", "a")
+    allowed = [line for name, line in writes if name == "devices.allow"]
+    assert all(name == "devices.allow" for name, _ in writes[1:])
+    nvidia = sorted(int(line.split(":")[1].split()[0]) for line in allowed if line.startswith("c 195:"))
+    assert nvidia == [1, 5, 254, 255]  # the job's GPUs, modeset and nvidiactl
+    # Everything else the parent allows stays, wildcards of other majors included.
+    assert {"c 1:3 rwm", "c 136:* rwm", "c 226:* rwm", "c 511:* rwm", "c *:* m", "b *:* m"} <= set(allowed)
+    amd = [line for name, line in v1_writes(DOCKER_LIST, device_rules("amd", [129])) if line.startswith("c 226:")]
+    assert len(amd) == 129 and "c 226:129 rwm" in amd and "c 226:130 rwm" not in amd and "c 226:0 rwm" in amd
+    # A specific parent entry for a denied GPU is dropped, one for an allowed GPU kept.
+    assert [line for _, line in v1_writes("c 195:3 rw\nc 195:1 rw\n", device_rules("nvidia", [1]))] == ["a", "c 195:1 rw"]
+    # A host's root cgroup allows all: the deny lines.
+    assert v1_writes("a *:* rwm\n", device_rules("nvidia", [1])) == v1_rule_lines(device_rules("nvidia", [1]))
+    with pytest.raises(IsolationError, match="not 'TYPE MAJOR:MINOR ACCESS'"):
+        v1_writes("c 195:x rwm\n", device_rules("nvidia", [1]))
+
+
+def test_v1_refuses_ids_that_are_not_slurms(tmp_path):
+    with pytest.raises(IsolationError, match="not a Slurm job and step id"):
+        apply_v1(tmp_path, "12/../x", device_rules("nvidia", []), None, None, 1)
+    with pytest.raises(IsolationError, match="not a Slurm job and step id"):
+        apply_v1(tmp_path, "12", device_rules("nvidia", []), "../0", device_rules("nvidia", []), 1)
+
+
+def test_v2_attaches_the_jobs_program_once_and_a_smaller_steps_program(tmp_path):
+    scope = tmp_path / "system.slice" / "slurmstepd.scope"
+    (scope / "job_12" / "step_0" / "user" / "task_3").mkdir(parents=True)
+    attached: list[tuple[Path, bytes]] = []
+    done: set = set()
+    cgroup = parse_proc_cgroup(V2_STEP)
+    job_rules = device_rules("nvidia", [4, 5])
+    assert apply_v2(tmp_path, cgroup, job_rules, None, lambda d, p: attached.append((d, p)), done) == [scope / "job_12"]
+    assert attached == [(scope / "job_12", device_program(job_rules))]
+    assert apply_v2(tmp_path, cgroup, job_rules, None, lambda d, p: attached.append((d, p)), done) == []
+    step_rules = device_rules("nvidia", [4])
+    assert apply_v2(tmp_path, cgroup, job_rules, step_rules, lambda d, p: attached.append((d, p)), done) == \
+        [scope / "job_12" / "step_0" / "user"]
+    assert attached[-1] == (scope / "job_12" / "step_0" / "user", device_program(step_rules))
+
+    def refused(directory, program):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    with pytest.raises(IsolationError, match="cannot attach the device program to .*job_12: .*not permitted"):
+        apply_v2(tmp_path, cgroup, job_rules, None, refused, set())
+
+
+# --- the agent's isolate requests ---------------------------------------------------------------
+class FakeProc:
+    """A /proc with the processes a test lays out: pid -> (name, ppid, uid, cgroup text, exe)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def add(self, pid, name, ppid, uid, cgroup="", exe="/usr/bin/python3"):
+        d = self.root / str(pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "status").write_text(f"Name:\t{name}\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+        (d / "cgroup").write_text(cgroup)
+        if (d / "exe").is_symlink():
+            (d / "exe").unlink()
+        os.symlink(exe, d / "exe")
+
+
+STEPD = "/usr/sbin/slurmstepd-wlm"
+USER = 1000  # the job's user (the agent gets it from the socket; these tests pass it)
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A node: config, jobs directory with job 12 (GPUs 4,5), a fake /proc and cgroupfs, an agent."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "12").write_text("MAPA_GPUS=4,5\n")
+    (tmp_path / "jobs" / ".prolog-13").write_text("pid=0 start=0 slurm=\n")  # a job without GPUs
+    cgroupfs = tmp_path / "cgroupfs"
+    (cgroupfs / "devices").mkdir(parents=True)
+    (cgroupfs / "devices" / "devices.list").write_text("a *:* rwm\n")  # a host's root cgroup
+    (cgroupfs / "unified").mkdir()
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"36 31 0:33 / {cgroupfs}/devices rw - cgroup cgroup rw,devices\n"
+                         f"41 31 0:38 / {cgroupfs}/unified rw - cgroup2 cgroup2 rw\n")
+    proc = FakeProc(tmp_path / "proc")
+    me, uid = os.getpid(), USER
+    proc.add(me, "python3", 5001, uid)  # the client: this test
+    proc.add(5001, "sh", 5000, uid, exe="/bin/dash")  # the TaskProlog
+    proc.add(5000, "slurmstepd", 4000, uid, V1_BATCH, exe=STEPD)  # the task, before exec
+    proc.add(4000, "slurmstepd", 1, 0, "", exe=STEPD)  # the step's slurmstepd
+    attached: list[tuple[Path, bytes]] = []
+    agent = Agent(str(tmp_path / "mapa.toml"), node="dgx1",
+                  isolator=Isolator(proc.root, mountinfo, attach=lambda d, p: attached.append((d, p))))
+
+    def configure(mode):
+        (tmp_path / "mapa.toml").write_text(
+            f'jobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\nledger = "{tmp_path}/ledger.json"\n'
+            f'isolation = "{mode}"\n[nodes]\n"dgx*" = "dgx1-v100"\n')
+
+    configure("fail-open")
+    return agent, proc, cgroupfs, attached, configure, tmp_path
+
+
+def test_the_agent_isolates_the_task_of_a_taskprolog(node):
+    agent, proc, cgroupfs, _, _, tmp_path = node
+    answer = agent.isolate(os.getpid(), USER, {"SLURM_JOB_ID": "12"})
+    job = cgroupfs / "devices" / "mapa" / "job_12"
+    assert answer == f"done cgroup-v1 job 12 step batch task pid 5000: GPUs 4,5 in {job}"
+    assert lines(job / "cgroup.procs") == ["5000"] and lines(job / "devices.allow") == ["c 195:4 rwm", "c 195:5 rwm"]
+    assert "isolation: cgroup-v1: job 12 step batch task pid 5000: GPUs 4,5" in (tmp_path / "log").read_text()
+    # A smaller step: its own cgroup below the job's, with the job's first GPU.
+    proc.add(5000, "slurmstepd", 4000, USER, V1_BATCH.replace("step_batch", "step_2"), exe=STEPD)
+    assert agent.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": "3"}).startswith("done cgroup-v1 job 12 step 2")
+    assert lines(job / "step_2" / "cgroup.procs") == ["5000"] and lines(job / "step_2" / "devices.allow") == ["c 195:4 rwm"]
+
+
+def test_a_job_without_gpus_is_denied_every_gpu(node):
+    agent, proc, cgroupfs, _, _, _ = node
+    proc.add(5000, "slurmstepd", 4000, USER, V1_BATCH.replace("job_12", "job_13"), exe=STEPD)
+    assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1 job 13 step batch task pid 5000: GPUs none")
+    assert len(lines(cgroupfs / "devices" / "mapa" / "job_13" / "devices.deny")) == 254
+
+
+def test_on_cgroup_v2_the_agent_attaches_programs(node):
+    agent, proc, cgroupfs, attached, _, _ = node
+    proc.add(5000, "slurmstepd", 4000, USER, V2_STEP, exe=STEPD)
+    (cgroupfs / "unified" / V2_STEP[4:-1]).mkdir(parents=True)
+    job = cgroupfs / "unified" / "system.slice" / "slurmstepd.scope" / "job_12"
+    assert agent.isolate(os.getpid(), USER, {}) == f"done cgroup-v2 job 12 step 0: GPUs 4,5 (programs attached to {job})"
+    assert agent.isolate(os.getpid(), USER, {}) == "done cgroup-v2 job 12 step 0: GPUs 4,5"  # once per job
+    assert attached == [(job, device_program(device_rules("nvidia", [4, 5])))]
+
+
+@pytest.mark.parametrize(
+    "layout, request_env, reason",
+    [
+        # The job script itself asks: its parent is the root slurmstepd, no task process of the user.
+        ({5001: ("bash", 4000, None, "", "/bin/bash")}, {}, "slurmstepd 4000 \\(uids 0/0\\) is no task of uid"),
+        # A process that only calls itself slurmstepd (prctl PR_SET_NAME).
+        ({5000: ("slurmstepd", 4000, None, V1_BATCH, "/home/u/fake")}, {}, "slurmstepd 4000 \\(uids 0/0\\) is no task of uid"),
+        # The task is in no Slurm job cgroup (proctrack/linuxproc, task/affinity).
+        ({5000: ("slurmstepd", 4000, None, "0::/system.slice/slurmd.service\n", STEPD)}, {}, "is in no Slurm job cgroup"),
+        # The task's parent is no slurmstepd.
+        ({4000: ("bash", 1, 0, "", "/bin/bash")}, {}, "its parent 4000 is no slurmstepd"),
+        # The request names another job than the task's cgroup.
+        ({}, {"SLURM_JOB_ID": "99"}, "the request says job '99', but task 5000 is in job 12's cgroup"),
+        # A job with no record on this node.
+        ({5000: ("slurmstepd", 4000, None, V1_BATCH.replace("job_12", "job_14"), STEPD)}, {}, "job 14 has no job file and no Prolog mark"),
+    ],
+)
+def test_requests_the_agent_refuses(node, layout, request_env, reason):
+    agent, proc, cgroupfs, _, configure, tmp_path = node
+    for pid, (name, ppid, uid, cgroup, exe) in layout.items():
+        proc.add(pid, name, ppid, USER if uid is None else uid, cgroup, exe)
+    answer = agent.isolate(os.getpid(), USER, request_env)
+    assert answer.startswith("done failed-open ")
+    assert re.search(reason, answer), answer
+    assert not (cgroupfs / "devices" / "mapa").exists()
+    assert "runs without it (isolation = \"fail-open\")" in (tmp_path / "log").read_text()
+    configure("fail-closed")
+    answer = agent.isolate(os.getpid(), USER, request_env)
+    assert answer.startswith("error ") and re.search(reason, answer)
+    assert "as isolation = \"fail-closed\"" in (tmp_path / "log").read_text()
+
+
+def test_another_users_request_is_refused(node):
+    agent, *_ = node
+    assert "is no task of uid 4321" in agent.isolate(os.getpid(), 4321, {})
+
+
+def test_isolation_off_does_nothing(node):
+    agent, _, cgroupfs, _, configure, _ = node
+    configure("off")
+    assert agent.isolate(os.getpid(), USER, {}) == "done off"
+    assert not (cgroupfs / "devices" / "mapa").exists()
+
+
+def test_a_read_only_cgroupfs_fails_open_and_says_why(node):
+    agent, _, cgroupfs, _, _, _ = node
+    (cgroupfs / "devices" / "mapa").write_text("not a directory")  # mkdir fails as on a read-only cgroupfs
+    answer = agent.isolate(os.getpid(), USER, {})
+    assert answer.startswith("done failed-open cannot set up the devices cgroup") and "job_12" in answer
+
+
+def test_config_accepts_only_the_three_modes():
+    assert config_from_text("", validate=False).isolation == "off"
+    assert config_from_text('isolation = "fail-closed"\n', validate=False).isolation == "fail-closed"
+    with pytest.raises(InputError, match='isolation must be "off", "fail-open" .* got \'on\''):
+        config_from_text('isolation = "on"\n', validate=False)
+    with pytest.raises(InputError, match="isolation must be a string"):
+        config_from_text("isolation = true\n", validate=False)
+
+
+# --- over the socket, and the TaskProlog --------------------------------------------------------
+@pytest.fixture
+def isolation_server(node):
+    agent, *_ , tmp_path = node
+    server = serve_isolation(str(tmp_path / "isolate" / "isolate.sock"), agent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, node
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_isolation_socket_is_open_to_everyone_and_takes_only_isolate(isolation_server):
+    server, (agent, proc, cgroupfs, _, configure, tmp_path) = isolation_server
+    path = tmp_path / "isolate" / "isolate.sock"
+    for pid, name, ppid, exe in ((os.getpid(), "python3", 5001, sys.executable), (5001, "sh", 5000, "/bin/dash")):
+        proc.add(pid, name, ppid, os.getuid(), exe=exe)  # the socket tells the agent this test's own uid
+    proc.add(5000, "slurmstepd", 4000, os.getuid(), V1_BATCH, exe=STEPD)
+    assert oct(path.stat().st_mode & 0o777) == "0o666" and oct(path.parent.stat().st_mode & 0o777) == "0o755"
+    assert agent_client.isolate(str(path), {"SLURM_JOB_ID": "12"}) == (0, "export MAPA_ISOLATION=cgroup-v1")
+    assert lines(cgroupfs / "devices" / "mapa" / "job_12" / "cgroup.procs") == ["5000"]
+    hook = agent_client.ask_agent("prolog", {"SLURM_JOB_ID": "12"}, str(path))
+    assert hook == "done failed-open bad request: unknown hook kind 'prolog' (accepted: isolate)"
+    configure("fail-closed")
+    assert agent_client.isolate(str(path), {"SLURM_JOB_ID": "99"})[0] == agent_client.REFUSED
+    assert agent_client.isolate(str(tmp_path / "none.sock"), {}) == (agent_client.FALL_BACK, None)
+
+
+class CannedAgent(Agent):
+    def __init__(self, answer):
+        self.answer = answer
+
+    def isolate(self, pid, uid, env):
+        return self.answer
+
+
+def run_taskprolog(tmp_path, isolation, answer, socket_there=True):
+    """The TaskProlog `mapa hooks` writes, with an agent that answers ``answer``."""
+    (tmp_path / "jobs").mkdir(exist_ok=True)
+    (tmp_path / "jobs" / "55").write_text("MAPA_GPUS=6,2,3\n")
+    sock = tmp_path / "iso" / "isolate.sock"
+    script = taskprolog_text(str(tmp_path / "jobs"), "nvidia", isolation, sys.executable, str(REPO))
+    script = script.replace("ISOLATE_SOCKET=/run/slurm-mapa-isolate/isolate.sock\n", f"ISOLATE_SOCKET={sock}\n")
+    (tmp_path / "taskprolog").write_text(script)
+    server = None
+    if socket_there:
+        server = serve_isolation(str(sock), CannedAgent(answer))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        return subprocess.run(["/bin/sh", str(tmp_path / "taskprolog")], env={"SLURM_JOB_ID": "55", "PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, check=False, timeout=60)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+CUDA_LINES = ["export CUDA_VISIBLE_DEVICES=6,2,3", "export GPU_DEVICE_ORDINAL=6,2,3", "export CUDA_DEVICE_ORDER=PCI_BUS_ID",
+              "export MAPA_GPUS=6,2,3"]
+
+
+def test_taskprolog_asks_for_isolation_and_exports_its_state(tmp_path):
+    done = run_taskprolog(tmp_path, "fail-open", "done cgroup-v1 job 55 step 0 task pid 1: GPUs 6,2,3 in /x")
+    # Isolated, CUDA sees only GPUs 2, 3 and 6, as 0, 1 and 2 (bus order): MAPA's order in those numbers.
+    isolated = ["export CUDA_VISIBLE_DEVICES=2,0,1", "export GPU_DEVICE_ORDINAL=2,0,1", *CUDA_LINES[2:]]
+    assert (done.returncode, done.stdout.splitlines()) == (0, ["export MAPA_ISOLATION=cgroup-v1", *isolated])
+    failed = run_taskprolog(tmp_path, "fail-open", "done failed-open cannot set up the devices cgroup")
+    assert (failed.returncode, failed.stdout.splitlines()) == (0, ["export MAPA_ISOLATION=failed-open", *CUDA_LINES])
+
+
+def test_taskprolog_fails_the_task_when_the_agent_refuses(tmp_path):
+    done = run_taskprolog(tmp_path, "fail-open", "error not isolated")  # the agent's config says fail-closed
+    assert done.returncode == 1
+    assert done.stdout.splitlines() == ["print mapa: GPU isolation failed, the task does not start: error not isolated"]
+
+
+def test_taskprolog_without_an_agent_follows_its_mode(tmp_path):
+    opened = run_taskprolog(tmp_path, "fail-open", None, socket_there=False)
+    assert (opened.returncode, opened.stdout.splitlines()) == (0, CUDA_LINES)
+    closed = run_taskprolog(tmp_path, "fail-closed", None, socket_there=False)
+    assert closed.returncode == 1 and "no mapa-agent answered" in closed.stdout
+
+
+def test_taskprolog_text_refuses_isolation_without_a_python(tmp_path):
+    assert "ISOLATION=off\n" in taskprolog_text("/run/x")
+    with pytest.raises(InputError, match="needs the Python"):
+        taskprolog_text("/run/x", "auto", "fail-open")
+    with pytest.raises(InputError, match="isolation 'on'"):
+        taskprolog_text("/run/x", "auto", "on", sys.executable, str(REPO))
+    with pytest.raises(InputError, match="must be absolute"):
+        taskprolog_text("/run/x", "auto", "fail-open", "python3", str(REPO))
+
+
+# --- the kernel ---------------------------------------------------------------------------------
+def _v1_devices_root() -> Path | None:
+    try:
+        devices, _ = cgroup_mounts(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return None
+    if devices is None or os.geteuid() != 0 or not os.access(devices, os.W_OK):
+        return None
+    return Path(devices)
+
+
+@pytest.mark.skipif(_v1_devices_root() is None, reason="needs root and a writable cgroup v1 devices hierarchy")
+def test_on_a_real_v1_devices_hierarchy_other_gpus_fail_with_eperm(tmp_path):
+    devices = _v1_devices_root()
+    assert devices is not None
+    for minor in (0, 1, 255):
+        os.mknod(tmp_path / f"nvidia{minor}", 0o666 | 0o020000, os.makedev(195, minor))
+    probe = ("import os, sys; sys.stdin.readline()\n"
+             "for name in sys.argv[1:]:\n"
+             "    try: os.close(os.open(name, os.O_RDWR))\n"
+             "    except OSError as e: print(name.rsplit('/', 1)[1], e.errno)\n")
+    child = subprocess.Popen([sys.executable, "-c", probe, *(str(tmp_path / f"nvidia{m}") for m in (0, 1, 255))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    base = f"mapa-test-{os.getpid()}"
+    try:
+        where = apply_v1(devices, "999999", device_rules("nvidia", [1]), None, None, child.pid, base=base)
+        out, _ = child.communicate("go\n", timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    try:
+        # Denied: EPERM from the devices cgroup. Allowed: the open reaches the (absent) driver: ENXIO.
+        assert out.splitlines() == [f"nvidia0 {errno.EPERM}", f"nvidia1 {errno.ENXIO}", f"nvidia255 {errno.ENXIO}"]
+        assert where == devices / base / "job_999999"
+    finally:
+        for _ in range(50):  # the killed child leaves the cgroup a moment later
+            if release_job_v1(devices, "999999", base) == []:
+                break
+            time.sleep(0.1)
+        os.rmdir(devices / base)
