@@ -298,7 +298,9 @@ def test_taskprolog_exports_rocr_and_relative_hip_lists_where_kfd_exists(tmp_pat
     # /dev/null stands for /dev/kfd: any character device tells an AMD node.
     out = _taskprolog(tmp_path, "MAPA_GPUS=6,7,0\n", kfd="/dev/null")
     assert out == ["export ROCR_VISIBLE_DEVICES=6,7,0", "export HIP_VISIBLE_DEVICES=0,1,2",
-                   "export CUDA_VISIBLE_DEVICES=0,1,2", "export GPU_DEVICE_ORDINAL=0,1,2", "export MAPA_GPUS=6,7,0"]
+                   "export CUDA_VISIBLE_DEVICES=0,1,2", "export GPU_DEVICE_ORDINAL=0,1,2", "export MAPA_GPUS=6,7,0",
+                   "export MAPA_SLURM_JOB_GPUS=", "export MAPA_SLURM_STEP_GPUS=", "export SLURM_JOB_GPUS=0,6,7",
+                   "export SLURM_STEP_GPUS=0,6,7"]
     assert out[:4] == [f"export {key}={value}" for key, value in binding_environment([6, 7, 0], vendor="amd").items()]
     single = _taskprolog(tmp_path, "MAPA_GPUS=5\n", vendor="amd")
     assert single[:2] == ["export ROCR_VISIBLE_DEVICES=5", "export HIP_VISIBLE_DEVICES=0"]

@@ -240,9 +240,15 @@ def run_taskprolog(tmp_path, job, content, extra_env=None):
 
 
 def test_taskprolog_exports_only_strict_gpu_lists(tmp_path):
-    out = run_taskprolog(tmp_path, "55", "MAPA_GPUS=0,3,2,1\n")
+    out = run_taskprolog(tmp_path, "55", "MAPA_GPUS=0,3,2,1\n", {"SLURM_JOB_GPUS": "4,5,6,7"})
+    # Slurm's own variables name MAPA's GPUs too, ascending as Slurm writes them; Slurm's are kept.
     assert out.splitlines() == ["export CUDA_VISIBLE_DEVICES=0,3,2,1", "export GPU_DEVICE_ORDINAL=0,3,2,1",
-                                "export CUDA_DEVICE_ORDER=PCI_BUS_ID", "export MAPA_GPUS=0,3,2,1"]
+                                "export CUDA_DEVICE_ORDER=PCI_BUS_ID", "export MAPA_GPUS=0,3,2,1",
+                                "export MAPA_SLURM_JOB_GPUS=4,5,6,7", "export MAPA_SLURM_STEP_GPUS=",
+                                "export SLURM_JOB_GPUS=0,1,2,3", "export SLURM_STEP_GPUS=0,1,2,3"]
+    step = run_taskprolog(tmp_path, "55", "MAPA_GPUS=7,3,12,1\n", {"SLURM_JOB_GPUS": "0-3", "SLURM_STEP_GPUS": "0,1"})
+    assert step.splitlines()[-4:] == ["export MAPA_SLURM_JOB_GPUS=0-3", "export MAPA_SLURM_STEP_GPUS=0,1",
+                                      "export SLURM_JOB_GPUS=1,3,7,12", "export SLURM_STEP_GPUS=3,7"]
     for evil in ["MAPA_GPUS=0;reboot\n", "MAPA_GPUS=$(id)\n", "CUDA=1\n", "MAPA_GPUS=\n", "MAPA_GPUS=1,,2\n"]:
         assert run_taskprolog(tmp_path, "56", evil) == ""
     assert run_taskprolog(tmp_path, "57", None) == ""
@@ -264,6 +270,8 @@ def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys):
     status = node_status(config, "dgx1")
     assert [job["job"] for job in status["jobs"]] == ["60", "61"]
     assert status["jobs"][0]["gpus"] == list(first.gpus)
+    # Slurm's GPUs for each job (scontrol -d show job's IDX), beside MAPA's.
+    assert [job["slurm_gpus"] for job in status["jobs"]] == [[0, 1, 2, 3], [4]]
     assert len(status["free"]) == 3
     report = explain_job(config, slurm.admin["60"])
     assert report[0]["gpus"] == list(first.gpus) and report[0]["free"] == list(range(8))

@@ -516,7 +516,8 @@ def run_taskprolog(tmp_path, isolation, answer, socket_there=True):
 
 
 CUDA_LINES = ["export CUDA_VISIBLE_DEVICES=6,2,3", "export GPU_DEVICE_ORDINAL=6,2,3", "export CUDA_DEVICE_ORDER=PCI_BUS_ID",
-              "export MAPA_GPUS=6,2,3"]
+              "export MAPA_GPUS=6,2,3", "export MAPA_SLURM_JOB_GPUS=", "export MAPA_SLURM_STEP_GPUS=",
+              "export SLURM_JOB_GPUS=2,3,6", "export SLURM_STEP_GPUS=2,3,6"]
 
 
 def test_taskprolog_asks_for_isolation_and_exports_its_state(tmp_path):

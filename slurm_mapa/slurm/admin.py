@@ -51,7 +51,11 @@ def node_status(config: HookConfig, node: str) -> dict[str, Any]:
     jobs = []
     for job, holding in sorted(ledger.holdings.items(), key=lambda item: int(item[0])):
         links = [graph.link(a, b).token for i, a in enumerate(holding.gpus) for b in holding.gpus[i + 1 :]]
-        jobs.append({"job": job, "gpus": list(holding.gpus), "policy": holding.policy, "links": links, "note": holding.note})
+        # Slurm's own GPUs for the job (what scontrol -d show job calls IDX), from the Prolog's mark.
+        record = records.get(job)
+        slurm_gpus = list(record.mark.slurm_gpus) if record is not None and record.mark is not None else None
+        jobs.append({"job": job, "gpus": list(holding.gpus), "slurm_gpus": slurm_gpus, "policy": holding.policy, "links": links,
+                     "note": holding.note})
     free = ledger.free(graph.size)
     return {"node": node, "topology": graph.name, "jobs": jobs, "free": list(free), "free_preserved_bandwidth": preserved_bandwidth(graph, free),
             "shared": {str(gpu): owners for gpu, owners in sorted(ledger.shared().items())}, "problems": problems}
@@ -65,7 +69,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"{status['node']} ({status['topology']})")
     for job in status["jobs"]:
-        print(f"  job {job['job']}: GPUs {','.join(map(str, job['gpus']))} [{job['policy']}] links {' '.join(job['links']) or '-'}")
+        slurm = f" (Slurm's: {','.join(map(str, job['slurm_gpus']))})" if job["slurm_gpus"] else ""
+        print(f"  job {job['job']}: GPUs {','.join(map(str, job['gpus']))}{slurm} [{job['policy']}] links {' '.join(job['links']) or '-'}")
     print(f"  free: {','.join(map(str, status['free'])) or 'none'}; preserved bandwidth {status['free_preserved_bandwidth']:.1f} GB/s")
     for gpu, owners in status["shared"].items():
         print(f"  SHARED: GPU {gpu} is used by jobs {', '.join(owners)} (a killed Prolog); held until all of them end")
