@@ -528,15 +528,15 @@ def test_the_systemd_unit_is_hardened():
     service = _unit()["Service"]
     expected = {
         "UMask": "0022", "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "read-only", "PrivateTmp": "yes",
-        "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes", "ProtectKernelLogs": "yes", "ProtectHostname": "yes",
+        "ProtectKernelModules": "yes", "ProtectKernelLogs": "yes", "ProtectHostname": "yes",
         "RestrictSUIDSGID": "yes", "LockPersonality": "yes", "RestrictRealtime": "yes", "RestrictNamespaces": "yes",
         "SystemCallArchitectures": "native", "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
-        "StateDirectory": "slurm-mapa", "RuntimeDirectory": "slurm-mapa slurm-mapa-agent", "RuntimeDirectoryMode": "0755",
+        "StateDirectory": "slurm-mapa", "RuntimeDirectory": "slurm-mapa slurm-mapa-agent slurm-mapa-isolate", "RuntimeDirectoryMode": "0755",
         "RuntimeDirectoryPreserve": "yes", "ReadWritePaths": "/var/log",
     }
     assert {key: service.get(key) for key in expected} == expected
-    # NVML needs /dev/nvidia*, device cgroups need /sys/fs/cgroup: these must stay off.
-    for key in ("PrivateDevices", "ProtectControlGroups", "ProtectClock", "DevicePolicy", "DeviceAllow"):
+    # NVML needs /dev/nvidia*, device cgroups need /sys/fs/cgroup writable: these must stay off.
+    for key in ("PrivateDevices", "ProtectControlGroups", "ProtectKernelTunables", "ProtectClock", "DevicePolicy", "DeviceAllow"):
         assert key not in service, key
     # The writable places are the config's defaults.
     defaults = HookConfig()
@@ -544,6 +544,7 @@ def test_the_systemd_unit_is_hardened():
     assert defaults.jobs_dir.parent == Path("/run") / service["RuntimeDirectory"].split()[0]
     assert str(defaults.log.parent) == service["ReadWritePaths"]
     assert Path(agent_client.DEFAULT_SOCKET).parent == Path("/run") / service["RuntimeDirectory"].split()[1]
+    assert Path(agent_client.ISOLATE_SOCKET).parent == Path("/run") / service["RuntimeDirectory"].split()[2]
 
 
 def test_systemd_analyze_verifies_the_unit(tmp_path):

@@ -57,7 +57,7 @@ local _MAX_ADMIN_COMMENT_CHARS = 16384 -- as decision.py's MAX_ADMIN_COMMENT_CHA
 local _MAX_RECORD_CANDIDATES = 32 -- as decision.py's MAX_RECORD_CANDIDATES
 -- Node choice (docs/admin.md, "Choosing the node"): the GPU counts mapa-agent publishes node
 -- features for, as mapa.toml's [features] sizes, e.g. { 2, 4, 8 }. Empty: no preference is added.
--- `mapa hooks --job-submit-lua PATH` writes this file with both lines set from mapa.toml.
+-- `mapa job-submit-lua PATH` writes this file with both lines set from mapa.toml.
 local _NODE_FEATURE_SIZES = {}
 -- What insensitive jobs (and jobs without a directive) prefer: "none" (nothing; the default) or
 -- "noring" (mapa_noring<k>: they keep off the nodes with a good k-ring free, the replay study's
@@ -734,8 +734,9 @@ end
 -- good k-ring free (mapa_ring<k>); with _INSENSITIVE_JOBS = "noring" an insensitive one, or one
 -- without a directive, the others (mapa_noring<k>). placement=any adds nothing. The user's own
 -- --prefer or nodes (-w) win; a --constraint of plain feature names joined by '&' is kept and the
--- MAPA feature added to the preference with it; any other --constraint is left alone. Never a constraint: Slurm 24.11 fails a job whose
--- constraint no node has active (BadConstraints), and MAPA's features come and go.
+-- MAPA feature added to the preference with it; any other --constraint is left alone. Never a
+-- constraint: Slurm 24.11 fails a job whose constraint no node has active (BadConstraints), and
+-- MAPA's features come and go.
 -- placement=require also delays the job's start by wait= minutes (its begin time, which Slurm
 -- itself enforces); `mapa release` on the controller starts it earlier, as soon as a node of its
 -- partition has its feature. Only when `mapa release` can read the directive back from the job
