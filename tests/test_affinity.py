@@ -350,7 +350,8 @@ def test_decide_calls_the_policy_it_is_given_and_nothing_else():
 
 
 def test_hook_config_reads_the_affinity_table():
-    assert (config_from_text("").affinity_mode, config_from_text("").affinity_max_loss) == ("prefer", 0.25)
+    assert (config_from_text("").affinity_mode, config_from_text("").affinity_max_loss) == ("ignore", 0.25)  # no table: off
+    assert config_from_text("[affinity]\n").affinity_mode == "prefer"  # a table: prefer unless it says otherwise
     config = config_from_text('[affinity]\nmode = "strict"\nmax_loss = 0.1\n', "t")
     assert (config.affinity_mode, config.affinity_max_loss) == ("strict", 0.1)
     config = config_from_text("[affinity]\nmax_loss = 0\n", "t")

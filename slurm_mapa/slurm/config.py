@@ -17,7 +17,7 @@
     sizes = { 1 = 0.2, 2 = 0.2, 3 = 0.2, 4 = 0.2, 5 = 0.2 }   # GPUs -> weight (default: the paper's)
     tolerance = 0.0                            # fraction of a sensitive job's best it may give up
 
-    [affinity]                                 # CPU affinity in the decision (core/affinity.py)
+    [affinity]                                 # CPU affinity in the decision (core/affinity.py); none: ignored
     mode = "prefer"                            # "strict" | "prefer" | "ignore"
     max_loss = 0.25                            # prefer: the bandwidth fraction a local choice may give up
 
@@ -81,8 +81,9 @@ class HookConfig:
     feature_sizes: tuple[int, ...] = ()
     feature_threshold: float = 0.9
     feature_fleet: tuple[str, ...] = ()  # topologies of the fleet's node types (presets or files)
-    # [affinity]: CPU affinity in the decision (parsed and validated; the hooks do not use it yet).
-    affinity_mode: str = "prefer"
+    # [affinity]: CPU affinity in the Prolog's decision (core/affinity.py). Without the table it is
+    # ignored, as before; a table without mode means "prefer".
+    affinity_mode: str = "ignore"
     affinity_max_loss: float = 0.25
     feature_insensitive_jobs: str = "none"  # what job_submit.lua has insensitive jobs prefer: none | noring
 

@@ -228,6 +228,21 @@ def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...], held: Sequ
     return tuple(chosen)
 
 
+def cpus_of_slurms_gpus(graph: "HardwareGraph", slurm_gpus: tuple[int, ...]) -> frozenset[int] | None:
+    """The job's CPUs as the Prolog can know them without asking slurmctld: the CPU affinity of the
+    GPUs *Slurm* picked for it. With --gres-flags=enforce-binding Slurm gives a job only cores
+    bound to its GPUs, so the job's cores lie in these sockets; without it cons_tres prefers such
+    cores, and this is an assumption. Comparing within the topology's own CPU numbering keeps
+    Slurm's abstract core ids out of it. None (every GPU local) when the topology has no CPU
+    affinity or Slurm's GPUs are not on it."""
+    from ..core.affinity import gpu_cpus
+
+    cpus = gpu_cpus(graph)
+    if cpus is None or not slurm_gpus or not all(0 <= gpu < graph.size for gpu in slurm_gpus):
+        return None
+    return frozenset().union(*(cpus[gpu] for gpu in slurm_gpus))
+
+
 def choose(
     ctx: PrologContext,
     config: HookConfig,
@@ -250,7 +265,15 @@ def choose(
 
             request = to_request(directive, len(ctx.slurm_gpus))
             model = load_model_file(config.model) if config.model else paper_model()
-            result = select(config.policy, graph, free, request, model, config.configured_policies(), running)
+            if config.affinity_mode == "ignore":
+                result = select(config.policy, graph, free, request, model, config.configured_policies(), running)
+            else:
+                from ..core.affinity import select_with_affinity
+
+                result, _ = select_with_affinity(
+                    config.policy, graph, free, request, cpus_of_slurms_gpus(graph, ctx.slurm_gpus), config.affinity_mode,
+                    max_loss=config.affinity_max_loss, model=model, configured=config.configured_policies(), running=running,
+                )
             if isinstance(result, Allocation):
                 p = reported_allocation(graph, request, result, model).placement  # a collective's set, in its best order
                 return Decision(
