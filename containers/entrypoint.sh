@@ -41,9 +41,7 @@ start_munge() {
 
 # The hooks slurm.conf names, written by `mapa hooks` from the mounted source, as an admin would.
 write_hooks() {
-    /usr/bin/python3 -I -X pycache_prefix=/var/cache/slurm-mapa/pycache -c \
-        'import sys; sys.path.insert(0, "/opt/slurm-mapa"); from slurm_mapa.cli import main; sys.exit(main(sys.argv[1:]))' \
-        hooks /usr/local/sbin --python /usr/bin/python3 --config /etc/slurm/mapa.toml \
+    mapa hooks /usr/local/sbin --python /usr/bin/python3 --config /etc/slurm/mapa.toml \
         --pycache-prefix /var/cache/slurm-mapa/pycache >/dev/null
 }
 

@@ -273,6 +273,11 @@ _FEATURE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_FEATURES = 256
 
 
+def is_feature_name(text: str) -> bool:
+    """A node feature name Slurm and MAPA accept: letters, digits, '_', '.', '-', at most 64."""
+    return _FEATURE.fullmatch(text) is not None
+
+
 def show_node_argv(scontrol: str, node: str) -> list[str]:
     return [scontrol, "--oneliner", "show", "node", node]
 
@@ -288,13 +293,13 @@ def parse_available_features(text: str) -> tuple[str, ...]:
     if values[0] in ("", "(null)"):
         return ()
     names = tuple(values[0].split(","))
-    if len(names) > MAX_FEATURES or not all(_FEATURE.fullmatch(name) for name in names):
+    if len(names) > MAX_FEATURES or not all(map(is_feature_name, names)):
         raise CommandFailed(f"AvailableFeatures={values[0][:120]!r} is not a list of feature names")
     return names
 
 
 def active_features_argv(scontrol: str, node: str, features: tuple[str, ...]) -> list[str]:
     """`scontrol update NodeName=NODE ActiveFeatures=a,b` (ValueError for a name Slurm would not take)."""
-    if not all(_FEATURE.fullmatch(name) for name in features):
+    if not all(map(is_feature_name, features)):
         raise ValueError(f"feature names {features!r} (accepted: letters, digits, '_', '.', '-')")
     return [scontrol, "update", f"NodeName={node}", f"ActiveFeatures={','.join(features)}"]

@@ -16,10 +16,13 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
 from . import paths as trusted
+
+if TYPE_CHECKING:
+    from .config import HookConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 TASKPROLOG = PACKAGE_DIR / "data" / "hooks" / "mapa-taskprolog"
@@ -171,30 +174,16 @@ def package_warning(package_dir: Path) -> str | None:
     return None
 
 
-def configured_jobs_dir(config: str) -> Path:
-    """The jobs directory the config names (its default when the config is missing or unusable)."""
+def configured(config: str) -> HookConfig:
+    """The config as the hooks will read it, or the defaults when it is missing or unusable (the
+    hooks then fall back to them too): its jobs_dir, isolation and [features] go into the files."""
     from .config import HookConfig, load_hook_config
 
     loaded, problem = load_hook_config({"MAPA_CONFIG": config}, validate=False)
-    return HookConfig().jobs_dir if problem else loaded.jobs_dir
+    return HookConfig() if problem else loaded
 
 
 GPU_VENDORS = ("auto", "nvidia", "amd")
-
-
-def configured_isolation(config: str) -> str:
-    """mapa.toml's isolation ("off" when the config is missing or unusable)."""
-    from .config import load_hook_config
-
-    loaded, problem = load_hook_config({"MAPA_CONFIG": config}, validate=False)
-    return "off" if problem else loaded.isolation
-
-
-def configured_feature_sizes(config: str) -> tuple[int, ...]:
-    from .config import load_hook_config
-
-    loaded, problem = load_hook_config({"MAPA_CONFIG": config}, validate=False)
-    return () if problem else loaded.feature_sizes
 
 
 JOB_SUBMIT_LUA = PACKAGE_DIR / "data" / "slurm" / "job_submit.lua"
@@ -256,10 +245,11 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     for warning in (check_config(args.config), package_warning(PACKAGE_DIR)):
         if warning:
             print(warning, file=sys.stderr)
-    jobs_dir = str(configured_jobs_dir(args.config))
+    config = configured(args.config)
+    jobs_dir = str(config.jobs_dir)
     texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix, jobs_dir=jobs_dir)
              for kind in ENTRY}
-    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, configured_isolation(args.config), python,
+    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, config.isolation, python,
                                                str(PACKAGE_DIR.parent))
     try:
         trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
@@ -272,7 +262,7 @@ def cmd_hooks(args: argparse.Namespace) -> int:
         trusted.replace_file(target, text.encode(), mode=0o755)
         print(f"wrote {target}", file=sys.stderr)
     print(slurm_conf_lines(str(directory)), end="")
-    print(feature_conf_lines(configured_feature_sizes(args.config)), end="")
+    print(feature_conf_lines(config.feature_sizes), end="")
     return 0
 
 

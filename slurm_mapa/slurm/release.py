@@ -37,7 +37,6 @@ SQUEUE_FORMAT = RECORD + FIELD.join(("%A", "%r", "%P", "%f", "%b", "%k"))
 SINFO_FORMAT = FIELD.join(("%N", "%P", "%t", "%b"))
 MAX_RECORDS = 100_000  # jobs or node lines read in one pass; more is an error, not a silent cut
 IN_SERVICE = frozenset({"idle", "mix", "alloc", "comp"})  # sinfo %t states a job may start on
-_FEATURE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _GPUS_PER_NODE = re.compile(r"gres[/:]gpu(?::[A-Za-z0-9_.\-]{1,64})?:([0-9]{1,3})")
 
 
@@ -102,7 +101,7 @@ def parse_nodes(text: str) -> list[NodeLine]:
             raise commands.CommandFailed(f"sinfo printed {line[:120]!r} (expected node, partition, state, features)")
         node, partition, state, features = fields
         names = frozenset(name for name in _null(features).split(",") if name)
-        if not all(_FEATURE.fullmatch(name) for name in names):
+        if not all(map(commands.is_feature_name, names)):
             raise commands.CommandFailed(f"sinfo printed features {features[:120]!r} that are not feature names")
         nodes.append(NodeLine(node, partition.rstrip("*"), state, names))
         if len(nodes) > MAX_RECORDS:
@@ -125,7 +124,7 @@ def wanted_features(job: WaitingJob) -> frozenset[str] | None:
     if directive is None or directive.placement != "require" or not directive.sensitive or match is None:
         return None
     own = frozenset(job.constraint.split("&")) if job.constraint else frozenset()
-    if not all(_FEATURE.fullmatch(name) for name in own):
+    if not all(map(commands.is_feature_name, own)):
         return None
     return own | {f"mapa_ring{int(match.group(1))}"}
 
