@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from slurm_mapa.errors import InputError
-from slurm_mapa.slurm import agent_client
+from slurm_mapa.slurm import agent_client, journal
+from slurm_mapa.slurm.decision import parse_decisions
 from slurm_mapa.slurm.agent import Agent, serve_isolation
 from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.install import taskprolog_text
@@ -448,6 +449,65 @@ def test_a_read_only_cgroupfs_fails_open_and_says_why(node):
     (cgroupfs / "devices" / "mapa").write_text("not a directory")  # mkdir fails as on a read-only cgroupfs
     answer = agent.isolate(os.getpid(), USER, {})
     assert answer.startswith("done failed-open cannot set up the devices cgroup") and "job_12" in answer
+
+
+def test_a_failure_is_noted_for_the_jobs_admin_comment_once(node):
+    agent, proc, cgroupfs, _, configure, tmp_path = node
+    (cgroupfs / "devices" / "mapa").write_text("not a directory")
+    agent.isolate(os.getpid(), USER, {})
+    note = tmp_path / "journal" / "12.isolation"
+    entry = journal.parse_entry(note.read_bytes())
+    assert entry.node == "dgx1" and entry.record.startswith("isolation=failed-open why=cannot_set_up_the_devices_cgroup")
+    note.unlink()
+    agent.isolate(os.getpid(), USER, {})  # the job's next task: logged, not noted again
+    assert not note.exists()
+    configure("fail-closed")
+    assert agent.isolate(os.getpid(), USER, {}).startswith("error ")
+    assert journal.parse_entry(note.read_bytes()).record.startswith("isolation=refused why=cannot_set_up")
+    # Before the kernel named the job (the asking process is no task), there is no job to note.
+    proc.add(5000, "slurmstepd", 4000, USER, V1_BATCH.replace("job_12", "job_15"), exe="/home/u/fake")
+    agent.isolate(os.getpid(), USER, {})
+    assert sorted(p.name for p in (tmp_path / "journal").iterdir()) == ["12.isolation"]
+
+
+def test_the_note_reaches_the_admin_comment_after_the_decision(node):
+    from slurm_mapa.slurm.agent import Background
+    from test_hooks import FakeSlurm
+
+    agent, _, cgroupfs, _, _, tmp_path = node
+    (cgroupfs / "devices" / "mapa").write_text("not a directory")
+    slurm = FakeSlurm()
+    agent.make_runner = lambda timeout: slurm
+    agent.isolate(os.getpid(), USER, {})
+    background = Background(agent, "dgx1")
+    # The note alone: the decision is not recorded and not in the journal, so it is dropped (logged).
+    assert background.flush_records() == 1 and slurm.admin == {}
+    assert "has no decision of node dgx1 to note isolation=failed-open" in (tmp_path / "log").read_text()
+    # As it happens: the Prolog's decision waits in the journal (written before the task starts).
+    agent.noted.clear()
+    journal.write(tmp_path / "journal", "12", journal.Entry("dgx1", 1, "mapa:topology=ring sensitive=yes # dgx1=4,5 policy=preserve"))
+    agent.isolate(os.getpid(), USER, {})
+    assert background.flush_records() == 2 and list((tmp_path / "journal").iterdir()) == []
+    recorded = parse_decisions(slurm.admin["12"])["dgx1"]
+    assert (recorded.gpus, recorded.isolation) == ((4, 5), "failed-open")
+    assert recorded.why.startswith("cannot_set_up_the_devices_cgroup") and " " not in recorded.why
+    # A later write of the same decision (the Prolog's entry retried) does not erase the note.
+    journal.write(tmp_path / "journal", "12", journal.Entry("dgx1", 1, "mapa:topology=ring sensitive=yes # dgx1=4,5 policy=preserve"))
+    assert background.flush_records() == 1 and parse_decisions(slurm.admin["12"])["dgx1"].isolation == "failed-open"
+
+
+def test_a_note_waits_while_its_decision_is_in_the_journal(node, tmp_path):
+    from slurm_mapa.slurm.config import load_hook_config
+    from slurm_mapa.slurm.hooks import flush_note
+    from test_hooks import FakeSlurm
+
+    config, _ = load_hook_config({"MAPA_CONFIG": str(tmp_path / "mapa.toml")})
+    journal.write(config.journal, "12", journal.Entry("dgx1", 1, "mapa:topology=ring sensitive=yes # dgx1=4,5 policy=preserve"))
+    note = journal.Entry("dgx1", 0, "isolation=failed-open why=x")
+    slurm, logs = FakeSlurm(), []
+    assert flush_note(config, "12", note, slurm, logs.append) is False and slurm.admin == {}
+    assert flush_note(config, "12", journal.Entry("dgx1", 0, "isolation=maybe"), slurm, logs.append) is True
+    assert "not an isolation note; dropped" in logs[-1]
 
 
 def test_config_accepts_only_the_three_modes():

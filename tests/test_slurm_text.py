@@ -280,6 +280,22 @@ def test_old_records_read_as_before():
     assert parse_decisions("") == {} and record_directive("") is None and split_admin_comment("  ") == ("", "")
 
 
+def test_an_isolation_note_is_part_of_the_nodes_decision():
+    from slurm_mapa.slurm.decision import MAX_WHY_CHARS, why_token
+
+    directive = parse_directive("topology=ring sensitive=yes")
+    reason = "cannot set up the devices cgroup /sys/fs/cgroup/devices/mapa/job_12: [Errno 30] Read-only # file system"
+    noted = Decision("dgx1", (4, 5), "preserve", 50.0, free=(4, 5, 6), isolation="failed-open", why=reason)
+    text = with_decision("ops: ok", directive, noted)
+    assert text.endswith("dgx1=4,5 policy=preserve free=4,5,6 eff=50.000 isolation=failed-open why=cannot_set_up_the_devices_"
+                         "cgroup_/sys/fs/cgroup/devices/mapa/job_12:_[Errno_30]_Read-only_-_file_system")
+    recorded = parse_decisions(text)["dgx1"]
+    assert (recorded.isolation, recorded.why) == ("failed-open", why_token(reason)) and recorded.free == (4, 5, 6)
+    assert len(why_token("x " * 500)) == MAX_WHY_CHARS
+    # Only the known states are read as a note; anything else in that place is ignored.
+    assert parse_decisions("mapa: # dgx1=0 policy=preserve isolation=whatever")["dgx1"].isolation == ""
+
+
 def test_the_record_stays_bounded():
     busy = Decision("big", tuple(range(64)), "preserve", free=tuple(range(64)), running=(tuple(range(64, 128)),))
     many, i = "mapa:topology=ring sensitive=yes", 0

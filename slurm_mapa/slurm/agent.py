@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..errors import InputError
+from ..errors import InputError, MapaError
 from .agent_client import (DEFAULT_SOCKET, ISOLATE, ISOLATE_KEYS, ISOLATE_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES,
                            MAX_REQUEST_BYTES, MAX_VALUE_BYTES)
 from .commands import Runner
@@ -155,6 +155,7 @@ class Agent:
         self.node = node or os.uname().nodename.split(".")[0]
         self.isolator = isolator or Isolator()  # tests give one reading a fake /proc
         self.isolated: set[tuple[str, str]] = set()  # (job, step) whose isolation was logged
+        self.noted: set[tuple[str, str]] = set()  # (job, state) whose failed isolation was journaled
         self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
         self.make_runner = run  # tests give a fake Slurm here
         self.background: Background | None = None  # started by main(); tests drive it directly
@@ -182,9 +183,12 @@ class Agent:
             log(f"isolation: not applied, the config is unusable ({problem})")
         if config.isolation == "off":
             return "done off"
+        job_id = None
         try:
             outcome = self.isolator.isolate(pid, uid, env, job_devices_for(config, self.node))
-        except (IsolationError, InputError) as error:
+        except IsolationError as error:
+            reason, job_id = str(error), error.job_id
+        except InputError as error:
             reason = str(error)
         except Exception as error:  # noqa: BLE001 - a bug must not decide whether the task runs
             reason = f"internal error: {error!r}"
@@ -195,7 +199,30 @@ class Agent:
                 self.isolated.add((outcome.job_id, outcome.step))
                 log(f"isolation: {outcome.state}: {outcome.detail}")
             return f"done {outcome.state} {outcome.detail}"
-        return self._isolation_failed(config, log, reason, pid, uid)
+        answer = self._isolation_failed(config, log, reason, pid, uid)
+        if job_id is not None:
+            self.note_isolation(config, log, job_id, "refused" if answer.startswith("error") else "failed-open", reason)
+        return answer
+
+    def note_isolation(self, config: HookConfig, log: Callable[[str], None], job_id: str, state: str, reason: str) -> None:
+        """Journal a note for the job's AdminComment (its first failure on this node only: every
+        task of the job fails alike); the background thread writes it after the decision."""
+        from . import journal
+        from .decision import why_token
+
+        if (job_id, state) in self.noted:
+            return
+        if len(self.noted) > 10000:
+            self.noted.clear()
+        self.noted.add((job_id, state))
+        try:
+            journal.write(config.journal, journal.note_name(job_id),
+                          journal.Entry(self.node, 0, f"isolation={state} why={why_token(reason)}"))
+        except (OSError, ValueError, MapaError) as error:
+            log(f"job {job_id}: could not journal the isolation note for the AdminComment ({error}); it is in this log only")
+            return
+        if self.background is not None:
+            self.background.wake.set()
 
     def isolation_failed(self, reason: str, pid: int, uid: int) -> str:
         """The answer to an isolate request that could not even be read: as the mode says."""
@@ -275,18 +302,19 @@ class Background:
     def flush_records(self) -> int:
         """Write the journal's due records; how many were written or dropped."""
         from . import journal
-        from .hooks import flush_entry
+        from .hooks import flush_entry, flush_note
 
         config = self._config()
         log = hook_logger(config.log)
         run = self.agent.make_runner(config.command_timeout)
         finished = 0
-        for job_id, _, mtime in journal.pending(config.journal):
+        for name, _, mtime in journal.pending(config.journal):
             if self.stop.is_set():
                 break
-            if self.retry_at.get(job_id, 0.0) > self.clock():
+            if self.retry_at.get(name, 0.0) > self.clock():
                 continue
-            entry = journal.take(config.journal, job_id)
+            job_id = journal.job_of(name) or name
+            entry = journal.take(config.journal, name)
             if entry is None:
                 continue
             started = self.clock()
@@ -294,15 +322,15 @@ class Background:
                 log(f"job {job_id}: its AdminComment record could not be written for a week; dropped: {entry.record}")
                 done = True
             else:
-                done = flush_entry(config, job_id, entry, run, log)
-            journal.finish(config.journal, job_id, done)
+                done = (flush_note if name.endswith(journal.NOTE_SUFFIX) else flush_entry)(config, job_id, entry, run, log)
+            journal.finish(config.journal, name, done)
             if done:
                 finished += 1
-                self.retry_at.pop(job_id, None)
-                self.failures.pop(job_id, None)
+                self.retry_at.pop(name, None)
+                self.failures.pop(name, None)
             else:
-                failures = self.failures[job_id] = self.failures.get(job_id, 0) + 1
-                self.retry_at[job_id] = self.clock() + min(MAX_BACKOFF_S, 2.0 ** failures) * random.uniform(0.8, 1.2)
+                failures = self.failures[name] = self.failures.get(name, 0) + 1
+                self.retry_at[name] = self.clock() + min(MAX_BACKOFF_S, 2.0 ** failures) * random.uniform(0.8, 1.2)
             pause = 1.0 / config.admin_comment_rate - (self.clock() - started)
             if pause > 0:
                 self.stop.wait(pause)

@@ -5,9 +5,11 @@
 MAPA's record is the directive as ``mapa:<normalised>`` (what the job_submit plugin stored), then
 one segment per node of the job, ``# NODE=GPUS key=value...``, GPUs in pattern order. `free=` is
 what the Prolog chose from and `running=0,1/4,5` the GPUs of each job running on the node then
-(jobs separated by `/`), so a replay can make the same decision again. The directive grammar
-ends a body at `#`, so the record's text up to the first `#` parses as the directive. sacct keeps
-it; mapa-replay and mapa explain read it.
+(jobs separated by `/`), so a replay can make the same decision again. When mapa-agent could not
+isolate the job's devices on the node (docs/isolation.md), it adds ``isolation=failed-open`` (the
+job ran without) or ``isolation=refused`` (fail-closed: its task failed) and ``why=<reason>``.
+The directive grammar ends a body at `#`, so the record's text up to the first `#` parses as the
+directive. sacct keeps it; mapa-replay and mapa explain read it.
 
 The AdminComment is also the admins' field, and other job_submit plugins may write to it, so
 MAPA's record shares it (:func:`read_admin_comment`):
@@ -33,6 +35,7 @@ Older records (``mapa:...`` first, decisions after) are the case with no admin t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -44,7 +47,9 @@ from .directive import Directive, parse_comment
 # at 4 bytes a character, and hold about 150 decisions of 8-GPU nodes.
 MAX_ADMIN_COMMENT_CHARS = 16384
 MAX_RECORD_CANDIDATES = 32  # `mapa:` words tried as the record's start, so reading stays linear
-DECISION_KEYS = ("policy", "free", "running", "eff", "agg", "pres", "fallback")
+DECISION_KEYS = ("policy", "free", "running", "eff", "agg", "pres", "fallback", "isolation", "why")
+ISOLATION_STATES = ("failed-open", "refused")  # what a node's record says when device isolation was not applied
+MAX_WHY_CHARS = 200
 _MARKER = re.compile(r"(?:^|(?<=[ \t\r\n\f\v]))mapa:", re.IGNORECASE)
 
 
@@ -61,6 +66,8 @@ class Decision:
     fallback: str = ""
     free: tuple[int, ...] = ()
     running: tuple[tuple[int, ...], ...] = ()
+    isolation: str = ""  # "" (applied, or off) or one of ISOLATION_STATES, written by mapa-agent
+    why: str = ""  # why isolation was not applied: one token (why_token)
 
     def text(self) -> str:
         parts = [f"{self.node}={','.join(map(str, self.gpus))}", f"policy={self.policy}"]
@@ -73,7 +80,18 @@ class Decision:
                 parts.append(f"{name}={value:.3f}")
         if self.fallback:
             parts.append(f"fallback={self.fallback}")
+        if self.isolation:
+            parts.append(f"isolation={self.isolation}")
+        if self.why:
+            parts.append(f"why={why_token(self.why)}")
         return " ".join(parts)
+
+
+def why_token(reason: str) -> str:
+    """A reason as one token of a record: blanks become ``_``, ``#`` (which ends a segment) ``-``;
+    at most MAX_WHY_CHARS characters (the log has the whole text)."""
+    token = "_".join(reason.replace("#", "-").split())
+    return token if len(token) <= MAX_WHY_CHARS else token[: MAX_WHY_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -177,9 +195,11 @@ def _decision_in(segment: str) -> Decision | None:
         running = tuple(parse_gpu_indices(group) for group in fields["running"].split("/")) if "running" in fields else ()
     except ValueError:
         running = ()
+    isolation = fields.get("isolation", "")
     return Decision(
         node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free,
-        tuple(group for group in running if group),
+        tuple(group for group in running if group), isolation if isolation in ISOLATION_STATES else "",
+        fields.get("why", "")[:MAX_WHY_CHARS],
     )
 
 
@@ -204,8 +224,7 @@ def with_decision(admin_comment: str, directive: Directive, decision: Decision) 
         if extra:  # an admin's words appended to the decision we replace
             after.append(" ".join(extra))
     after.extend(parts.after)
-    compact = Decision(decision.node, decision.gpus, decision.policy, decision.effective, decision.aggregated,
-                       decision.preserved, decision.fallback)
+    compact = dataclasses.replace(decision, free=(), running=())
     for mine in (decision, compact):
         text = AdminComment(parts.before, directive.as_comment(), (*kept, mine.text()), tuple(after)).text()
         if len(text) <= MAX_ADMIN_COMMENT_CHARS:

@@ -50,7 +50,7 @@ from .commands import (
     slurm_gpus_on_only_node,
 )
 from .config import HookConfig, hook_logger, load_hook_config
-from .decision import Decision, parse_decisions, with_decision
+from .decision import ISOLATION_STATES, Decision, parse_decisions, with_decision
 from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, reconcile
 
 if TYPE_CHECKING:  # the engine is imported when a decision is made, after the job is marked
@@ -590,6 +590,40 @@ def flush_entry(config: HookConfig, job_id: str, entry: journal.Entry, run: RunC
     return record_decision(ctx, directive, decision, config, run, log)
 
 
+def flush_note(config: HookConfig, job_id: str, entry: journal.Entry, run: RunCommand, log: Log) -> bool:
+    """Add an isolation note (journal.py) to this node's decision in the job's AdminComment. True
+    when done with (written, or never writable), False to try again later: slurmctld did not
+    answer, or the decision itself is still in the journal."""
+    from .decision import record_directive
+
+    fields = dict(token.partition("=")[::2] for token in entry.record.split())
+    state, why = fields.get("isolation", ""), fields.get("why", "")
+    if state not in ISOLATION_STATES:
+        log(f"job {job_id}: journal note {entry.record[:80]!r} is not an isolation note; dropped")
+        return True
+    try:
+        admin = parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or ""
+    except ValueError as error:
+        log(f"job {job_id}: could not read the AdminComment for the isolation note ({error}); not recorded")
+        return True
+    except CommandFailed as error:
+        if "Invalid job id" in str(error):
+            log(f"job {job_id}: gone; its isolation note ({state}: {why}) stays in this node's log only")
+            return True
+        return False
+    admin = admin if isinstance(admin, str) else ""
+    decision, directive = parse_decisions(admin).get(entry.node), record_directive(admin)
+    if decision is None or directive is None:
+        if journal.is_pending(config.journal, job_id):
+            return False  # the decision goes first; the note follows it
+        log(f"job {job_id}: the AdminComment has no decision of node {entry.node} to note isolation={state} in; "
+            "it stays in this node's log only")
+        return True
+    noted = dataclasses.replace(decision, isolation=state, why=why)
+    ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=2)  # 2: read back
+    return record_decision(ctx, directive, noted, config, run, log)
+
+
 def forget_ended(config: HookConfig, ended: list[str], leftovers: list[tuple[str, float]], listed_at: float | None, log: Log,
                  job_id: str) -> None:
     """Remove the files of jobs that have ended (their Epilog was killed) and stale temporary files."""
@@ -742,7 +776,8 @@ def record_decision(
             admin = parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or ""
             admin = admin if isinstance(admin, str) else ""
             recorded = parse_decisions(admin).get(decision.node)
-            if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy):
+            if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy) and (
+                    recorded.isolation == decision.isolation or not decision.isolation):
                 return True
             run(admin_comment_argv(config.scontrol, job_id, with_decision(admin, directive, decision)))
             if ctx.nodes_in_job <= 1:

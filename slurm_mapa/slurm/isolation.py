@@ -61,7 +61,10 @@ _V2_PATH = re.compile(r"(?P<job_dir>.*/job_(?P<job>[0-9]+))/step_" + _STEP + r"/
 
 
 class IsolationError(MapaError):
-    """Isolation could not be applied; the message says why (it is logged and answered)."""
+    """Isolation could not be applied; the message says why (it is logged and answered).
+    ``job_id``: the job, once the kernel's cgroup path has named it (None before)."""
+
+    job_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -558,6 +561,14 @@ class Isolator:
         """Isolate the task of the TaskProlog ``peer_pid``; IsolationError says why it could not.
         ``job_devices``: the job's GPUs and their device numbers, for a job id."""
         task, cgroup = find_task_process(self.proc, peer_pid, peer_uid)
+        try:
+            return self._isolate_task(task, cgroup, request, job_devices)
+        except IsolationError as error:
+            error.job_id = cgroup.job_id  # known from here on: the agent records the failure in the job's AdminComment
+            raise
+
+    def _isolate_task(self, task: ProcessInfo, cgroup: SlurmCgroup, request: Mapping[str, str],
+                      job_devices: Callable[[str], JobDevices]) -> Outcome:
         claimed = request.get("SLURM_JOB_ID")
         if claimed is not None and claimed != cgroup.job_id:
             raise IsolationError(f"the request says job {claimed!r}, but task {task.pid} is in job {cgroup.job_id}'s cgroup")

@@ -14,6 +14,11 @@ job is gone, the record would not fit); it lives on disk (``/var/lib``, not ``/r
 record is not lost when the agent or the node restarts. A later decision for the same job
 replaces the file: records are coalesced per job.
 
+When mapa-agent cannot isolate a job's devices (docs/isolation.md) it writes a note beside it,
+``journal_dir/JOBID.isolation``, in the same form with ``nodes=0`` and the record
+``isolation=failed-open why=<reason>``; it is written the same way, into this node's decision
+once that decision is in the AdminComment (hooks.flush_note).
+
 Parsing and formatting are pure; the file functions are the only I/O.
 """
 
@@ -57,24 +62,47 @@ def parse_entry(data: bytes) -> Entry:
     return Entry(header.group(1), int(header.group(2)), lines[1])
 
 
-def write(journal_dir: Path, job_id: str, entry: Entry) -> None:
+NOTE_SUFFIX = ".isolation"
+
+
+def note_name(job_id: str) -> str:
+    """The journal name of a job's isolation note (a decision entry's name is the job id)."""
+    return f"{job_id}{NOTE_SUFFIX}"
+
+
+def job_of(name: str) -> str | None:
+    """The job id of a journal name (a decision entry or a note), None for any other name."""
+    job_id = name[: -len(NOTE_SUFFIX)] if name.endswith(NOTE_SUFFIX) else name
+    return job_id if is_job_id(job_id) else None
+
+
+def write(journal_dir: Path, name: str, entry: Entry) -> None:
+    """Write the entry ``name`` (a job id, or note_name of one), replacing an older one."""
+    if job_of(name) is None:
+        raise ValueError(f"not a journal name: {name!r}")
     paths.ensure_trusted_dir(journal_dir)
-    paths.replace_file(Path(journal_dir) / job_id, entry_text(entry).encode(), mode=0o600)
+    paths.replace_file(Path(journal_dir) / name, entry_text(entry).encode(), mode=0o600)
 
 
-def remove(journal_dir: Path, job_id: str) -> None:
-    paths.remove(Path(journal_dir) / job_id)
+def remove(journal_dir: Path, name: str) -> None:
+    paths.remove(Path(journal_dir) / name)
+
+
+def is_pending(journal_dir: Path, name: str) -> bool:
+    """Whether entry ``name`` waits to be written, or is being written now."""
+    return any(os.path.lexists(Path(journal_dir) / candidate) for candidate in (name, f"{SENDING_PREFIX}{name}"))
 
 
 def pending(journal_dir: Path) -> list[tuple[str, Entry | None, float]]:
-    """(job id, entry or None when unreadable, modification time) of every entry, oldest first."""
+    """(name, entry or None when unreadable, modification time) of every entry, oldest first, a
+    job's decision before its note."""
     found: list[tuple[str, Entry | None, float]] = []
     try:
         scanned = list(os.scandir(journal_dir))[:MAX_ENTRIES]
     except FileNotFoundError:
         return found
     for item in scanned:
-        if not is_job_id(item.name):
+        if job_of(item.name) is None:
             continue
         try:
             mtime = item.stat(follow_symlinks=False).st_mtime
@@ -82,20 +110,20 @@ def pending(journal_dir: Path) -> list[tuple[str, Entry | None, float]]:
         except (OSError, ValueError):
             entry, mtime = None, 0.0
         found.append((item.name, entry, mtime))
-    found.sort(key=lambda item: (item[2], int(item[0])))
+    found.sort(key=lambda item: (item[2], int(job_of(item[0]) or 0), item[0].endswith(NOTE_SUFFIX)))
     return found
 
 
 SENDING_PREFIX = ".sending-"
 
 
-def take(journal_dir: Path, job_id: str) -> Entry | None:
-    """Set an entry aside for writing (renamed to .sending-JOBID, so that a newer decision for the
+def take(journal_dir: Path, name: str) -> Entry | None:
+    """Set an entry aside for writing (renamed to .sending-NAME, so that a newer decision for the
     job, written meanwhile, is not lost when this one is done); None if it is gone or unreadable
     (an unreadable one is removed)."""
-    sending = Path(journal_dir) / f"{SENDING_PREFIX}{job_id}"
+    sending = Path(journal_dir) / f"{SENDING_PREFIX}{name}"
     try:
-        os.rename(Path(journal_dir) / job_id, sending)
+        os.rename(Path(journal_dir) / name, sending)
         return parse_entry(paths.read_bytes(sending, ENTRY_MAX_BYTES))
     except FileNotFoundError:
         return None
@@ -104,13 +132,13 @@ def take(journal_dir: Path, job_id: str) -> Entry | None:
         return None
 
 
-def finish(journal_dir: Path, job_id: str, done: bool) -> None:
+def finish(journal_dir: Path, name: str, done: bool) -> None:
     """After a write: drop the entry set aside, or, to try again later, put it back unless a
     newer one for the job arrived meanwhile (which then replaces it)."""
-    sending = Path(journal_dir) / f"{SENDING_PREFIX}{job_id}"
+    sending = Path(journal_dir) / f"{SENDING_PREFIX}{name}"
     if not done:
         try:
-            os.link(sending, Path(journal_dir) / job_id)
+            os.link(sending, Path(journal_dir) / name)
         except OSError:
             pass  # a newer entry is there: it supersedes this one
     paths.remove(sending)
@@ -123,8 +151,8 @@ def recover(journal_dir: Path) -> None:
     except FileNotFoundError:
         return
     for name in names:
-        job_id = name[len(SENDING_PREFIX):]
-        if is_job_id(job_id):
-            finish(journal_dir, job_id, done=False)
+        entry_name = name[len(SENDING_PREFIX):]
+        if job_of(entry_name) is not None:
+            finish(journal_dir, entry_name, done=False)
         else:
             paths.remove(Path(journal_dir) / name)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from slurm_mapa.hardware.nvidia_smi import fake_uuid
+from slurm_mapa.slurm.decision import parse_decisions
 
 pytestmark = pytest.mark.cluster
 
@@ -139,7 +140,16 @@ def test_a_job_runs_unisolated_and_says_why_when_the_cgroups_cannot_be_written(c
         assert [int(g) for g in cvd.split(",")] == list(gpus), out  # indices, not ranks
         log = cluster.exec(node, ["cat", "/var/log/slurm-mapa.log"]).stdout
         assert re.search(r"isolation: the task of process \d+ \(uid \d+\) runs without it \(isolation = \"fail-open\"\): \S", log), log[-2000:]
+        # The AdminComment says it too: mapa-agent adds it to the node's decision while the job runs.
+        deadline = time.monotonic() + 30
+        while "isolation=" not in (record := cluster.job(jobid).get("admin_comment", "")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        decision = parse_decisions(record)[node]
+        assert decision.gpus == gpus and decision.isolation == "failed-open", record
+        assert "Read-only_file_system" in decision.why, record
         cluster.run("touch", f"{cluster.job_dir}/go-{jobid}")
         cluster.wait_state(jobid, "COMPLETED", timeout=90)
+        # sacct keeps it.
+        cluster.wait_sacct(jobid, ("AdminComment",), AdminComment=lambda v: "isolation=failed-open why=" in v)
     finally:
         cluster.exec(node, ["mount", "-o", "remount,rw,bind", "/sys/fs/cgroup/devices"], check=False)
