@@ -2,7 +2,7 @@
 # Entrypoint of the slurm-mapa cluster image; the first argument picks the role:
 #   mariadb | slurmdbd | slurmctld | slurmd      (init-db: used once at image build time)
 # Configuration is bind-mounted read-only under /etc/slurm-mapa (see compose.yml):
-#   config/     slurm.conf cgroup.conf slurmdbd.conf mapa.toml
+#   config/     slurm.conf cgroup.conf plugstack.conf slurmdbd.conf mapa.toml
 #   gres_conf/  <preset>.gres.conf, chosen by $MAPA_PRESET on compute nodes
 # and the repository's slurm_mapa/ package under /opt/slurm-mapa (job_submit.lua, and the code the
 # hooks run; compute nodes write their hook wrappers from it with `mapa hooks` at start), so that a
@@ -18,7 +18,7 @@ log() { printf '[entrypoint %s] %s\n' "${ROLE:-?}" "$*" >&2; }
 # `scontrol reconfigure` or container restart with no image rebuild.
 link_config() {
     local f
-    for f in slurm.conf cgroup.conf; do
+    for f in slurm.conf cgroup.conf plugstack.conf; do
         ln -sfn "$MAPA/config/$f" "/etc/slurm/$f"
     done
     # A copy, not a link: fault tests change a node's hook config and put it back.

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CPU affinity: strict (only GPUs local to --job-cpus), prefer (local unless that loses more than "
                           "--affinity-max-loss of the predicted bandwidth), ignore (default: prefer)")
     sel.add_argument("--affinity-max-loss", type=float, metavar="FRACTION",
-                     help="prefer: the fraction of the predicted bandwidth a local choice may give up (default 0.25)")
+                     help="prefer: the fraction of the predicted bandwidth a local choice may give up (default 0.1)")
     sel.add_argument("--model", help="an effective-bandwidth model file (default: the MAPA paper's DGX-1 V100 model)")
     sel.add_argument("--explain", action="store_true", help="also show the best alternatives and why they lost")
     sel.add_argument("--json", action="store_true", help="machine-readable output")

@@ -248,6 +248,9 @@ def _check(graph, free, local, everywhere, near, objective, mode, max_loss, resu
         else:
             assert result.gpus == near[1] and set(result.gpus) <= set(local) and why.local, case
         return
+    if set(everywhere[1]) <= set(local):  # prefer: the policy's own choice is local, nothing is given up
+        assert result.gpus == everywhere[1] and why.loss == 0.0 and why.local, case
+        return
     if near is None:  # prefer with too few local GPUs
         assert result.gpus == everywhere[1] and why.loss is None, case
         return
@@ -314,6 +317,8 @@ def test_rule_properties(case):
             assert result.gpus == select(policy, graph, local, request, MODEL).gpus
     elif len(local) < request.gpus:
         assert result == plain
+    elif isinstance(plain, Allocation) and set(plain.gpus) <= set(local):
+        assert result == plain and why.loss == 0.0  # the policy's own choice is local: nothing given up
     else:
         near = select(policy, graph, local, request, MODEL)
         value = "effective" if request.sensitive and request.gpus > 1 else "preserved"
@@ -350,7 +355,7 @@ def test_decide_calls_the_policy_it_is_given_and_nothing_else():
 
 
 def test_hook_config_reads_the_affinity_table():
-    assert (config_from_text("").affinity_mode, config_from_text("").affinity_max_loss) == ("ignore", 0.25)  # no table: off
+    assert (config_from_text("").affinity_mode, config_from_text("").affinity_max_loss) == ("prefer", 0.1)  # no table: prefer
     assert config_from_text("[affinity]\n").affinity_mode == "prefer"  # a table: prefer unless it says otherwise
     config = config_from_text('[affinity]\nmode = "strict"\nmax_loss = 0.1\n', "t")
     assert (config.affinity_mode, config.affinity_max_loss) == ("strict", 0.1)
@@ -380,11 +385,11 @@ def test_hook_config_refuses_a_bad_affinity_table(table, message):
 
 
 def test_replay_config_accepts_the_same_table():
-    assert parse_config('[affinity]\nmode = "strict"\n').affinity == ("strict", 0.25)
+    assert parse_config('[affinity]\nmode = "strict"\n').affinity == ("strict", 0.1)
     assert parse_config("").affinity is None
     with pytest.raises(InputError, match="max_loss must be a fraction"):
         parse_config("[affinity]\nmax_loss = 2\n")
-    assert settings_from_table(None, "x") == ("prefer", 0.25)
+    assert settings_from_table(None, "x") == ("prefer", 0.1)
 
 
 # --- mapa select -----------------------------------------------------------------------------
@@ -451,7 +456,7 @@ def test_replay_cli_affinity(capsys, tmp_path):
     base = ["run", "--generate", "paper:200", "--topology", "dgx1-v100", "--nodes", "2", "--policies", "preserve"]
     assert replay_main(base + ["--affinity", "strict", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["options"]["cpu_affinity"] == {"mode": "strict", "max_loss": 0.25}
+    assert out["options"]["cpu_affinity"] == {"mode": "strict", "max_loss": 0.1}
     assert out["policies"][0]["cpu_affinity"]["remote_jobs"] == 0
     assert replay_main(base) == 0
     assert "CPU affinity" not in capsys.readouterr().out

@@ -465,37 +465,43 @@ def test_a_job_whose_prolog_is_running_is_not_adopted_but_one_whose_prolog_died_
     assert "21" not in LedgerFile(config.ledger, 8).read().holdings
 
 
-def test_affinity_keeps_the_job_on_the_socket_of_slurms_gpus_when_configured(setup):
-    """[affinity] in mapa.toml: the job's CPUs are those of the GPUs Slurm picked (exact with
-    --gres-flags=enforce-binding); without the table the Prolog ignores CPU affinity, as before."""
+def test_affinity_keeps_the_job_on_the_socket_of_slurms_gpus(setup):
+    """CPU affinity in the Prolog (prefer unless [affinity] says otherwise): the job's CPUs are
+    those of the GPUs Slurm picked (exact with --gres-flags=enforce-binding); mode = "ignore" is
+    the policy alone. The record says which rule the choice was made under."""
     import dataclasses
 
     from slurm_mapa.core.affinity import select_with_affinity
-    from slurm_mapa.slurm.hooks import cpus_of_slurms_gpus
+    from slurm_mapa.core.affinity import cpus_of_slurms_gpus
 
     config, slurm, logs = setup
+    assert config.affinity_mode == "prefer"  # the default
     graph, request = preset("dgx1-v100"), Request(make_pattern("ring", 2), True)
     slurm.running = {"80", "81", "82", "83", "84"}
     # Job 80 takes a pair; the best free pair is then on socket 0, while Slurm puts job 81 on socket 1.
-    first = run_prolog(env_for("80", "4,7", "mapa:sensitive=yes"), config, slurm, logs.append)
+    ignore = dataclasses.replace(config, affinity_mode="ignore")
+    first = run_prolog(env_for("80", "4,7", "mapa:sensitive=yes"), ignore, slurm, logs.append)
+    assert "slurm=4,7" in slurm.admin["80"] and "affinity=" not in slurm.admin["80"]
     free = tuple(g for g in range(8) if g not in first.gpus)
     best = select("preserve", graph, free, request)
     assert max(best.gpus) <= 3 and {5, 6} <= set(free), (first.gpus, best.gpus)  # what the test needs
-    blind = run_prolog(env_for("81", "5,6", "mapa:sensitive=yes"), config, slurm, logs.append)
-    assert sorted(blind.gpus) == sorted(best.gpus)  # no [affinity]: as before
+    blind = run_prolog(env_for("81", "5,6", "mapa:sensitive=yes"), ignore, slurm, logs.append)
+    assert sorted(blind.gpus) == sorted(best.gpus)  # "ignore": the policy alone
     run_epilog({"SLURM_JOB_ID": "81"}, config, logs.append)
     strict = dataclasses.replace(config, affinity_mode="strict")
     local = run_prolog(env_for("82", "5,6", "mapa:sensitive=yes"), strict, slurm, logs.append)
     assert set(local.gpus) <= {4, 5, 6, 7}  # on the socket of Slurm's GPUs 5 and 6
     expected, why = select_with_affinity("preserve", graph, free, request, cpus_of_slurms_gpus(graph, (5, 6)), "strict")
     assert local.gpus == expected.gpus and why.local
+    assert parse_decisions(slurm.admin["82"])["dgx1"].affinity == "strict"
     run_epilog({"SLURM_JOB_ID": "82"}, config, logs.append)
-    # prefer: local unless that gives up more than max_loss of the best predicted bandwidth.
-    prefer = dataclasses.replace(config, affinity_mode="prefer", affinity_max_loss=0.25)
-    chosen = run_prolog(env_for("83", "5,6", "mapa:sensitive=yes"), prefer, slurm, logs.append)
+    # prefer (the default): local unless that gives up more than max_loss of the best predicted bandwidth.
+    chosen = run_prolog(env_for("83", "5,6", "mapa:sensitive=yes"), config, slurm, logs.append)
     expected, why = select_with_affinity("preserve", graph, free, request, cpus_of_slurms_gpus(graph, (5, 6)), "prefer",
-                                         max_loss=0.25)
+                                         max_loss=0.1)
     assert chosen.gpus == expected.gpus
+    recorded = parse_decisions(slurm.admin["83"])["dgx1"]
+    assert (recorded.slurm_gpus, recorded.affinity) == ((5, 6), "prefer:0.1")
     assert cpus_of_slurms_gpus(graph, (5, 6)) == frozenset(range(20, 40)) | frozenset(range(60, 80))
     assert cpus_of_slurms_gpus(preset("pcie-8"), (5, 6)) is None  # no CPU affinity in the topology: all local
     assert cpus_of_slurms_gpus(graph, (9,)) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from slurm_mapa.errors import InputError
 from slurm_mapa.slurm import agent_client, journal
 from slurm_mapa.slurm.decision import parse_decisions
-from slurm_mapa.slurm.agent import Agent, serve_isolation
+from slurm_mapa.slurm.agent import Agent, serve, serve_isolation
 from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.install import taskprolog_text
 from slurm_mapa.slurm.isolation import (
@@ -74,6 +75,10 @@ V2_STEP = "0::/system.slice/slurmstepd.scope/job_12/step_0/user/task_3\n"
          SlurmCgroup(2, "12", "batch", "special", "/system.slice/slurmstepd.scope/job_12/step_batch/user/task_special")),
         ("0::/system.slice/node1_slurmstepd.scope/job_4/step_extern/user/task_special\n",
          SlurmCgroup(2, "4", "extern", "special", "/system.slice/node1_slurmstepd.scope/job_4/step_extern/user/task_special")),
+        # slurmstepd's own cgroup: where a forked task is when the SPANK plugin asks, as root (the
+        # uid check keeps it from a TaskProlog's request: a task there is no process of the user)
+        ("0::/system.slice/slurmstepd.scope/job_12/step_0/slurm\n",
+         SlurmCgroup(2, "12", "0", None, "/system.slice/slurmstepd.scope/job_12/step_0/slurm")),
     ],
 )
 def test_slurm_cgroup_paths_of_both_versions_name_the_job_and_step(text, expected):
@@ -84,7 +89,7 @@ def test_slurm_cgroup_paths_of_both_versions_name_the_job_and_step(text, expecte
     "text",
     [
         "0::/user.slice/user-1000.slice/session-3.scope\n",  # a login shell
-        "0::/system.slice/slurmstepd.scope/job_12/step_0/slurm\n",  # slurmstepd itself, not a task
+        "0::/system.slice/slurmstepd.scope/job_12/step_0/slurm/x\n",
         "0::/system.slice/slurmstepd.scope/job_12/step_0/user/task_0/../../../x\n",
         "11:freezer:/slurm/uid_1000/job_12/step_0\n10:memory:/slurm/uid_1000/job_13/step_0/task_0\n",  # disagree
         "11:freezer:/slurm/job_12/step_0\n",  # no uid level: not Slurm's v1 layout
@@ -546,6 +551,38 @@ def test_the_isolation_socket_is_open_to_everyone_and_takes_only_isolate(isolati
     assert agent_client.isolate(str(tmp_path / "none.sock"), {}) == (agent_client.FALL_BACK, None)
 
 
+def test_the_spank_plugins_request_isolates_the_asking_task_itself(node):
+    """The root-side trigger (spank_mapa_isolate.c): the task process asks, as root, before it drops
+    to the user and before the TaskProlog; the request carries nothing but its kind."""
+    agent, proc, cgroupfs, attached, _, tmp_path = node
+    if os.getuid() != 0:
+        pytest.fail("the root socket answers only uid 0: run the suite as root, as CI does")
+    me = os.getpid()  # the socket names this test's process: it plays the task, still root
+    proc.add(me, "slurmstepd", 4000, 0, V1_BATCH.replace("/step_batch/task_0", "/step_batch"), exe=STEPD)
+    server = serve(str(tmp_path / "agent" / "agent.sock"), agent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(tmp_path / "agent" / "agent.sock"))
+            conn.sendall(b"MAPA1 isolate 0\n")
+            answer = conn.makefile("rb").readline().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    job = cgroupfs / "devices" / "mapa" / "job_12"
+    assert answer == f"done cgroup-v1 job 12 step batch task pid {me}: GPUs 4,5 in {job}\n"
+    assert lines(job / "cgroup.procs") == [str(me)]
+    # v2: the forked task is still in slurmstepd's own cgroup (step_S/slurm); the job's program goes on job_J.
+    proc.add(me, "slurmstepd", 4000, 0, V2_STEP.replace("/user/task_3", "/slurm"), exe=STEPD)
+    (cgroupfs / "unified" / "system.slice" / "slurmstepd.scope" / "job_12" / "step_0" / "slurm").mkdir(parents=True)
+    assert agent.isolate(me, 0, {}).startswith("done cgroup-v2 job 12 step 0: GPUs 4,5 (programs attached to ")
+    assert [d.name for d, _ in attached] == ["job_12"]
+    # A root process that is no task (its parent is no slurmstepd) is refused like any other.
+    proc.add(4001, "bash", 1, 0, "", exe="/bin/bash")
+    proc.add(me, "slurmstepd", 4001, 0, V1_BATCH, exe=STEPD)
+    assert "is no task process: its parent 4001 is no slurmstepd" in agent.isolate(me, 0, {})
+
+
 class CannedAgent(Agent):
     def __init__(self, answer):
         self.answer = answer
@@ -554,7 +591,7 @@ class CannedAgent(Agent):
         return self.answer
 
 
-def run_taskprolog(tmp_path, isolation, answer, socket_there=True):
+def run_taskprolog(tmp_path, isolation, answer, socket_there=True, **env):
     """The TaskProlog `mapa hooks` writes, with an agent that answers ``answer``."""
     (tmp_path / "jobs").mkdir(exist_ok=True)
     (tmp_path / "jobs" / "55").write_text("MAPA_GPUS=6,2,3\n")
@@ -567,7 +604,7 @@ def run_taskprolog(tmp_path, isolation, answer, socket_there=True):
         server = serve_isolation(str(sock), CannedAgent(answer))
         threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        return subprocess.run(["/bin/sh", str(tmp_path / "taskprolog")], env={"SLURM_JOB_ID": "55", "PATH": "/usr/bin:/bin"},
+        return subprocess.run(["/bin/sh", str(tmp_path / "taskprolog")], env={"SLURM_JOB_ID": "55", "PATH": "/usr/bin:/bin", **env},
                               capture_output=True, text=True, check=False, timeout=60)
     finally:
         if server is not None:
@@ -587,6 +624,24 @@ def test_taskprolog_asks_for_isolation_and_exports_its_state(tmp_path):
     assert (done.returncode, done.stdout.splitlines()) == (0, ["export MAPA_ISOLATION=cgroup-v1", *isolated])
     failed = run_taskprolog(tmp_path, "fail-open", "done failed-open cannot set up the devices cgroup")
     assert (failed.returncode, failed.stdout.splitlines()) == (0, ["export MAPA_ISOLATION=failed-open", *CUDA_LINES])
+
+
+def test_taskprolog_after_the_spank_plugin_isolated_the_task(tmp_path):
+    """MAPA_SPANK_ISOLATION (set by spank_mapa_isolate.so for the task, as root): the task can open
+    the job's GPUs; with no answer of its own the TaskProlog numbers the selected GPUs among the
+    job's, and it unsets the variable so that no job submitted from the task inherits it."""
+    alone = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1")
+    ranked = ["export CUDA_VISIBLE_DEVICES=2,0,1", "export GPU_DEVICE_ORDINAL=2,0,1", *CUDA_LINES[2:]]
+    assert alone.stdout.splitlines() == ["export MAPA_ISOLATION=cgroup-v1", "unset MAPA_SPANK_ISOLATION", *ranked]
+    # A step of one GPU: GPU 6, the third of the job's GPUs 2, 3, 6 the task can open.
+    step = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1", SLURM_STEP_GPUS="0")
+    assert "export CUDA_VISIBLE_DEVICES=2" in step.stdout.splitlines() and "export SLURM_STEP_GPUS=6" in step.stdout
+    # Its own answer (the step's cgroup) wins: then only GPU 6 is there, rank 0.
+    own = run_taskprolog(tmp_path, "fail-open", "done cgroup-v1 job 55 step 1 ...", MAPA_SPANK_ISOLATION="cgroup-v1", SLURM_STEP_GPUS="0")
+    assert "export CUDA_VISIBLE_DEVICES=0" in own.stdout.splitlines()
+    # Off or failed open at the plugin: nothing is assumed, and the variable goes all the same.
+    off = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="off")
+    assert off.stdout.splitlines() == ["unset MAPA_SPANK_ISOLATION", *CUDA_LINES]
 
 
 def test_taskprolog_fails_the_task_when_the_agent_refuses(tmp_path):

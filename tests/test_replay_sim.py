@@ -224,6 +224,27 @@ def test_audit_replays_preserve_ahead_with_the_running_jobs_it_recorded():
     assert audit(jobs, DGX, ["preserve-ahead"], Decider())["policies"]["preserve-ahead"]["same_set"] == 0
 
 
+def test_audit_remakes_a_choice_under_the_affinity_rule_it_was_recorded_with():
+    from slurm_mapa.core.affinity import cpus_of_slurms_gpus, select_with_affinity
+    from slurm_mapa.core.policies import select
+    from slurm_mapa.replay.directives import read_intent, request_for
+    from slurm_mapa.slurm.decision import Decision
+
+    graph, request = preset("dgx1-v100"), request_for("ring", 2, True)
+    free = (0, 1, 2, 3, 5, 6)
+    plain = select("preserve", graph, free, request)
+    strict, _ = select_with_affinity("preserve", graph, free, request, cpus_of_slurms_gpus(graph, (5, 6)), "strict")
+    assert max(plain.gpus) <= 3 and set(strict.gpus) <= {5, 6}  # what the test needs: the rule changed the choice
+    record = Decision("n1", strict.gpus, "preserve", free=free, slurm_gpus=(5, 6), affinity="strict").text()
+    intent = read_intent(f"mapa:topology=ring sensitive=yes # {record}")
+    assert (intent.recorded_slurm, intent.recorded_affinity) == ((5, 6), ("strict", 0.0))
+    job = Job("7", 0, 10, 2, sensitive=True, node="n1", recorded=intent.recorded, start=0, recorded_free=intent.recorded_free,
+              recorded_slurm=intent.recorded_slurm, recorded_affinity=intent.recorded_affinity)
+    assert audit([job], DGX, ["preserve"], Decider())["policies"]["preserve"]["same_set"] == 1
+    job.recorded_affinity = None  # an audit blind to the rule counts it as differing
+    assert audit([job], DGX, ["preserve"], Decider())["policies"]["preserve"]["same_set"] == 0
+
+
 def test_audit_skips_fallback_decisions_but_keeps_their_gpus_busy():
     jobs = [
         Job("1", 0, 100, 2, node="n1", recorded=(0, 1), start=0, recorded_policy="fallback", recorded_free=tuple(range(8))),

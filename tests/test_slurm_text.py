@@ -296,6 +296,20 @@ def test_an_isolation_note_is_part_of_the_nodes_decision():
     assert parse_decisions("mapa: # dgx1=0 policy=preserve isolation=whatever")["dgx1"].isolation == ""
 
 
+def test_the_record_names_slurms_gpus_and_the_affinity_rule():
+    from slurm_mapa.slurm.decision import affinity_token, parse_affinity
+
+    text = Decision("dgx1", (0, 3), "preserve", slurm_gpus=(6, 7), affinity=affinity_token("prefer", 0.25)).text()
+    assert text == "dgx1=0,3 policy=preserve slurm=6,7 affinity=prefer:0.25"
+    recorded = parse_decisions(f"mapa: # {text}")["dgx1"]
+    assert (recorded.slurm_gpus, recorded.affinity) == ((6, 7), "prefer:0.25")
+    assert affinity_token("strict", 0.25) == "strict" and parse_affinity("strict") == ("strict", 0.0)
+    for bad in ("prefer", "prefer:x", "prefer:1.5", "strict:0.1", "ignore", "loose:0.2", ""):
+        assert parse_affinity(bad) is None, bad
+        assert parse_decisions(f"mapa: # dgx1=0 policy=preserve affinity={bad}")["dgx1"].affinity == ""
+    assert parse_decisions("mapa: # dgx1=0 policy=preserve slurm=x,y")["dgx1"].slurm_gpus == ()
+
+
 def test_the_record_stays_bounded():
     busy = Decision("big", tuple(range(64)), "preserve", free=tuple(range(64)), running=(tuple(range(64, 128)),))
     many, i = "mapa:topology=ring sensitive=yes", 0

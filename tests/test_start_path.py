@@ -173,3 +173,21 @@ def test_a_record_for_a_job_that_already_finished_is_dropped_not_retried(tmp_pat
     background = Background(Agent(str(path), [].append, run=lambda timeout: slurm), "dgx1")
     assert background.flush_records() == 1 and list(config.journal.iterdir()) == []
     assert "job 61: the AdminComment can no longer be written" in (tmp_path / "log").read_text()
+
+
+def test_the_agent_writes_dcgm_job_mapping_with_mapas_gpus(tmp_path):
+    mapping = tmp_path / "dcgm"
+    path = write_config(tmp_path, job_submit_lua=True, dcgm_job_mapping_dir=str(mapping))
+    config = load(path)
+    background = Background(Agent(str(path), [].append, run=lambda timeout: NoSlurm()), "dgx1")
+    assert background.write_dcgm_mapping() == [str(gpu) for gpu in range(8)]  # every GPU, no job yet: empty files
+    first = run_prolog(env_for("41", "0,1", "mapa:sensitive=yes"), config, NoSlurm(), [].append, defer=lambda action: None)
+    second = run_prolog(env_for("42", "2,3,4,5", "mapa:sensitive=yes"), config, NoSlurm(), [].append, defer=lambda action: None)
+    background.write_dcgm_mapping()
+    files = {p.name: p.read_text() for p in mapping.iterdir()}
+    assert files == {str(gpu): "".join(f"{job}\n" for job, gpus in (("41", first.gpus), ("42", second.gpus)) if gpu in gpus)
+                     for gpu in range(8)}
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in mapping.iterdir())
+    run_epilog({"SLURM_JOB_ID": "41"}, config, [].append)
+    assert sorted(background.write_dcgm_mapping(), key=int) == sorted(map(str, first.gpus), key=int)
+    assert all((mapping / str(gpu)).read_text() == "" for gpu in first.gpus)

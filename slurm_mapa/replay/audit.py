@@ -6,7 +6,9 @@ the state is rebuilt from the log: each job holds the GPUs MAPA recorded for it 
 start to its real end, on its real node, which works only when every job running there recorded
 its GPUs, and only as well as sacct's whole-second times order the events. "same GPUs" counts
 identical sets; "as good" counts sets that score as high on the job's Preserve objective
-(effective bandwidth for sensitive multi-GPU jobs, else preserved bandwidth).
+(effective bandwidth for sensitive multi-GPU jobs, else preserved bandwidth). A decision recorded
+under the CPU affinity rule (``affinity=`` and ``slurm=``) is re-made under the same rule, with
+the job's CPUs taken from the same Slurm GPUs; round-robin's stateful path ignores affinity.
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
             compared += 1
             for policy in policies:
                 running = running_masks if decider.sees_running(policy) else ()
-                found = decider.decide(policy, gid, free_mask, rid, tuple(range(size)) if policy == "round-robin" else None, running)
+                # A choice made under the CPU affinity rule is re-made under it, from the same Slurm GPUs.
+                found = decider.decide(policy, gid, free_mask, rid, tuple(range(size)) if policy == "round-robin" else None, running,
+                                       job.recorded_affinity, job.recorded_slurm if job.recorded_affinity else None)
                 if found is None:
                     continue
                 decision = found[0]

@@ -644,7 +644,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "that loses more than --affinity-max-loss), ignore (count only); each job's CPUs are modelled as "
                         "those of the lowest-numbered free GPUs (default: the config's [affinity], else not modelled)")
     p.add_argument("--affinity-max-loss", type=float, default=None, metavar="FRACTION",
-                   help="prefer: the fraction of the predicted bandwidth a local choice may give up (default 0.25)")
+                   help="prefer: the fraction of the predicted bandwidth a local choice may give up (default 0.1)")
     p.add_argument("--no-pin", action="store_true", help="do not keep sacct jobs on their recorded node")
     p.add_argument("--csv", help="write one CSV row per job and policy to this file")
     p.add_argument("--plot", metavar="DIR", help="write PNG box plots to DIR (needs matplotlib)")

@@ -21,7 +21,7 @@
 
     [affinity]                   # as for the Prolog: CPU affinity in the decision; the replay
     mode = "prefer"              # uses it unless --affinity is given (without either: ignore)
-    max_loss = 0.25
+    max_loss = 0.1
 
     model = "/etc/slurm/mapa-model.toml"   # the hooks' effective-bandwidth model (a file or a
                                            # bundled name): the replay uses it too unless --model

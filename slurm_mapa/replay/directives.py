@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 from ..core.patterns import make_pattern
 from ..core.policies import Request
 from ..errors import InputError
-from ..slurm.decision import parse_decisions
+from ..slurm.decision import parse_affinity, parse_decisions
 from ..slurm.directive import parse_comment
 
 
@@ -32,6 +32,8 @@ class Intent:
     recorded_free: tuple[int, ...] | None = None  # the free GPUs the Prolog saw (``free=``)
     recorded_policy: str | None = None
     recorded_running: tuple[tuple[int, ...], ...] = ()  # the running jobs' GPUs the Prolog saw (``running=``)
+    recorded_slurm: tuple[int, ...] = ()  # the GPUs Slurm picked (``slurm=``)
+    recorded_affinity: tuple[str, float] | None = None  # the CPU affinity rule of the choice (``affinity=``)
 
 
 @lru_cache(maxsize=4096)
@@ -54,6 +56,8 @@ def read_intent(text: str) -> Intent | None:
         recorded_free=first.free or None,
         recorded_policy=first.policy or None,
         recorded_running=first.running,
+        recorded_slurm=first.slurm_gpus,
+        recorded_affinity=parse_affinity(first.affinity) if first.affinity else None,
     )
 
 

@@ -26,6 +26,8 @@ class Job:
     recorded_free: tuple[int, ...] | None = None  # the free GPUs the Prolog chose from, if recorded
     recorded_policy: str | None = None  # the policy of the recorded decision ("fallback" when it fell back)
     recorded_running: tuple[tuple[int, ...], ...] = ()  # the GPUs of each job running on the node then, if recorded
+    recorded_slurm: tuple[int, ...] = ()  # the GPUs Slurm picked for it there, if recorded
+    recorded_affinity: tuple[str, float] | None = None  # (mode, max_loss) of the CPU affinity rule it was chosen under
     recorded_bw: float | None = None  # effective bandwidth of the recorded decision (filled by the audit)
 
 

@@ -186,6 +186,8 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
     recorded_free = None
     recorded_policy = None
     recorded_running: tuple[tuple[int, ...], ...] = ()
+    recorded_slurm: tuple[int, ...] = ()
+    recorded_affinity = None
     node = first_node(values.get("nodelist", ""))
     if intent is not None:
         shape = intent.shape or shape
@@ -201,6 +203,8 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
                 taken = [g for group in intent.recorded_running for g in group]
                 if len(set(taken)) == len(taken) and not set(taken) & set(recorded_free):
                     recorded_running = intent.recorded_running
+            if len(intent.recorded_slurm) == per_node:
+                recorded_slurm, recorded_affinity = intent.recorded_slurm, intent.recorded_affinity
         node = intent.node or node
     stats.jobs += 1
     return Job(
@@ -218,6 +222,8 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
         recorded_free=recorded_free,
         recorded_policy=recorded_policy,
         recorded_running=recorded_running,
+        recorded_slurm=recorded_slurm,
+        recorded_affinity=recorded_affinity,
         start=start,
     )
 

@@ -49,7 +49,7 @@ from ..core import features as mapa_features
 from ..core import peers
 from ..core.affinity import check_settings as check_affinity
 from ..core.affinity import decide as affinity_decide
-from ..core.affinity import gpu_cpus, modelled_job_cpus
+from ..core.affinity import cpus_of_slurms_gpus, gpu_cpus, modelled_job_cpus
 from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel, grounded_model, paper_model
 from ..core.explain import reported_placement
 from ..core.hardware import HardwareGraph
@@ -151,7 +151,7 @@ class Options:
     feature_sizes: tuple[int, ...] | None = None  # ring sizes the nodes publish (None: 2 .. largest node)
     require_wait: float = 3600.0  # seconds a 'require' job holds out for its feature
     affinity: str | None = None  # CPU affinity mode (strict, prefer, ignore); None: not modelled
-    affinity_max_loss: float = 0.25  # prefer: the fraction of the value a local choice may give up
+    affinity_max_loss: float = 0.1  # prefer: the fraction of the value a local choice may give up
 
 
 class Decider:
@@ -206,12 +206,13 @@ class Decider:
         return getattr(self.policies[policy], "sees_running", False)
 
     def decide(self, policy: str, gid: int, mask: int, rid: int, queue: tuple[int, ...] | None = None, running: tuple[int, ...] = (),
-               affinity: tuple[str, float] | None = None):
+               affinity: tuple[str, float] | None = None, slurm_gpus: tuple[int, ...] | None = None):
         """The decision (or None: does not fit); for round-robin also the new device queue.
 
         ``running``: the sorted masks of the jobs running on the node, for policies that see them.
         ``affinity``: (mode, max_loss) of the CPU affinity rule, with the job's CPUs modelled from
-        the free mask (module docstring); None: no affinity.
+        the free mask (module docstring), or, given ``slurm_gpus`` (a recorded decision's
+        ``slurm=``), from the GPUs Slurm picked, as the Prolog takes them; None: no affinity.
         """
         self.lookups += 1
         if queue is not None:
@@ -232,7 +233,7 @@ class Decider:
                 found = self._decision(gid, rid, result.placement, chosen)
                 self._store(key, found)
             return found, picked[1]
-        key = (gid, policy, mask, rid, running) if affinity is None else (gid, policy, mask, rid, running, affinity)
+        key = (gid, policy, mask, rid, running) if affinity is None else (gid, policy, mask, rid, running, affinity, slurm_gpus)
         found = self.memo.get(key)
         if found is not None or key in self.memo:
             return found
@@ -253,7 +254,7 @@ class Decider:
         if affinity is None:
             result = run(free)
         else:
-            cpus = modelled_job_cpus(graph, free, request.gpus)
+            cpus = modelled_job_cpus(graph, free, request.gpus) if slurm_gpus is None else cpus_of_slurms_gpus(graph, slurm_gpus)
             result, why = affinity_decide(run, graph, free, request, cpus, affinity[0], max_loss=affinity[1], policy=policy)
             local = why.local if gpu_cpus(graph) is not None else None
         if not isinstance(result, Allocation):

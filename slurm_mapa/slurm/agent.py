@@ -154,7 +154,7 @@ class Agent:
         self.config_path = config_path
         self.node = node or os.uname().nodename.split(".")[0]
         self.isolator = isolator or Isolator()  # tests give one reading a fake /proc
-        self.isolated: set[tuple[str, str]] = set()  # (job, step) whose isolation was logged
+        self.isolated: set[tuple[str, str, str]] = set()  # (job, step, asker) whose isolation was logged
         self.noted: set[tuple[str, str]] = set()  # (job, state) whose failed isolation was journaled
         self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
         self.make_runner = run  # tests give a fake Slurm here
@@ -193,11 +193,12 @@ class Agent:
         except Exception as error:  # noqa: BLE001 - a bug must not decide whether the task runs
             reason = f"internal error: {error!r}"
         else:
-            if (outcome.job_id, outcome.step) not in self.isolated:  # once per step, not per task
+            asker = "root (the SPANK plugin)" if uid == 0 else "the TaskProlog"
+            if (outcome.job_id, outcome.step, asker) not in self.isolated:  # once per step and asker, not per task
                 if len(self.isolated) > 10000:
                     self.isolated.clear()
-                self.isolated.add((outcome.job_id, outcome.step))
-                log(f"isolation: {outcome.state}: {outcome.detail}")
+                self.isolated.add((outcome.job_id, outcome.step, asker))
+                log(f"isolation: {outcome.state}: {outcome.detail} (asked by {asker})")
             return f"done {outcome.state} {outcome.detail}"
         answer = self._isolation_failed(config, log, reason, pid, uid)
         if job_id is not None:
@@ -292,12 +293,33 @@ class Background:
         run = self.agent.make_runner(config.command_timeout)
         listed = reconcile_node(config, self.node, run, hook_logger(config.log))
         self.features.publish(config, run, hook_logger(config.log), force=True)  # slurmctld may have restarted
+        try:
+            self.write_dcgm_mapping()  # the pass may have reaped jobs whose Epilog never ran
+        except Exception as error:  # noqa: BLE001 - the next start, end or pass writes it again
+            self.agent.log_errors(f"mapa-agent: writing the DCGM job mapping failed: {error}")
         return listed
 
     def publish_features(self) -> bool:
         """After starts and ends: publish the node's features if they changed."""
         config = self._config()
         return self.features.publish(config, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
+
+    def write_dcgm_mapping(self) -> list[str]:
+        """With ``dcgm_job_mapping_dir``: name in dcgm-exporter's job-mapping files the jobs using
+        each GPU as the jobs directory says (MAPA's GPUs, else Slurm's for a job MAPA did not
+        place); what changed. After starts and ends, and in each reconcile pass."""
+        from . import dcgm, jobfiles
+        from .hooks import load_graph
+
+        config = self._config()
+        if config.dcgm_job_mapping_dir is None:
+            return []
+        records, _ = jobfiles.scan(config.jobs_dir)
+        holdings = {job: record.gpus if record.gpus is not None else record.mark.slurm_gpus
+                    for job, record in records.items()
+                    if not record.ended and (record.gpus is not None or record.mark is not None)}
+        gpu_count = load_graph(config, self.node).size
+        return dcgm.write_mapping(config.dcgm_job_mapping_dir, dcgm.mapping_files(holdings, gpu_count))
 
     def flush_records(self) -> int:
         """Write the journal's due records; how many were written or dropped."""
@@ -361,6 +383,10 @@ class Background:
             except Exception as error:  # noqa: BLE001 - the next change or pass publishes again
                 self.agent.log_errors(f"mapa-agent: publishing node features failed: {error}")
             try:
+                self.write_dcgm_mapping()
+            except Exception as error:  # noqa: BLE001 - the next change or pass writes it again
+                self.agent.log_errors(f"mapa-agent: writing the DCGM job mapping failed: {error}")
+            try:
                 self.flush_records()
             except Exception as error:  # noqa: BLE001 - the records stay in the journal
                 self.agent.log_errors(f"mapa-agent: writing AdminComment records failed: {error}")
@@ -383,11 +409,20 @@ class _Handler(socketserver.BaseRequestHandler):
             if uid != 0:
                 conn.sendall(b"error only root may ask mapa-agent\n")
                 return
-            kind, env = read_request(conn, self.server.request_read_timeout)
+            kind, env = read_request(conn, self.server.request_read_timeout, KINDS + (ISOLATE,), KEYS + ISOLATE_KEYS)
         except (InputError, OSError) as error:
             self.server.agent.log_errors(f"mapa-agent: refused a request: {error}")
             try:
                 conn.sendall(f"error {error}\n".encode()[:1024])
+            except OSError:
+                pass
+            return
+        if kind == ISOLATE:
+            # From root: the SPANK plugin (spank_mapa_isolate.c) in a task process before it
+            # drops to the user; the process to isolate is the caller itself.
+            answer = self.server.agent.isolate(pid, uid, env)
+            try:
+                conn.sendall(answer.replace("\n", " ").encode("utf-8", "replace")[:1023] + b"\n")
             except OSError:
                 pass
             return

@@ -12,14 +12,15 @@
     model = ""                                 # an effective-bandwidth model file, or the paper's
     health = "auto"                            # "off": do not ask NVML which GPUs are sick
     isolation = "off"                          # "fail-open" | "fail-closed": tasks open only their GPUs (docs/isolation.md)
+    dcgm_job_mapping_dir = ""                  # e.g. "/run/dcgm-job-mapping": which job uses each GPU, for dcgm-exporter
 
     [preserve_ahead]                           # only for policy = "preserve-ahead"
     sizes = { 1 = 0.2, 2 = 0.2, 3 = 0.2, 4 = 0.2, 5 = 0.2 }   # GPUs -> weight (default: the paper's)
     tolerance = 0.0                            # fraction of a sensitive job's best it may give up
 
-    [affinity]                                 # CPU affinity in the decision (core/affinity.py); none: ignored
-    mode = "prefer"                            # "strict" | "prefer" | "ignore"
-    max_loss = 0.25                            # prefer: the bandwidth fraction a local choice may give up
+    [affinity]                                 # CPU affinity in the decision (core/affinity.py)
+    mode = "prefer"                            # the default; "strict" | "ignore"
+    max_loss = 0.1                             # prefer: the bandwidth fraction a local choice may give up
 
     [nodes]                                    # node-name glob -> preset or topology file
     "dgx*" = "dgx1-v100"
@@ -45,7 +46,7 @@ from . import paths
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
          "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate", "features",
-         "affinity", "isolation"}
+         "affinity", "isolation", "dcgm_job_mapping_dir"}
 # The agent answers within the budget and its client gives up after 25 s; the wrapper then runs
 # the Prolog in-process with the same budget: 25 + 20 s stays inside the 60 s PrologEpilogTimeout
 # Slurm's docs suggest.
@@ -77,14 +78,15 @@ class HookConfig:
     journal_dir: Path | None = None  # AdminComment records not yet written; None: "journal" next to the ledger
     reconcile_interval: float = 60.0  # seconds between mapa-agent's listings of the node's jobs
     admin_comment_rate: float = 20.0  # AdminComment writes per second at most, per node
+    dcgm_job_mapping_dir: Path | None = None  # mapa-agent writes dcgm-exporter's job mapping there (slurm/dcgm.py)
     # [features]: node features mapa-agent publishes for node choice (none without sizes).
     feature_sizes: tuple[int, ...] = ()
     feature_threshold: float = 0.9
     feature_fleet: tuple[str, ...] = ()  # topologies of the fleet's node types (presets or files)
-    # [affinity]: CPU affinity in the Prolog's decision (core/affinity.py). Without the table it is
-    # ignored, as before; a table without mode means "prefer".
-    affinity_mode: str = "ignore"
-    affinity_max_loss: float = 0.25
+    # [affinity]: CPU affinity in the Prolog's decision (core/affinity.py); "prefer" unless the
+    # table says otherwise ("ignore": the policy alone, as before issue 14).
+    affinity_mode: str = "prefer"
+    affinity_max_loss: float = 0.1  # core.affinity.DEFAULT_MAX_LOSS
     feature_insensitive_jobs: str = "none"  # what job_submit.lua has insensitive jobs prefer: none | noring
 
     def configured_policies(self) -> dict:
@@ -139,7 +141,7 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
                          f"isolated) or \"fail-closed\" (the task fails then), got {values['isolation']!r}")
     if validate:
         _validate_with_engine(values, source)
-    for key in ("ledger", "jobs_dir", "log", "journal_dir"):
+    for key in ("ledger", "jobs_dir", "log", "journal_dir", "dcgm_job_mapping_dir"):
         if key in data:
             if not isinstance(data[key], str) or not data[key].startswith("/"):
                 raise InputError(f"{source}: {key} must be an absolute path, got {data[key]!r}")

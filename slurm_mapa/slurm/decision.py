@@ -5,7 +5,9 @@
 MAPA's record is the directive as ``mapa:<normalised>`` (what the job_submit plugin stored), then
 one segment per node of the job, ``# NODE=GPUS key=value...``, GPUs in pattern order. `free=` is
 what the Prolog chose from and `running=0,1/4,5` the GPUs of each job running on the node then
-(jobs separated by `/`), so a replay can make the same decision again. When mapa-agent could not
+(jobs separated by `/`), so a replay can make the same decision again; with the CPU affinity rule
+on, ``slurm=`` (the GPUs Slurm picked, whose CPUs the job's cores are taken to be) and
+``affinity=prefer:0.25`` (or ``strict``) say under which rule it was made. When mapa-agent could not
 isolate the job's devices on the node (docs/isolation.md), it adds ``isolation=failed-open`` (the
 job ran without) or ``isolation=refused`` (fail-closed: its task failed) and ``why=<reason>``.
 The directive grammar ends a body at `#`, so the record's text up to the first `#` parses as the
@@ -47,7 +49,7 @@ from .directive import Directive, parse_comment
 # at 4 bytes a character, and hold about 150 decisions of 8-GPU nodes.
 MAX_ADMIN_COMMENT_CHARS = 16384
 MAX_RECORD_CANDIDATES = 32  # `mapa:` words tried as the record's start, so reading stays linear
-DECISION_KEYS = ("policy", "free", "running", "eff", "agg", "pres", "fallback", "isolation", "why")
+DECISION_KEYS = ("policy", "free", "running", "slurm", "affinity", "eff", "agg", "pres", "fallback", "isolation", "why")
 ISOLATION_STATES = ("failed-open", "refused")  # what a node's record says when device isolation was not applied
 MAX_WHY_CHARS = 200
 _MARKER = re.compile(r"(?:^|(?<=[ \t\r\n\f\v]))mapa:", re.IGNORECASE)
@@ -66,6 +68,8 @@ class Decision:
     fallback: str = ""
     free: tuple[int, ...] = ()
     running: tuple[tuple[int, ...], ...] = ()
+    slurm_gpus: tuple[int, ...] = ()  # the GPUs Slurm picked (its job CPUs follow them)
+    affinity: str = ""  # the CPU affinity rule the choice was made under: "strict", "prefer:0.25"; "": none
     isolation: str = ""  # "" (applied, or off) or one of ISOLATION_STATES, written by mapa-agent
     why: str = ""  # why isolation was not applied: one token (why_token)
 
@@ -75,6 +79,10 @@ class Decision:
             parts.append(f"free={','.join(map(str, self.free))}")
         if self.running:
             parts.append("running=" + "/".join(",".join(map(str, group)) for group in self.running))
+        if self.slurm_gpus:
+            parts.append(f"slurm={','.join(map(str, self.slurm_gpus))}")
+        if self.affinity:
+            parts.append(f"affinity={self.affinity}")
         for name, value in (("eff", self.effective), ("agg", self.aggregated), ("pres", self.preserved)):
             if value is not None:
                 parts.append(f"{name}={value:.3f}")
@@ -195,12 +203,36 @@ def _decision_in(segment: str) -> Decision | None:
         running = tuple(parse_gpu_indices(group) for group in fields["running"].split("/")) if "running" in fields else ()
     except ValueError:
         running = ()
+    try:
+        slurm_gpus = parse_gpu_indices(fields.get("slurm", ""))
+    except ValueError:
+        slurm_gpus = ()
+    affinity = fields.get("affinity", "")
     isolation = fields.get("isolation", "")
     return Decision(
         node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free,
-        tuple(group for group in running if group), isolation if isolation in ISOLATION_STATES else "",
-        fields.get("why", "")[:MAX_WHY_CHARS],
+        tuple(group for group in running if group), slurm_gpus, affinity if parse_affinity(affinity) else "",
+        isolation if isolation in ISOLATION_STATES else "", fields.get("why", "")[:MAX_WHY_CHARS],
     )
+
+
+def affinity_token(mode: str, max_loss: float) -> str:
+    """How a record names the CPU affinity rule of a choice: ``strict``, ``prefer:0.25``."""
+    return f"prefer:{max_loss:g}" if mode == "prefer" else mode
+
+
+def parse_affinity(token: str) -> tuple[str, float] | None:
+    """(mode, max_loss) of an ``affinity=`` token; None for anything else (an old or foreign record)."""
+    mode, _, loss = token.partition(":")
+    if mode == "strict" and not loss:
+        return "strict", 0.0
+    if mode == "prefer":
+        try:
+            value = float(loss)
+        except ValueError:
+            return None
+        return ("prefer", value) if 0 <= value <= 1 else None
+    return None
 
 
 def with_decision(admin_comment: str, directive: Directive, decision: Decision) -> str:

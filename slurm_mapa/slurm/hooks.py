@@ -50,7 +50,7 @@ from .commands import (
     slurm_gpus_on_only_node,
 )
 from .config import HookConfig, hook_logger, load_hook_config
-from .decision import ISOLATION_STATES, Decision, parse_decisions, with_decision
+from .decision import ISOLATION_STATES, Decision, affinity_token, parse_decisions, with_decision
 from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, reconcile
 
 if TYPE_CHECKING:  # the engine is imported when a decision is made, after the job is marked
@@ -228,21 +228,6 @@ def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...], held: Sequ
     return tuple(chosen)
 
 
-def cpus_of_slurms_gpus(graph: "HardwareGraph", slurm_gpus: tuple[int, ...]) -> frozenset[int] | None:
-    """The job's CPUs as the Prolog can know them without asking slurmctld: the CPU affinity of the
-    GPUs *Slurm* picked for it. With --gres-flags=enforce-binding Slurm gives a job only cores
-    bound to its GPUs, so the job's cores lie in these sockets; without it cons_tres prefers such
-    cores, and this is an assumption. Comparing within the topology's own CPU numbering keeps
-    Slurm's abstract core ids out of it. None (every GPU local) when the topology has no CPU
-    affinity or Slurm's GPUs are not on it."""
-    from ..core.affinity import gpu_cpus
-
-    cpus = gpu_cpus(graph)
-    if cpus is None or not slurm_gpus or not all(0 <= gpu < graph.size for gpu in slurm_gpus):
-        return None
-    return frozenset().union(*(cpus[gpu] for gpu in slurm_gpus))
-
-
 def choose(
     ctx: PrologContext,
     config: HookConfig,
@@ -258,6 +243,7 @@ def choose(
     running = ledger.running_groups()
     if graph is not None and not problem:
         try:
+            from ..core.affinity import cpus_of_slurms_gpus, select_with_affinity
             from ..core.effbw import load_model_file, paper_model
             from ..core.explain import reported_allocation
             from ..core.policies import Allocation, select
@@ -265,20 +251,20 @@ def choose(
 
             request = to_request(directive, len(ctx.slurm_gpus))
             model = load_model_file(config.model) if config.model else paper_model()
-            if config.affinity_mode == "ignore":
+            job_cpus = cpus_of_slurms_gpus(graph, ctx.slurm_gpus) if config.affinity_mode != "ignore" else None
+            if job_cpus is None:
                 result = select(config.policy, graph, free, request, model, config.configured_policies(), running)
             else:
-                from ..core.affinity import select_with_affinity
-
                 result, _ = select_with_affinity(
-                    config.policy, graph, free, request, cpus_of_slurms_gpus(graph, ctx.slurm_gpus), config.affinity_mode,
+                    config.policy, graph, free, request, job_cpus, config.affinity_mode,
                     max_loss=config.affinity_max_loss, model=model, configured=config.configured_policies(), running=running,
                 )
             if isinstance(result, Allocation):
                 p = reported_allocation(graph, request, result, model).placement  # a collective's set, in its best order
                 return Decision(
                     ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth,
-                    free=free, running=running,
+                    free=free, running=running, slurm_gpus=ctx.slurm_gpus,
+                    affinity=affinity_token(config.affinity_mode, config.affinity_max_loss) if job_cpus is not None else "",
                 )
             problem = "ledger-has-too-few-free-gpus"
         except (MapaError, OSError) as error:
@@ -293,7 +279,8 @@ def fallback_decision(
     running = ledger.running_groups() if running is None else running
     held = [g for holding in ledger.holdings.values() for g in holding.gpus]
     token = problem.split(":")[0].strip().replace(" ", "-") or "unknown"
-    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free, held), "fallback", fallback=token, free=free, running=running)
+    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free, held), "fallback", fallback=token, free=free, running=running,
+                    slurm_gpus=ctx.slurm_gpus)
 
 
 def current_ledger(

@@ -57,7 +57,9 @@ RENDER_MINORS = (128, 255)  # /dev/dri/renderD128 on; 0-127 are the card (primar
 # (log_build_step_id_str, src/common/log.c:1690-1713).
 _STEP = r"(?P<step>[0-9]+(?:\+[0-9]+)?|batch|extern|interactive)"
 _V1_PATH = re.compile(r"(?P<base>.*/uid_[0-9]+/job_(?P<job>[0-9]+)/step_" + _STEP + r")(?:/task_(?P<task>[0-9]+))?")
-_V2_PATH = re.compile(r"(?P<job_dir>.*/job_(?P<job>[0-9]+))/step_" + _STEP + r"/user/task_(?P<task>[0-9]+|special)")
+# v2, also <scope>/job_J/step_S/slurm: slurmstepd's own cgroup, where a forked task still is when
+# the SPANK plugin asks (before the parent places it, mgr.c:2414-2439).
+_V2_PATH = re.compile(r"(?P<job_dir>.*/job_(?P<job>[0-9]+))/step_" + _STEP + r"/(?:user/task_(?P<task>[0-9]+|special)|slurm)")
 
 
 class IsolationError(MapaError):

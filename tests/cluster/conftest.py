@@ -11,6 +11,7 @@ report and the full logs are written under ``build/cluster-logs/``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -138,6 +139,21 @@ class Cluster:
         return json.loads(self.run("scontrol", "--json", *args))
 
     # -- jobs ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def hook_config(self, nodes: Iterable[str], extra: str):
+        """mapa.toml on ``nodes`` with ``extra`` appended while the block runs (every hook reads it
+        afresh); the shipped file again afterwards."""
+        nodes = tuple(nodes)
+        for node in nodes:
+            base = self.exec(node, ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
+            self.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml.new && mv /etc/slurm/mapa.toml.new /etc/slurm/mapa.toml"],
+                      input=base + extra)
+        try:
+            yield
+        finally:
+            for node in nodes:
+                self.exec(node, ["install", "-m", "644", "/etc/slurm-mapa/config/mapa.toml", "/etc/slurm/mapa.toml"], check=False)
 
     def sbatch(self, script_text: str, *args: str, user: str = DEFAULT_USER) -> int:
         """Submit a batch script as ``user`` and return its job id.

@@ -103,6 +103,12 @@ def _check_isolated(out: str, where: str, allowed: tuple[int, ...]) -> None:
     assert [uuids[int(rank)] for rank in cvd.split(",")] == [fake_uuid("dgx1-v100", gpu) for gpu in allowed], out
 
 
+def _dcgm_mapping(cluster, node: str) -> dict[str, str]:
+    out = cluster.exec(node, ["sh", "-c", "cd /run/dcgm-job-mapping && for f in *; do printf '%s:' \"$f\"; tr '\\n' ' ' < \"$f\"; echo; done"],
+                       check=False).stdout
+    return {name: "".join(f"{job}\n" for job in jobs.split()) for name, _, jobs in (line.partition(":") for line in out.splitlines())}
+
+
 def test_each_task_opens_only_its_gpus_and_two_jobs_never_each_others(cluster):
     first = _submit(cluster, 3, "yes")
     second = _submit(cluster, 2, "no")
@@ -114,6 +120,12 @@ def test_each_task_opens_only_its_gpus_and_two_jobs_never_each_others(cluster):
         mapa[jobid] = gpus
         _check_isolated(out, "batch", gpus)
     assert not set(mapa[first]) & set(mapa[second])
+    # dcgm-exporter's job mapping names the same GPUs (mapa-agent writes it after each start).
+    deadline = time.monotonic() + 20
+    want = {str(gpu): "".join(f"{job}\n" for job in (first, second) if gpu in mapa[job]) for gpu in range(8)}
+    while (mapping := _dcgm_mapping(cluster, "dgx1")) != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert mapping == want, (mapping, mapa)
     # slurmd restarts (as systemd would bring it back); a new step is isolated all the same.
     cluster.exec("dgx1", ["pkill", "-x", "slurmd"])
     cluster.wait_node("dgx1", lambda s: "IDLE" in s or "MIXED" in s or "ALLOCATED" in s, timeout=60, what="back")
@@ -153,3 +165,25 @@ def test_a_job_runs_unisolated_and_says_why_when_the_cgroups_cannot_be_written(c
         cluster.wait_sacct(jobid, ("AdminComment",), AdminComment=lambda v: "isolation=failed-open why=" in v)
     finally:
         cluster.exec(node, ["mount", "-o", "remount,rw,bind", "/sys/fs/cgroup/devices"], check=False)
+
+
+def test_the_spank_plugin_isolates_a_task_whose_taskprolog_never_asks(cluster):
+    """The root-side trigger: with the TaskProlog's socket out of the job's reach (as when a user
+    makes the TaskProlog skip its request), every task still opens only its job's GPUs, because
+    spank_mapa_isolate.so asked mapa-agent as root before the task dropped to the user."""
+    node = "dgx1"
+    cluster.exec(node, ["chmod", "700", "/run/slurm-mapa-isolate"])  # the job's user cannot connect any more
+    try:
+        jobid = _submit(cluster, 3, "yes", node)
+        out = _wait_output(cluster, jobid, "batch smi")
+        opens, gpus, cvd, uuids, state = _seen(out, "batch")
+        assert state == "cgroup-v1", out  # what the plugin set, as the TaskProlog got no answer
+        assert opens == {gpu: ("ENXIO" if gpu in gpus else "EPERM") for gpu in range(8)}, out
+        assert [uuids[int(rank)] for rank in cvd.split(",")] == [fake_uuid("dgx1-v100", gpu) for gpu in gpus], out
+        cluster.run("touch", f"{cluster.job_dir}/go-{jobid}")
+        # The 1-GPU step is held to the job's GPUs (narrowing it to one is the TaskProlog's request).
+        step_opens, _, step_cvd, step_uuids, _ = _seen(_wait_output(cluster, jobid, "step smi"), "step")
+        assert step_opens == opens and step_uuids[int(step_cvd)] == fake_uuid("dgx1-v100", gpus[0])
+        cluster.wait_state(jobid, "COMPLETED", timeout=60)
+    finally:
+        cluster.exec(node, ["chmod", "755", "/run/slurm-mapa-isolate"], check=False)

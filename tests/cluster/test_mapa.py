@@ -11,8 +11,9 @@ import time
 
 import pytest
 
+from slurm_mapa.core.affinity import cpus_of_slurms_gpus, select_with_affinity
 from slurm_mapa.core.patterns import make_pattern
-from slurm_mapa.core.policies import Request, select
+from slurm_mapa.core.policies import Request
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.slurm.decision import parse_decisions
 
@@ -56,9 +57,21 @@ def _ledger(cluster, node: str) -> dict:
     return json.loads(out)["jobs"] if out.strip() else {}
 
 
+def _expected_choice(cluster, jobid: int, node: str, policy: str, graph, free, request: Request, running):
+    """What the Prolog must have chosen: the policy under the CPU affinity rule (prefer, max loss
+    0.1: the cluster's mapa.toml has no [affinity] table), with the job's CPUs those of the GPUs
+    Slurm picked. The record must name those GPUs (checked against scontrol's IDX) and the rule."""
+    decision = parse_decisions(_admin_comment(cluster, jobid))[node]
+    assert frozenset(decision.slurm_gpus) == _slurm_gpus(cluster, jobid), (decision, _slurm_gpus(cluster, jobid))
+    assert decision.affinity == "prefer:0.1", decision
+    expected, _ = select_with_affinity(policy, graph, free, request, cpus_of_slurms_gpus(graph, decision.slurm_gpus), "prefer",
+                                       max_loss=0.1, running=running)
+    return expected, decision
+
+
 def _run_job_sequence(cluster, policy: str, steps) -> tuple[dict[str, int], int]:
     """Submit ``steps`` to the mock DGX-1 (("A", gpus, sensitive) submits, ("release", "A") ends one);
-    each job must get what ``select(policy, ..., running=...)`` gives for the jobs held at that moment,
+    each job must get what the policy (under the CPU affinity rule, _expected_choice) gives for the jobs held at that moment,
     and record that free set and those running jobs. Returns the job ids and how many decisions the
     running jobs changed; every job is released at the end."""
     graph = preset("dgx1-v100")
@@ -74,14 +87,15 @@ def _run_job_sequence(cluster, policy: str, steps) -> tuple[dict[str, int], int]
         free = [g for g in range(graph.size) if g not in {x for hold in held.values() for x in hold}]
         running = sorted(tuple(sorted(hold)) for hold in held.values())
         request = Request(make_pattern("ring", gpus), sensitive)
-        expected = select(policy, graph, free, request, running=running)
-        running_mattered += sorted(expected.gpus) != sorted(select(policy, graph, free, request).gpus)
         jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1")
         ids[name] = jobid
         cluster.wait_state(jobid, "RUNNING", timeout=60)
         seen = _cvd(cluster, jobid)
+        expected, decision = _expected_choice(cluster, jobid, "dgx1", policy, graph, free, request, running)
+        without_running, _ = select_with_affinity(policy, graph, free, request, cpus_of_slurms_gpus(graph, decision.slurm_gpus),
+                                                  "prefer", max_loss=0.1)
+        running_mattered += sorted(expected.gpus) != sorted(without_running.gpus)
         assert seen == expected.gpus, (name, free, running, seen, expected.gpus)
-        decision = parse_decisions(_admin_comment(cluster, jobid))["dgx1"]
         assert decision.gpus == expected.gpus and decision.policy == policy
         assert decision.free == tuple(free) and decision.running == tuple(running)
         held[name] = seen
@@ -440,7 +454,20 @@ def _assert_node_in_service(cluster, node: str) -> None:
         f"node {node} is {sorted(state)} ({cluster.node(node).get('reason')!r})"
 
 
-def test_non_utf8_batch_script_and_job_name_get_gpus_no_other_job_uses(cluster):
+# The premise of the two tests below is a layout of MAPA's choices that ties decide: with CPU
+# affinity (prefer, the default) the 4-GPU job takes the ring on its own socket, 4-7, which the
+# model rates as high as (1, 2, 5, 6), so it leaves Slurm's next indices free. These tests are
+# about what happens when a job lands on GPUs a MAPA job holds; they run with affinity ignored.
+AFFINITY_IGNORED = '\n[affinity]\nmode = "ignore"\n'
+
+
+@pytest.fixture
+def affinity_ignored_on_dgx1(cluster):
+    with cluster.hook_config(("dgx1",), AFFINITY_IGNORED):
+        yield
+
+
+def test_non_utf8_batch_script_and_job_name_get_gpus_no_other_job_uses(cluster, affinity_ignored_on_dgx1):
     """On the mock DGX-1, with MAPA jobs holding GPUs other than Slurm's lowest indices, a job whose
     batch script (no #MAPA line) holds a Latin-1 byte, and one whose job name does, each get GPUs
     no other live job uses, a per-job file and a MAPA record, without an internal error.
@@ -547,7 +574,7 @@ done
 """
 
 
-def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(cluster):
+def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(cluster, affinity_ignored_on_dgx1):
     """On the mock DGX-1, with MAPA jobs holding GPUs other than Slurm's lowest indices, every
     Prolog run of one job is SIGKILLed right after it marked the job (mapa-agent first, then the
     in-process Prolog the wrapper falls back to, then its retry; the ledger lock is held meanwhile
@@ -708,12 +735,12 @@ def test_the_amd_node_gives_sensitive_pairs_one_mi250x_package_and_rocr_variable
         for gpus, sensitive in ((2, True), (2, True), (1, False), (2, True)):  # 7 of the 8 GCDs
             free = [g for g in graph.gpus if g not in {x for hold in held for x in hold}]
             running = sorted(tuple(sorted(hold)) for hold in held)
-            expected = select("preserve", graph, free, Request(make_pattern("ring", gpus), sensitive), running=running)
             jobid = cluster.sbatch(AMD_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", AMD_NODE)
             ids.append(jobid)
             cluster.wait_state(jobid, "RUNNING", timeout=60)
             seen = _rocm_vars(cluster, jobid)
-            decision = parse_decisions(_admin_comment(cluster, jobid))[AMD_NODE]
+            expected, decision = _expected_choice(cluster, jobid, AMD_NODE, "preserve", graph, free,
+                                                  Request(make_pattern("ring", gpus), sensitive), running)
             rocr = tuple(int(g) for g in seen["rocr"].split(","))
             assert rocr == decision.gpus == expected.gpus, (free, running, seen, expected.gpus)
             local = ",".join(str(i) for i in range(gpus))

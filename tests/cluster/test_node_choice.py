@@ -5,7 +5,10 @@ placement=require's bounded wait and `mapa release`, on the two mock DGX-1 V100 
 The scene the tests build: on each DGX node an insensitive 2-GPU job, then a 3-GPU job. After a
 sensitive one MAPA's Preserve leaves three GPUs free that hold no good 3-ring (mapa_noring3: GPUs
 1, 2, 5); after an insensitive one, three that do (mapa_ring3: GPUs 4, 6, 7), as
-slurm_mapa.core.features says for those free sets (the features are checked, not assumed)."""
+slurm_mapa.core.features says for those free sets (the features are checked, not assumed). The
+scene is Preserve's choices without CPU affinity, so the module runs with `[affinity] mode =
+"ignore"` on both nodes (with prefer, the default, the jobs stay on the sockets of Slurm's GPUs
+and leave other free sets)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,12 @@ SLEEPING_JOB = """#!/bin/bash
 #MAPA {directive}
 sleep 600
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _affinity_ignored(cluster):
+    with cluster.hook_config(DGX, '\n[affinity]\nmode = "ignore"\n'):
+        yield
 
 
 def _features(cluster, node: str) -> set[str]:

@@ -1,0 +1,101 @@
+"""DCGM's HPC job-mapping files: which job uses each GPU, for sites monitoring with dcgm-exporter.
+
+dcgm-exporter run with ``--hpc-job-mapping-dir DIR`` (or ``DCGM_HPC_JOB_MAPPING_DIR``) labels
+each GPU's metrics with the jobs named in ``DIR/<gpu>``. Slurm's own scripts for it write the
+indices Slurm gave the job; on a MAPA node the job runs on the GPUs MAPA chose, so this module
+writes those instead. Format, as read by NVIDIA/dcgm-exporter (HEAD d5e5f510),
+``internal/pkg/transformation/hpc.go``:
+
+* ``getGPUFiles``: the directory is listed again on every scrape (``hpcMapper.Process``); only
+  names matching ``^\\d+(\\.\\d+)?$`` are read (``<gpu>`` or ``<gpu>.<GPU instance>`` for MIG),
+  directories and everything else are skipped. Our temporary files (``.3.xxxx.tmp``) never match.
+* ``Process`` looks a file up by the metric's ``gpu`` label, the DCGM GPU id
+  (``fmt.Sprintf("%d", DeviceInfo.GPU)``, ``internal/pkg/collector``). DCGM numbers GPUs in
+  NVML order, which is the topology index MAPA uses (docs/hardware.md) on a node where DCGM sees
+  every GPU; the source does not promise it, so check the ``gpu`` and ``pci_bus_id`` labels once.
+* ``readFile``: one job per line, ``bufio.Scanner`` lines taken verbatim (no trimming; a blank
+  line would become an empty job), a final newline is optional. Each job makes its own copy of
+  the GPU's metrics with the label ``hpc_job="<job>"`` (``hpcJobAttribute``, const.go), so a GPU
+  two jobs share is reported once per job. An empty file, like a missing one, leaves the
+  metrics unlabelled (``exists && len(jobs) != 0``).
+* A file that cannot be opened or read makes ``Process`` return an error, and the exporter
+  then fails the whole scrape (``MetricsServer.render``, internal/pkg/server/server.go). Hence
+  files are replaced atomically, never removed while their GPU exists, and readable by the
+  exporter's user (mode 644).
+
+:func:`mapping_files` is pure; :func:`write_mapping` brings the directory to it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from . import paths
+from .commands import is_job_id
+
+FILE_MODE = 0o644  # dcgm-exporter runs as another user
+MAX_FILE_BYTES = 1 << 16  # an existing file larger than this is rewritten without being compared
+_GPU_NAME = re.compile(r"0|[1-9][0-9]*")  # the names mapping_files makes, and only these
+
+
+def mapping_files(holdings: Mapping[str, Sequence[int]], gpu_count: int) -> dict[str, str]:
+    """File name -> content for GPUs 0..gpu_count-1: the ids of the jobs holding the GPU, one per
+    line, in numeric order. Job ids that are not plain Slurm job ids and GPUs out of range are
+    left out.
+
+    A GPU no job holds gets an empty file rather than none: dcgm-exporter treats both alike, and
+    a file that is only ever replaced, never removed, cannot vanish between the exporter's
+    directory listing and its open, which would fail the scrape (module docstring).
+    """
+    jobs_of: dict[int, set[str]] = {gpu: set() for gpu in range(gpu_count)}
+    for job, gpus in holdings.items():
+        if not is_job_id(job):
+            continue
+        for gpu in gpus:
+            if gpu in jobs_of:
+                jobs_of[gpu].add(job)
+    return {str(gpu): "".join(f"{job}\n" for job in sorted(jobs, key=_numeric)) for gpu, jobs in jobs_of.items()}
+
+
+def _numeric(job: str) -> tuple[int, str]:
+    return int(job), job  # "07" and "7" are both valid ids; the string breaks the tie
+
+
+def _unchanged(path: Path, data: bytes) -> bool:
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or stat.S_IMODE(info.st_mode) != FILE_MODE:
+            return False
+        return paths.read_bytes(path, MAX_FILE_BYTES) == data
+    except OSError:
+        return False
+
+
+def write_mapping(directory: Path, files: dict[str, str]) -> list[str]:
+    """Make ``directory`` hold exactly ``files`` (from mapping_files): changed files replaced
+    atomically with mode 644, GPU files not in ``files`` removed, anything else left alone.
+
+    The directory is created if missing and must be root's and writable by nobody else (raises
+    paths.UnsafePath). Returns the names written or removed, in GPU order.
+    """
+    for name in files:
+        if not _GPU_NAME.fullmatch(name):
+            raise ValueError(f"not a GPU file name: {name!r}; accepted: a GPU index such as '0' or '7'")
+    directory = Path(directory)
+    paths.ensure_trusted_dir(directory)
+    changed = []
+    for name, text in files.items():
+        data = text.encode("ascii")
+        if not _unchanged(directory / name, data):
+            paths.replace_file(directory / name, data, FILE_MODE)
+            changed.append(name)
+    with os.scandir(directory) as entries:
+        stale = [e.name for e in entries if _GPU_NAME.fullmatch(e.name) and e.name not in files and not e.is_dir(follow_symlinks=False)]
+    for name in stale:
+        paths.remove(directory / name)
+        changed.append(name)
+    return sorted(changed, key=int)
