@@ -505,3 +505,24 @@ def test_affinity_keeps_the_job_on_the_socket_of_slurms_gpus(setup):
     assert cpus_of_slurms_gpus(graph, (5, 6)) == frozenset(range(20, 40)) | frozenset(range(60, 80))
     assert cpus_of_slurms_gpus(preset("pcie-8"), (5, 6)) is None  # no CPU affinity in the topology: all local
     assert cpus_of_slurms_gpus(graph, (9,)) is None
+
+
+def test_the_jobs_own_cpus_from_its_cgroup_win_over_slurms_gpus(setup):
+    """With PrologFlags=RunInJob the Prolog reads the job's CPUs from its cpuset (slurm/jobcpus.py);
+    those decide, and the record names them (cpus=), so a replay can make the same choice."""
+    import dataclasses
+
+    from slurm_mapa.slurm.directive import parse_directive
+    from slurm_mapa.slurm.hooks import PrologContext, choose
+
+    config, _, _ = setup
+    strict = dataclasses.replace(config, affinity_mode="strict")
+    graph, directive = preset("dgx1-v100"), parse_directive("topology=ring sensitive=yes")
+    # Slurm's GPUs are on socket 0 (CPUs 0-19,40-59), the job's cores on socket 1.
+    ctx = PrologContext("90", "dgx1", (0, 1), "", job_cpus=frozenset({25, 65}))
+    decision = choose(ctx, strict, graph, directive, Ledger(), 8, "")
+    assert set(decision.gpus) <= {4, 5, 6, 7} and (decision.job_cpus, decision.affinity) == ("25,65", "strict")
+    assert " cpus=25,65 affinity=strict" in decision.text()
+    ctx.job_cpus = None  # not in the job's cgroup (PrologFlags=Alloc): Slurm's GPUs' CPUs stand in
+    decision = choose(ctx, strict, graph, directive, Ledger(), 8, "")
+    assert set(decision.gpus) <= {0, 1, 2, 3} and decision.job_cpus == "" and "cpus=" not in decision.text()

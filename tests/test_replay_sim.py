@@ -243,6 +243,16 @@ def test_audit_remakes_a_choice_under_the_affinity_rule_it_was_recorded_with():
     assert audit([job], DGX, ["preserve"], Decider())["policies"]["preserve"]["same_set"] == 1
     job.recorded_affinity = None  # an audit blind to the rule counts it as differing
     assert audit([job], DGX, ["preserve"], Decider())["policies"]["preserve"]["same_set"] == 0
+    # The job's CPUs as its cgroup held them (cpus=) win over Slurm's GPUs: on socket 0 they make
+    # the same rule choose among GPUs 0-3.
+    on_socket0, _ = select_with_affinity("preserve", graph, free, request, frozenset({3}), "strict")
+    record = Decision("n1", on_socket0.gpus, "preserve", free=free, slurm_gpus=(5, 6), affinity="strict", job_cpus="3").text()
+    intent = read_intent(f"mapa:topology=ring sensitive=yes # {record}")
+    assert intent.recorded_cpus == frozenset({3})
+    job = Job("8", 0, 10, 2, sensitive=True, node="n1", recorded=intent.recorded, start=0, recorded_free=intent.recorded_free,
+              recorded_slurm=intent.recorded_slurm, recorded_affinity=intent.recorded_affinity, recorded_cpus=intent.recorded_cpus)
+    assert audit([job], DGX, ["preserve"], Decider())["policies"]["preserve"]["same_set"] == 1
+    assert read_intent(f"mapa:topology=ring sensitive=yes # {record.replace('cpus=3', 'cpus=9-2')}").recorded_cpus is None
 
 
 def test_audit_skips_fallback_decisions_but_keeps_their_gpus_busy():

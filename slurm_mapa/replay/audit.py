@@ -8,7 +8,8 @@ its GPUs, and only as well as sacct's whole-second times order the events. "same
 identical sets; "as good" counts sets that score as high on the job's Preserve objective
 (effective bandwidth for sensitive multi-GPU jobs, else preserved bandwidth). A decision recorded
 under the CPU affinity rule (``affinity=`` and ``slurm=``) is re-made under the same rule, with
-the job's CPUs taken from the same Slurm GPUs; round-robin's stateful path ignores affinity.
+the job's CPUs those its cgroup held (``cpus=``) or else those of the same Slurm GPUs;
+round-robin's stateful path ignores affinity.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
                 running = running_masks if decider.sees_running(policy) else ()
                 # A choice made under the CPU affinity rule is re-made under it, from the same Slurm GPUs.
                 found = decider.decide(policy, gid, free_mask, rid, tuple(range(size)) if policy == "round-robin" else None, running,
-                                       job.recorded_affinity, job.recorded_slurm if job.recorded_affinity else None)
+                                       job.recorded_affinity, job.recorded_slurm if job.recorded_affinity else None,
+                                       job.recorded_cpus if job.recorded_affinity else None)
                 if found is None:
                     continue
                 decision = found[0]

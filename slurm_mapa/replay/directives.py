@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
+from ..core.affinity import parse_cpu_ids
 from ..core.patterns import make_pattern
 from ..core.policies import Request
 from ..errors import InputError
@@ -34,6 +35,7 @@ class Intent:
     recorded_running: tuple[tuple[int, ...], ...] = ()  # the running jobs' GPUs the Prolog saw (``running=``)
     recorded_slurm: tuple[int, ...] = ()  # the GPUs Slurm picked (``slurm=``)
     recorded_affinity: tuple[str, float] | None = None  # the CPU affinity rule of the choice (``affinity=``)
+    recorded_cpus: frozenset[int] | None = None  # the job's CPUs from its cgroup (``cpus=``), if recorded
 
 
 @lru_cache(maxsize=4096)
@@ -58,7 +60,16 @@ def read_intent(text: str) -> Intent | None:
         recorded_running=first.running,
         recorded_slurm=first.slurm_gpus,
         recorded_affinity=parse_affinity(first.affinity) if first.affinity else None,
+        recorded_cpus=_cpus(first.job_cpus),
     )
+
+
+def _cpus(text: str) -> frozenset[int] | None:
+    """A record's ``cpus=`` list, None when there is none or it does not parse (then Slurm's GPUs' CPUs stand in)."""
+    try:
+        return parse_cpu_ids(text) if text else None
+    except InputError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class Job:
     recorded_running: tuple[tuple[int, ...], ...] = ()  # the GPUs of each job running on the node then, if recorded
     recorded_slurm: tuple[int, ...] = ()  # the GPUs Slurm picked for it there, if recorded
     recorded_affinity: tuple[str, float] | None = None  # (mode, max_loss) of the CPU affinity rule it was chosen under
+    recorded_cpus: frozenset[int] | None = None  # its CPUs there as its cgroup held them, if recorded (else Slurm's GPUs')
     recorded_bw: float | None = None  # effective bandwidth of the recorded decision (filled by the audit)
 
 

@@ -188,6 +188,7 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
     recorded_running: tuple[tuple[int, ...], ...] = ()
     recorded_slurm: tuple[int, ...] = ()
     recorded_affinity = None
+    recorded_cpus = None
     node = first_node(values.get("nodelist", ""))
     if intent is not None:
         shape = intent.shape or shape
@@ -205,6 +206,7 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
                     recorded_running = intent.recorded_running
             if len(intent.recorded_slurm) == per_node:
                 recorded_slurm, recorded_affinity = intent.recorded_slurm, intent.recorded_affinity
+                recorded_cpus = intent.recorded_cpus
         node = intent.node or node
     stats.jobs += 1
     return Job(
@@ -224,6 +226,7 @@ def _make_job(values: Mapping[str, str], rules, stats: ReadStats, where, default
         recorded_running=recorded_running,
         recorded_slurm=recorded_slurm,
         recorded_affinity=recorded_affinity,
+        recorded_cpus=recorded_cpus,
         start=start,
     )
 

@@ -206,13 +206,15 @@ class Decider:
         return getattr(self.policies[policy], "sees_running", False)
 
     def decide(self, policy: str, gid: int, mask: int, rid: int, queue: tuple[int, ...] | None = None, running: tuple[int, ...] = (),
-               affinity: tuple[str, float] | None = None, slurm_gpus: tuple[int, ...] | None = None):
+               affinity: tuple[str, float] | None = None, slurm_gpus: tuple[int, ...] | None = None,
+               job_cpus: frozenset[int] | None = None):
         """The decision (or None: does not fit); for round-robin also the new device queue.
 
         ``running``: the sorted masks of the jobs running on the node, for policies that see them.
         ``affinity``: (mode, max_loss) of the CPU affinity rule, with the job's CPUs modelled from
         the free mask (module docstring), or, given ``slurm_gpus`` (a recorded decision's
-        ``slurm=``), from the GPUs Slurm picked, as the Prolog takes them; None: no affinity.
+        ``slurm=``), from the GPUs Slurm picked, as the Prolog takes them, or given ``job_cpus``
+        (its ``cpus=``), those; None: no affinity.
         """
         self.lookups += 1
         if queue is not None:
@@ -233,7 +235,7 @@ class Decider:
                 found = self._decision(gid, rid, result.placement, chosen)
                 self._store(key, found)
             return found, picked[1]
-        key = (gid, policy, mask, rid, running) if affinity is None else (gid, policy, mask, rid, running, affinity, slurm_gpus)
+        key = (gid, policy, mask, rid, running) if affinity is None else (gid, policy, mask, rid, running, affinity, slurm_gpus, job_cpus)
         found = self.memo.get(key)
         if found is not None or key in self.memo:
             return found
@@ -254,7 +256,12 @@ class Decider:
         if affinity is None:
             result = run(free)
         else:
-            cpus = modelled_job_cpus(graph, free, request.gpus) if slurm_gpus is None else cpus_of_slurms_gpus(graph, slurm_gpus)
+            if job_cpus is not None:
+                cpus = job_cpus
+            elif slurm_gpus is not None:
+                cpus = cpus_of_slurms_gpus(graph, slurm_gpus)
+            else:
+                cpus = modelled_job_cpus(graph, free, request.gpus)
             result, why = affinity_decide(run, graph, free, request, cpus, affinity[0], max_loss=affinity[1], policy=policy)
             local = why.local if gpu_cpus(graph) is not None else None
         if not isinstance(result, Allocation):

@@ -6,8 +6,9 @@ MAPA's record is the directive as ``mapa:<normalised>`` (what the job_submit plu
 one segment per node of the job, ``# NODE=GPUS key=value...``, GPUs in pattern order. `free=` is
 what the Prolog chose from and `running=0,1/4,5` the GPUs of each job running on the node then
 (jobs separated by `/`), so a replay can make the same decision again; with the CPU affinity rule
-on, ``slurm=`` (the GPUs Slurm picked, whose CPUs the job's cores are taken to be) and
-``affinity=prefer:0.25`` (or ``strict``) say under which rule it was made. When mapa-agent could not
+on, ``slurm=`` (the GPUs Slurm picked, whose CPUs the job's cores are taken to be, unless
+``cpus=`` gives the job's CPUs as its cgroup held them) and ``affinity=prefer:0.1`` (or
+``strict``) say under which rule it was made. When mapa-agent could not
 isolate the job's devices on the node (docs/isolation.md), it adds ``isolation=failed-open`` (the
 job ran without) or ``isolation=refused`` (fail-closed: its task failed) and ``why=<reason>``.
 The directive grammar ends a body at `#`, so the record's text up to the first `#` parses as the
@@ -49,9 +50,10 @@ from .directive import Directive, parse_comment
 # at 4 bytes a character, and hold about 150 decisions of 8-GPU nodes.
 MAX_ADMIN_COMMENT_CHARS = 16384
 MAX_RECORD_CANDIDATES = 32  # `mapa:` words tried as the record's start, so reading stays linear
-DECISION_KEYS = ("policy", "free", "running", "slurm", "affinity", "eff", "agg", "pres", "fallback", "isolation", "why")
+DECISION_KEYS = ("policy", "free", "running", "slurm", "cpus", "affinity", "eff", "agg", "pres", "fallback", "isolation", "why")
 ISOLATION_STATES = ("failed-open", "refused")  # what a node's record says when device isolation was not applied
 MAX_WHY_CHARS = 200
+_CPU_LIST = re.compile(r"[0-9]{1,5}(?:-[0-9]{1,5})?(?:,[0-9]{1,5}(?:-[0-9]{1,5})?)*")  # the form format_cpu_list writes
 _MARKER = re.compile(r"(?:^|(?<=[ \t\r\n\f\v]))mapa:", re.IGNORECASE)
 
 
@@ -69,7 +71,8 @@ class Decision:
     free: tuple[int, ...] = ()
     running: tuple[tuple[int, ...], ...] = ()
     slurm_gpus: tuple[int, ...] = ()  # the GPUs Slurm picked (its job CPUs follow them)
-    affinity: str = ""  # the CPU affinity rule the choice was made under: "strict", "prefer:0.25"; "": none
+    affinity: str = ""  # the CPU affinity rule the choice was made under: "strict", "prefer:0.1"; "": none
+    job_cpus: str = ""  # the job's CPUs as its cpuset cgroup held them (slurm/jobcpus.py); "": Slurm's GPUs' CPUs
     isolation: str = ""  # "" (applied, or off) or one of ISOLATION_STATES, written by mapa-agent
     why: str = ""  # why isolation was not applied: one token (why_token)
 
@@ -81,6 +84,8 @@ class Decision:
             parts.append("running=" + "/".join(",".join(map(str, group)) for group in self.running))
         if self.slurm_gpus:
             parts.append(f"slurm={','.join(map(str, self.slurm_gpus))}")
+        if self.job_cpus:
+            parts.append(f"cpus={self.job_cpus}")
         if self.affinity:
             parts.append(f"affinity={self.affinity}")
         for name, value in (("eff", self.effective), ("agg", self.aggregated), ("pres", self.preserved)):
@@ -208,10 +213,13 @@ def _decision_in(segment: str) -> Decision | None:
     except ValueError:
         slurm_gpus = ()
     affinity = fields.get("affinity", "")
+    job_cpus = fields.get("cpus", "")
+    if len(job_cpus) > 4096 or not _CPU_LIST.fullmatch(job_cpus):
+        job_cpus = ""
     isolation = fields.get("isolation", "")
     return Decision(
         node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free,
-        tuple(group for group in running if group), slurm_gpus, affinity if parse_affinity(affinity) else "",
+        tuple(group for group in running if group), slurm_gpus, affinity if parse_affinity(affinity) else "", job_cpus,
         isolation if isolation in ISOLATION_STATES else "", fields.get("why", "")[:MAX_WHY_CHARS],
     )
 

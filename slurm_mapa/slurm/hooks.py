@@ -154,6 +154,7 @@ class PrologContext:
     slurm_gpus: tuple[int, ...]
     env_comment: str
     nodes_in_job: int = 1
+    job_cpus: frozenset[int] | None = None  # from the job's cpuset cgroup when the Prolog runs in it (jobcpus.py)
 
 
 def context_from_env(env: Mapping[str, str]) -> PrologContext:
@@ -247,11 +248,14 @@ def choose(
             from ..core.effbw import load_model_file, paper_model
             from ..core.explain import reported_allocation
             from ..core.policies import Allocation, select
+            from ..hardware.gres import format_cpu_list
             from .directive import to_request
 
             request = to_request(directive, len(ctx.slurm_gpus))
             model = load_model_file(config.model) if config.model else paper_model()
-            job_cpus = cpus_of_slurms_gpus(graph, ctx.slurm_gpus) if config.affinity_mode != "ignore" else None
+            job_cpus = None
+            if config.affinity_mode != "ignore":
+                job_cpus = ctx.job_cpus if ctx.job_cpus is not None else cpus_of_slurms_gpus(graph, ctx.slurm_gpus)
             if job_cpus is None:
                 result = select(config.policy, graph, free, request, model, config.configured_policies(), running)
             else:
@@ -265,6 +269,7 @@ def choose(
                     ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth,
                     free=free, running=running, slurm_gpus=ctx.slurm_gpus,
                     affinity=affinity_token(config.affinity_mode, config.affinity_max_loss) if job_cpus is not None else "",
+                    job_cpus=format_cpu_list(set(ctx.job_cpus)) if job_cpus is not None and ctx.job_cpus is not None else "",
                 )
             problem = "ledger-has-too-few-free-gpus"
         except (MapaError, OSError) as error:
@@ -442,6 +447,10 @@ def run_prolog(
     jobfiles.clear_ended(config.jobs_dir, ctx.job_id)  # a requeued job runs again under its id
     if not ctx.slurm_gpus:
         return None  # a CPU-only job: its mark says so, and no Prolog ever needs to ask Slurm about it
+    if config.affinity_mode != "ignore":  # exact with PrologFlags=RunInJob; else Slurm's GPUs' CPUs stand in
+        from .jobcpus import read_job_cpus
+
+        ctx.job_cpus = read_job_cpus(requester_pid or os.getpid(), ctx.job_id)
     problem = config_problem
     graph: HardwareGraph | None = None
     if not problem:
