@@ -526,3 +526,15 @@ def test_the_jobs_own_cpus_from_its_cgroup_win_over_slurms_gpus(setup):
     ctx.job_cpus = None  # not in the job's cgroup (PrologFlags=Alloc): Slurm's GPUs' CPUs stand in
     decision = choose(ctx, strict, graph, directive, Ledger(), 8, "")
     assert set(decision.gpus) <= {0, 1, 2, 3} and decision.job_cpus == "" and "cpus=" not in decision.text()
+
+
+def test_the_prolog_asks_for_the_jobs_cpus_with_the_pid_that_asked(setup, monkeypatch):
+    from slurm_mapa.slurm import jobcpus
+
+    config, slurm, logs = setup
+    slurm.running = {"91"}
+    asked = []
+    monkeypatch.setattr(jobcpus, "read_job_cpus", lambda pid, job: asked.append((pid, job)) or frozenset({25}))
+    decision = run_prolog(env_for("91", "0,1", "mapa:topology=ring sensitive=yes"), config, slurm, logs.append, requester_pid=4242)
+    assert asked == [(4242, "91")]
+    assert decision.job_cpus == "25" and "cpus=25 affinity=prefer:0.1" in slurm.admin["91"]
