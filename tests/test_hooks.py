@@ -259,7 +259,7 @@ def test_taskprolog_gives_a_smaller_step_the_first_gpus_in_pattern_order(tmp_pat
     assert "export CUDA_VISIBLE_DEVICES=4,7" in out.splitlines()
 
 
-def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys):
+def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys, monkeypatch):
     from slurm_mapa.slurm.admin import explain_job, node_status
 
     config, slurm, logs = setup
@@ -276,6 +276,20 @@ def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys):
     report = explain_job(config, slurm.admin["60"])
     assert report[0]["gpus"] == list(first.gpus) and report[0]["free"] == list(range(8))
     assert report[0]["alternatives"] and all(alt["why_not"] for alt in report[0]["alternatives"])
+    assert (report[0]["slurm_gpus"], report[0]["affinity"], report[0]["isolation"]) == ([0, 1, 2, 3], "prefer:0.1", "")
+    # The text form says under which rule the choice was made, and an isolation note when there is one.
+    from slurm_mapa.slurm import admin
+
+    noted = slurm.admin["60"] + " isolation=failed-open why=cannot_set_up_the_devices_cgroup"
+    slurm.admin["60"] = noted
+    monkeypatch.setattr(admin, "Runner", lambda timeout: slurm)
+    toml = config.ledger.parent / "mapa.toml"
+    toml.write_text(f'ledger = "{config.ledger}"\njobs_dir = "{config.jobs_dir}"\nlog = "{config.log}"\n[nodes]\n"dgx*" = "dgx1-v100"\n')
+    assert admin.cmd_explain(type("Args", (), {"job": "60", "config": str(toml), "json": False})()) == 0
+    out = capsys.readouterr().out
+    assert "    Slurm's GPUs: 0,1,2,3\n" in out
+    assert "    CPU affinity rule: prefer:0.1, with the CPUs of Slurm's GPUs; alternatives below are ranked without it" in out
+    assert "    GPU isolation: failed-open (cannot_set_up_the_devices_cgroup)" in out
 
 
 def test_unhealthy_gpus_are_left_out_and_logged(setup):

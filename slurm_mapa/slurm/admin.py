@@ -88,7 +88,9 @@ def explain_job(config: HookConfig, admin_comment: str) -> list[dict[str, Any]]:
     for node, decision in parse_decisions(admin_comment).items():
         entry: dict[str, Any] = {"node": node, "gpus": list(decision.gpus), "policy": decision.policy, "fallback": decision.fallback,
                                  "free": list(decision.free), "effective_bandwidth": decision.effective,
-                                 "aggregated_bandwidth": decision.aggregated, "preserved_bandwidth": decision.preserved}
+                                 "aggregated_bandwidth": decision.aggregated, "preserved_bandwidth": decision.preserved,
+                                 "slurm_gpus": list(decision.slurm_gpus), "affinity": decision.affinity, "job_cpus": decision.job_cpus,
+                                 "isolation": decision.isolation, "isolation_why": decision.why}
         if decision.policy != "fallback" and decision.free:
             graph = load_graph(config, node)
             request: Request = to_request(directive, len(decision.gpus))
@@ -128,6 +130,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if entry["fallback"]:
             line += f" (FALLBACK: {entry['fallback']})"
         print(line + f", free then: {','.join(map(str, entry['free']))}")
+        if entry["slurm_gpus"]:
+            print(f"    Slurm's GPUs: {','.join(map(str, entry['slurm_gpus']))}")
+        if entry["affinity"]:
+            cpus = f"the job's CPUs {entry['job_cpus']} (its cgroup)" if entry["job_cpus"] else "the CPUs of Slurm's GPUs"
+            print(f"    CPU affinity rule: {entry['affinity']}, with {cpus}; alternatives below are ranked without it")
+        if entry["isolation"]:
+            print(f"    GPU isolation: {entry['isolation']} ({entry['isolation_why']})")
         for alt in entry.get("alternatives", []):
             print(f"    instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}")
     return 0
