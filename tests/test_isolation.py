@@ -707,3 +707,41 @@ def test_on_a_real_v1_devices_hierarchy_other_gpus_fail_with_eperm(tmp_path):
                 break
             time.sleep(0.1)
         os.rmdir(devices / base)
+
+
+# --- the SPANK plugin, built as an admin builds it ------------------------------------------------
+def test_mapa_spank_plugin_builds_a_plugin_slurm_can_load(tmp_path, capsys):
+    """`mapa spank-plugin` compiles the bundled C source against the Slurm headers (scripts/test
+    installs Debian's libslurm-dev) and prints the plugstack.conf line; the object has the hook and
+    the symbols Slurm's plugin loader reads."""
+    import ctypes
+
+    from slurm_mapa.cli import main as mapa_main
+
+    if not Path("/usr/include/slurm/spank.h").exists():
+        pytest.fail("the Slurm headers are missing: apt-get install -y libslurm-dev (scripts/test does)")
+    target = tmp_path / "lib" / "spank_mapa_isolate.so"
+    assert mapa_main(["spank-plugin", str(target), "--mode", "fail-closed"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"optional {target} fail-closed"
+    assert oct(target.stat().st_mode & 0o777) == "0o644"
+    plugin = ctypes.CDLL(str(target), mode=os.RTLD_LAZY)  # Slurm's symbols resolve inside slurmstepd only
+    assert hasattr(plugin, "slurm_spank_task_init_privileged")
+    assert (ctypes.c_char * 13).in_dll(plugin, "plugin_name").value == b"mapa_isolate"
+    assert (ctypes.c_char * 6).in_dll(plugin, "plugin_type").value == b"spank"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["spank-plugin", "relative/x.so"], "give an absolute path ending in .so"),
+        (["spank-plugin", "/tmp/x.txt"], "give an absolute path ending in .so"),
+        (["spank-plugin", "{tmp}/x.so", "--cc", "/bin/false"], "/bin/false failed on .*spank_mapa_isolate.c \\(it needs the Slurm headers"),
+        (["spank-plugin", "{tmp}/x.so", "--cc", "/nonexistent/cc"], "cannot run the compiler '/nonexistent/cc'"),
+    ],
+)
+def test_mapa_spank_plugin_says_what_went_wrong(tmp_path, capsys, argv, message):
+    from slurm_mapa.cli import main as mapa_main
+
+    assert mapa_main([part.replace("{tmp}", str(tmp_path)) for part in argv]) != 0
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "x.so").exists()

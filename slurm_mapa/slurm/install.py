@@ -285,7 +285,67 @@ def cmd_job_submit_lua(args: argparse.Namespace) -> int:
     return 0
 
 
+SPANK_SOURCE = Path(__file__).resolve().parent.parent / "data" / "spank" / "spank_mapa_isolate.c"
+SPANK_MODES = ("fail-open", "fail-closed")
+MAX_PLUGIN_BYTES = 16 << 20
+
+
+def spank_build_argv(cc: str, source: Path, output: Path) -> list[str]:
+    """The compiler command for MAPA's SPANK plugin (it needs the Slurm headers: libslurm-dev)."""
+    return [cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(output), str(source)]
+
+
+def plugstack_line(plugin: Path, mode: str) -> str:
+    """The plugstack.conf line that loads it (``optional``: srun and sbatch read the file too)."""
+    if mode not in SPANK_MODES:
+        raise InputError(f"SPANK plugin mode {mode!r} (accepted: {', '.join(SPANK_MODES)})")
+    return f"optional {plugin} {mode}\n"
+
+
+def cmd_spank_plugin(args: argparse.Namespace) -> int:
+    """Compile the SPANK plugin into PATH (replaced whole: slurmstepd loads it at every step) and
+    print its plugstack.conf line."""
+    import subprocess
+    import tempfile
+
+    target = Path(args.path)
+    if not target.is_absolute() or target.suffix != ".so":
+        raise InputError(f"{args.path!r}: give an absolute path ending in .so, e.g. /usr/local/lib/slurm-mapa/spank_mapa_isolate.so")
+    line = plugstack_line(target, args.mode)
+    try:
+        trusted.ensure_trusted_dir(target.parent)  # slurmstepd loads it as root
+    except trusted.UnsafePath as error:
+        raise InputError(f"cannot write {target}: {error}") from None
+    with tempfile.TemporaryDirectory(prefix="mapa-spank-") as scratch:
+        built = Path(scratch) / target.name
+        try:
+            done = subprocess.run(spank_build_argv(args.cc, SPANK_SOURCE, built), capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise InputError(f"cannot run the compiler {args.cc!r}: {error}") from None
+        if done.returncode != 0:
+            raise InputError(f"{args.cc} failed on {SPANK_SOURCE} (it needs the Slurm headers: Debian's libslurm-dev, "
+                             f"RHEL's slurm-devel):\n{done.stderr.strip()[-2000:]}")
+        data = trusted.read_bytes(built, MAX_PLUGIN_BYTES)
+        if len(data) > MAX_PLUGIN_BYTES:
+            raise InputError(f"{args.cc} made a plugin of more than {MAX_PLUGIN_BYTES} bytes; not installed")
+        trusted.replace_file(target, data, mode=0o644)
+    print(f"wrote {target}", file=sys.stderr)
+    print("# /etc/slurm/plugstack.conf on every compute node (and mapa.toml's isolation on):")
+    print(line, end="")
+    return 0
+
+
 def add_commands(commands: Any) -> None:
+    spank = commands.add_parser(
+        "spank-plugin",
+        help="compile the SPANK plugin that asks mapa-agent, as root, to isolate each task (docs/isolation.md)",
+        description="Compile the bundled spank_mapa_isolate.c into PATH and print the plugstack.conf line that loads it.",
+    )
+    spank.add_argument("path", help="where to write it, e.g. /usr/local/lib/slurm-mapa/spank_mapa_isolate.so")
+    spank.add_argument("--cc", default="cc", help="the C compiler (default %(default)s)")
+    spank.add_argument("--mode", choices=SPANK_MODES, default="fail-open",
+                       help="when the agent cannot be asked: the task runs (fail-open, default) or fails (fail-closed)")
+    spank.set_defaults(handler=cmd_spank_plugin)
     lua = commands.add_parser(
         "job-submit-lua",
         help="write job_submit.lua (the directive validator) for slurmctld, with mapa.toml's [features]",
