@@ -515,10 +515,37 @@ def test_a_note_waits_while_its_decision_is_in_the_journal(node, tmp_path):
     assert "not an isolation note; dropped" in logs[-1]
 
 
-def test_config_accepts_only_the_three_modes():
-    assert config_from_text("", validate=False).isolation == "off"
+def test_auto_isolates_only_where_the_topology_names_the_device_files(node, tmp_path):
+    """isolation = "auto" (the default): fail-open on a node whose topology file has minor_numbers
+    (discovery from NVML or AMD SMI writes them), off where it is a preset or nvidia-smi text."""
+    from slurm_mapa.hardware.presets import preset
+    from slurm_mapa.hardware.topofile import graph_to_toml
+    from slurm_mapa.slurm.config import HookConfig
+    from slurm_mapa.slurm.isolation import effective_mode
+
+    discovered = tmp_path / "dgx1-discovered.toml"
+    discovered.write_text(graph_to_toml(preset("dgx1-v100"), minor_numbers=list(range(8))))
+    config = HookConfig(nodes=(("dgx1", str(discovered)), ("dgx2", "dgx1-v100")))
+    assert effective_mode(config, "dgx1") == ("fail-open", f"auto: node dgx1's topology {discovered} names each GPU's device file")
+    mode, why = effective_mode(config, "dgx2")
+    assert mode == "off" and "names no device minor numbers" in why
+    assert effective_mode(config, "gpu7") == ("off", "auto: no [nodes] entry of mapa.toml matches node gpu7")
+    broken = HookConfig(nodes=(("dgx1", str(tmp_path / "gone.toml")),))
+    assert effective_mode(broken, "dgx1")[0] == "off"
+    assert effective_mode(HookConfig(isolation="fail-closed"), "any") == ("fail-closed", 'isolation = "fail-closed" in mapa.toml')
+    # The agent follows it: the node fixture's dgx1 is the preset, so auto answers off there.
+    agent, proc, cgroupfs, _, configure, _ = node
+    configure("auto")
+    assert agent.isolate(os.getpid(), USER, {}) == "done off"
+    (tmp_path / "mapa.toml").write_text((tmp_path / "mapa.toml").read_text().replace('"dgx*" = "dgx1-v100"', f'"dgx*" = "{discovered}"'))
+    assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1 job 12 step batch")
+
+
+def test_config_accepts_only_the_four_modes():
+    assert config_from_text("", validate=False).isolation == "auto"
+    assert config_from_text('isolation = "off"\n', validate=False).isolation == "off"
     assert config_from_text('isolation = "fail-closed"\n', validate=False).isolation == "fail-closed"
-    with pytest.raises(InputError, match='isolation must be "off", "fail-open" .* got \'on\''):
+    with pytest.raises(InputError, match='isolation must be "auto" .*"off", "fail-open" .* got \'on\''):
         config_from_text('isolation = "on"\n', validate=False)
     with pytest.raises(InputError, match="isolation must be a string"):
         config_from_text("isolation = true\n", validate=False)
@@ -745,3 +772,18 @@ def test_mapa_spank_plugin_says_what_went_wrong(tmp_path, capsys, argv, message)
     assert mapa_main([part.replace("{tmp}", str(tmp_path)) for part in argv]) != 0
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "x.so").exists()
+
+
+def test_mapa_hooks_writes_what_auto_comes_to_on_the_node(tmp_path, capsys):
+    from slurm_mapa.cli import main as mapa_main
+    from slurm_mapa.hardware.presets import preset
+    from slurm_mapa.hardware.topofile import graph_to_toml
+
+    discovered = tmp_path / "discovered.toml"
+    discovered.write_text(graph_to_toml(preset("dgx1-v100"), minor_numbers=list(range(8))))
+    config = tmp_path / "mapa.toml"
+    config.write_text(f'jobs_dir = "{tmp_path}/jobs"\n[nodes]\n"dgx1" = "{discovered}"\n"dgx2" = "dgx1-v100"\n')
+    for node, mode in (("dgx1", "fail-open"), ("dgx2", "off")):
+        assert mapa_main(["hooks", str(tmp_path / node), "--config", str(config), "--node", node]) == 0
+        assert f"ISOLATION={mode}\n" in (tmp_path / node / "mapa-taskprolog").read_text()
+        assert f"isolation: {mode} (auto: node {node}'s topology" in capsys.readouterr().err

@@ -46,7 +46,7 @@ from .commands import Runner
 from .config import HookConfig, hook_logger, load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
-from .isolation import Isolator, IsolationError, job_devices_for
+from .isolation import Isolator, IsolationError, effective_mode, job_devices_for
 
 # One deadline for reading the whole request: a client that trickles a byte every few seconds
 # must not hold a thread (a timeout per recv would let it go on for ever).
@@ -181,7 +181,8 @@ class Agent:
         log = hook_logger(config.log)
         if problem:
             log(f"isolation: not applied, the config is unusable ({problem})")
-        if config.isolation == "off":
+        mode, _ = effective_mode(config, self.node)
+        if mode == "off":
             return "done off"
         job_id = None
         try:
@@ -200,7 +201,7 @@ class Agent:
                 self.isolated.add((outcome.job_id, outcome.step, asker))
                 log(f"isolation: {outcome.state}: {outcome.detail} (asked by {asker})")
             return f"done {outcome.state} {outcome.detail}"
-        answer = self._isolation_failed(config, log, reason, pid, uid)
+        answer = self._isolation_failed(mode, log, reason, pid, uid)
         if job_id is not None:
             self.note_isolation(config, log, job_id, "refused" if answer.startswith("error") else "failed-open", reason)
         return answer
@@ -228,14 +229,15 @@ class Agent:
     def isolation_failed(self, reason: str, pid: int, uid: int) -> str:
         """The answer to an isolate request that could not even be read: as the mode says."""
         config, _ = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
-        if config.isolation == "off":
+        mode, _ = effective_mode(config, self.node)
+        if mode == "off":
             return "done off"
-        return self._isolation_failed(config, hook_logger(config.log), reason, pid, uid)
+        return self._isolation_failed(mode, hook_logger(config.log), reason, pid, uid)
 
     @staticmethod
-    def _isolation_failed(config: HookConfig, log: Callable[[str], None], reason: str, pid: int, uid: int) -> str:
+    def _isolation_failed(mode: str, log: Callable[[str], None], reason: str, pid: int, uid: int) -> str:
         reason = " ".join(reason.split())[:900]
-        if config.isolation == "fail-closed":
+        if mode == "fail-closed":
             log(f"isolation: refused the task of process {pid} (uid {uid}), as isolation = \"fail-closed\": {reason}")
             return f"error {reason}"
         log(f"isolation: the task of process {pid} (uid {uid}) runs without it (isolation = \"fail-open\"): {reason}")

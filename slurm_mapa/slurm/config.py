@@ -11,7 +11,8 @@
     squeue = "/usr/bin/squeue"
     model = ""                                 # an effective-bandwidth model file, or the paper's
     health = "auto"                            # "off": do not ask NVML which GPUs are sick
-    isolation = "off"                          # "fail-open" | "fail-closed": tasks open only their GPUs (docs/isolation.md)
+    isolation = "auto"                         # | "off" | "fail-open" | "fail-closed": tasks open only their GPUs;
+                                               # auto: fail-open where the topology names the device files (docs/isolation.md)
     dcgm_job_mapping_dir = ""                  # e.g. "/run/dcgm-job-mapping": which job uses each GPU, for dcgm-exporter
 
     [preserve_ahead]                           # only for policy = "preserve-ahead"
@@ -67,8 +68,9 @@ class HookConfig:
     squeue: str = "/usr/bin/squeue"
     model: str = ""
     health: str = "auto"
-    # Device isolation of tasks by mapa-agent (slurm/isolation.py): "off" until a site opts in.
-    isolation: str = "off"
+    # Device isolation of tasks by mapa-agent (slurm/isolation.py): "auto" is fail-open on nodes
+    # whose topology file names each GPU's device minor, off elsewhere (isolation.effective_mode).
+    isolation: str = "auto"
     nodes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     ahead_sizes: tuple[tuple[int, float], ...] = ()  # empty: preserve-ahead's default (uniform 1..5)
     ahead_tolerance: float = 0.0
@@ -136,9 +138,10 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
             values[key] = data[key]
     if values.get("health", "auto") not in ("auto", "off"):
         raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {values['health']!r}")
-    if values.get("isolation", "off") not in ("off", "fail-open", "fail-closed"):
-        raise InputError(f"{source}: isolation must be \"off\", \"fail-open\" (a task runs, logged, when its GPUs cannot be "
-                         f"isolated) or \"fail-closed\" (the task fails then), got {values['isolation']!r}")
+    if values.get("isolation", "auto") not in ("auto", "off", "fail-open", "fail-closed"):
+        raise InputError(f"{source}: isolation must be \"auto\" (fail-open where the topology names the GPUs' device files), "
+                         f"\"off\", \"fail-open\" (a task runs, logged, when its GPUs cannot be isolated) or \"fail-closed\" "
+                         f"(the task fails then), got {values['isolation']!r}")
     if validate:
         _validate_with_engine(values, source)
     for key in ("ledger", "jobs_dir", "log", "journal_dir", "dcgm_job_mapping_dir"):

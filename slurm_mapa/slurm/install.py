@@ -249,8 +249,13 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     jobs_dir = str(config.jobs_dir)
     texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix, jobs_dir=jobs_dir)
              for kind in ENTRY}
-    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, config.isolation, python,
-                                               str(PACKAGE_DIR.parent))
+    from .isolation import effective_mode
+
+    # "auto" comes to a mode on this node (the TaskProlog holds it: run `mapa hooks` again after
+    # changing isolation or the node's topology file).
+    isolation, why = effective_mode(config, args.node or os.uname().nodename.split(".")[0])
+    print(f"isolation: {isolation} ({why})", file=sys.stderr)
+    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, isolation, python, str(PACKAGE_DIR.parent))
     try:
         trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
     except trusted.UnsafePath as error:
@@ -365,6 +370,7 @@ def add_commands(commands: Any) -> None:
     hooks.add_argument("--python", help="the Python that has slurm-mapa installed (default: this one); root runs it, so it "
                                         "must be root's and not writable by others, in directories only root can change")
     hooks.add_argument("--config", default="/etc/slurm/mapa.toml", help="the hooks' config (default %(default)s)")
+    hooks.add_argument("--node", help="the node the hooks are for, as in mapa.toml's [nodes] (default: this host's short name)")
     hooks.add_argument("--pycache-prefix", help="byte-code cache for the in-process hooks, when the package directory is read-only")
     hooks.add_argument("--gpu-vendor", choices=GPU_VENDORS, default="auto",
                        help="what the TaskProlog exports: auto (default; AMD variables where /dev/kfd exists), nvidia "

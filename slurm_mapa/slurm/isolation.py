@@ -43,7 +43,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import InputError, MapaError
 
-MODES = ("off", "fail-open", "fail-closed")
+MODES = ("auto", "off", "fail-open", "fail-closed")
+APPLIED_MODES = ("off", "fail-open", "fail-closed")  # what "auto" comes to on a node
 
 NVIDIA_MAJOR = 195
 NVIDIA_GPU_MINORS = (0, 253)  # 254: /dev/nvidia-modeset, 255: /dev/nvidiactl
@@ -598,6 +599,28 @@ class Isolator:
             done = apply_v2(Path(mounts[1]), cgroup, job_rules, step_rules, self.attach, self.configured)
             return Outcome("cgroup-v2", cgroup.job_id, cgroup.step, f"job {cgroup.job_id} step {cgroup.step}: GPUs {gpus}"
                            + (f" (programs attached to {', '.join(map(str, done))})" if done else ""))
+
+
+def effective_mode(config, node: str) -> tuple[str, str]:
+    """mapa.toml's ``isolation`` on ``node``, and why. "auto" (the default) is "fail-open" where the
+    node's topology file names each GPU's device minor (``minor_numbers``, which discovery from
+    NVML or AMD SMI writes), and "off" elsewhere: a preset or saved `nvidia-smi topo -m` text does
+    not say which /dev/nvidiaN is which GPU, and a wrong guess would deny jobs their own GPUs."""
+    from ..hardware.load import load_topology_file
+
+    if config.isolation != "auto":
+        return config.isolation, f'isolation = "{config.isolation}" in mapa.toml'
+    spec = config.topology_for(node)
+    if spec is None:
+        return "off", f"auto: no [nodes] entry of mapa.toml matches node {node}"
+    try:
+        topology = load_topology_file(spec)
+    except (OSError, MapaError) as error:
+        return "off", f"auto: cannot read node {node}'s topology {spec}: {error}"
+    if topology.minor_numbers is None:
+        return "off", (f"auto: node {node}'s topology {spec} names no device minor numbers "
+                       "(a file from `mapa topo discover` with NVML or AMD SMI does)")
+    return "fail-open", f"auto: node {node}'s topology {spec} names each GPU's device file"
 
 
 def job_devices_for(config, node: str, dev: Path = Path("/dev")) -> Callable[[str], JobDevices]:
