@@ -13,7 +13,7 @@
     health = "auto"                            # "off": do not ask NVML which GPUs are sick
     isolation = "auto"                         # | "off" | "fail-open" | "fail-closed": tasks open only their GPUs;
                                                # auto: fail-open where the topology names the device files (docs/isolation.md)
-    dcgm_job_mapping_dir = ""                  # e.g. "/run/dcgm-job-mapping": which job uses each GPU, for dcgm-exporter
+    dcgm_job_mapping_dir = "/run/dcgm-job-mapping"   # none by default: which job uses each GPU, for dcgm-exporter
 
     [preserve_ahead]                           # only for policy = "preserve-ahead"
     sizes = { 1 = 0.2, 2 = 0.2, 3 = 0.2, 4 = 0.2, 5 = 0.2 }   # GPUs -> weight (default: the paper's)
