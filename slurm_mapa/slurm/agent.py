@@ -295,10 +295,6 @@ class Background:
         run = self.agent.make_runner(config.command_timeout)
         listed = reconcile_node(config, self.node, run, hook_logger(config.log))
         self.features.publish(config, run, hook_logger(config.log), force=True)  # slurmctld may have restarted
-        try:
-            self.write_dcgm_mapping()  # the pass may have reaped jobs whose Epilog never ran
-        except Exception as error:  # noqa: BLE001 - the next start, end or pass writes it again
-            self.agent.log_errors(f"mapa-agent: writing the DCGM job mapping failed: {error}")
         return listed
 
     def publish_features(self) -> bool:
@@ -309,7 +305,8 @@ class Background:
     def write_dcgm_mapping(self) -> list[str]:
         """With ``dcgm_job_mapping_dir``: name in dcgm-exporter's job-mapping files the jobs using
         each GPU as the jobs directory says (MAPA's GPUs, else Slurm's for a job MAPA did not
-        place); what changed. After starts and ends, and in each reconcile pass."""
+        place); what changed. Each turn of the records loop (at once after a start or an end, else
+        every second), so jobs a reconcile pass reaped drop out too; unchanged files stay as they are."""
         from . import dcgm, jobfiles
         from .hooks import load_graph
 
@@ -386,7 +383,7 @@ class Background:
                 self.agent.log_errors(f"mapa-agent: publishing node features failed: {error}")
             try:
                 self.write_dcgm_mapping()
-            except Exception as error:  # noqa: BLE001 - the next change or pass writes it again
+            except Exception as error:  # noqa: BLE001 - the next turn writes it again
                 self.agent.log_errors(f"mapa-agent: writing the DCGM job mapping failed: {error}")
             try:
                 self.flush_records()
