@@ -21,7 +21,8 @@ processes at random points (agent client, in-process hook, its retry; sometimes 
 kill -9 of the agent, runs with and without an agent, non-UTF-8 batch scripts and job names,
 slow / failing / hanging / garbage-printing Slurm commands, bursts of 32+ simultaneous Prologs,
 many CPU-only jobs, stale Prolog marks naming a live unrelated process, ledgers corrupted in every
-field (and replaced by a symlink), 8- and 64-GPU nodes.
+field (and replaced by a symlink), 8- and 64-GPU nodes, an upgrade (jobs running from the start
+with an earlier release's marks) and a local user flooding the agent's isolate socket.
 
 A job whose every Prolog attempt was killed and that left no job file runs on Slurm's indices; if
 those collide with GPUs MAPA gave a job before, that is reported apart as
@@ -109,6 +110,12 @@ class Scenario:
     weather_weights: tuple[float, ...] = (0.5, 0.14, 0.1, 0.08, 0.08, 0.1)  # as WEATHERS
     slurm_random_pick: float = 0.2  # share of jobs Slurm gives random free GPUs instead of the first ones
     corruptions: tuple[str, ...] = CORRUPTIONS  # the ledger corruptions to use (to aim at one)
+    # An upgrade: jobs already running when the run starts, marked by a Prolog of an earlier release
+    # (a bare pid, its process gone, no job file): they run on Slurm's GPUs until they end.
+    legacy_jobs: int = 0
+    legacy_run_time: tuple[float, float] = (3.0, 15.0)
+    # A local user with no job floods the agent's isolate socket (connections held open, junk sent).
+    flood: bool = False
 
     def name(self) -> str:
         return f"{self.gpus}gpu-{self.mode}-seed{self.seed}"
@@ -515,8 +522,80 @@ class Simulation:
         os.chmod(self.taskprolog, 0o755)
         # A live process unrelated to any job, whose pid stale marks name (a reused pid).
         self.decoy = subprocess.Popen([str(self.state / "bin" / "sleep"), "100000"], start_new_session=True)
+        self.isolate_dir = None
+        if self.sc.flood:  # where the flooding user (another uid) can reach it: pytest's tmp_path is root's alone
+            self.isolate_dir = Path(tempfile.mkdtemp(prefix="faultsim-isolate-"))
+            os.chmod(self.isolate_dir, 0o755)
+        self.plant_legacy_jobs()
         if self.sc.mode in ("agent", "mixed"):
             self.start_agent(wait=True)
+        if self.sc.flood:
+            self.start_flood()
+
+    def plant_legacy_jobs(self) -> None:
+        """The upgrade: jobs that a Prolog of an earlier release started (its mark a bare pid whose
+        process is gone, no job file, no ledger entry) and that run on Slurm's GPUs until they end."""
+        if not self.sc.legacy_jobs:
+            return
+        rng = random.Random(self.sc.seed * 7919)
+        self.jobs_dir.mkdir(mode=0o755, exist_ok=True)
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        for i in range(self.sc.legacy_jobs):
+            plan = JobPlan(900000 + i, -1, rng.randint(1, 2), "none", "", False, False, rng.uniform(*self.sc.legacy_run_time),
+                           False, KillPlan(), KillPlan(), False)
+            js = JobState(plan)
+            with self.cond:
+                js.slurm_gpus = tuple(sorted(rng.sample(sorted(self.slurm_free), plan.gpus)))
+                self.slurm_free -= set(js.slurm_gpus)
+                self.allocated[plan.job_id] = js
+                self.write_job_record(js, "RUNNING")
+                self.write_running()
+                js.binding, js.binding_source, js.live_at = js.slurm_gpus, "slurm", time.monotonic()
+                js.faults.append("started-by-an-earlier-release")
+                self.live[plan.job_id] = js
+            _atomic_write(self.jobs_dir / f".prolog-{plan.job_id}", f"{gone.pid}\n".encode(), mode=0o600)
+            self.bump("jobs running from an earlier release")
+            thread = threading.Thread(target=self._guarded, args=(self.legacy_lifecycle, (js,)), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def legacy_lifecycle(self, js: JobState) -> None:
+        time.sleep(js.plan.run_time)
+        with self.cond:
+            self.check_files_now()
+            del self.live[js.plan.job_id]
+            js.ended_at = time.monotonic()
+        self.end_job(js)
+
+    def start_flood(self) -> None:
+        """A user with no job (uid 4242) holds 200 connections to the isolate socket open and keeps
+        sending junk on 50 more every 0.2 s, until the run ends."""
+        sock = self.isolate_dir / "isolate.sock"
+        code = ("import os, socket, time\n"
+                "os.setgid(4242); os.setuid(4242)\n"
+                "held = []\n"
+                "while True:\n"
+                "    for i in range(250):\n"
+                "        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(0.5)\n"
+                "        try:\n"
+                f"            s.connect({str(sock)!r})\n"
+                "            if i < 50:\n"
+                "                s.sendall(b'MAPA1 isolate 5\\nxx\\x00yy'); s.close()\n"
+                "            else:\n"
+                "                held.append(s)\n"
+                "        except OSError:\n"
+                "            s.close()\n"
+                "    print(len(held), flush=True)\n"
+                "    while len(held) > 200:\n"
+                "        held.pop(0).close()\n"
+                "    time.sleep(0.2)\n")
+        deadline = time.monotonic() + 30
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.flooder = subprocess.Popen([self.sc.python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        start_new_session=True)
+        self.bump("isolate socket floods")
 
     def set_weather(self, weather: tuple[str, str]) -> None:
         self.weather = weather
@@ -555,9 +634,10 @@ class Simulation:
             if self.agent is not None and self.agent.poll() is None:
                 return
             out = open(self.dir / "agent.out", "ab")
+            isolate = ["--isolate-socket", str(self.isolate_dir / "isolate.sock")] if self.isolate_dir else []
             self.agent = subprocess.Popen(
                 [self.sc.python, "-m", "slurm_mapa.slurm.agent", "--config", str(self.config), "--socket", str(self.socket),
-                 "--node", NODE],
+                 "--node", NODE, *isolate],
                 cwd=self.sc.package_root, env={"PYTHONPATH": self.sc.package_root, "PATH": "/usr/bin:/bin"},
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
             out.close()
@@ -697,6 +777,15 @@ class Simulation:
                     self.check_files_now()
                     del self.live[p.job_id]
                     js.ended_at = time.monotonic()
+        except Exception as error:  # noqa: BLE001 - a harness error is reported, never hidden
+            self.bump("harness errors")
+            self.anomalies.append({"kind": "harness error", "job": p.job_id, "what": repr(error)})
+        self.end_job(js)
+
+    def end_job(self, js: JobState) -> None:
+        """The job's Epilog, then Slurm frees its GPUs."""
+        p = js.plan
+        try:
             self.write_job_record(js, "COMPLETING")
             run = self.run_hook("epilog", js, p.epilog_kill)
             js.epilog_wall = run.wall
@@ -897,7 +986,9 @@ class Simulation:
                 real = json.loads(self.ledger.read_bytes()) if not self.ledger.is_symlink() else None
             except (OSError, ValueError, RecursionError):
                 real = None
-            if not isinstance(real, dict) or not isinstance(real.get("jobs"), dict) or not real["jobs"]:
+            if (not isinstance(real, dict) or not isinstance(real.get("jobs"), dict) or not real["jobs"]
+                    or not all(isinstance(e, dict) and isinstance(e.get("gpus"), list) and all(type(g) is int for g in e["gpus"])
+                               for e in real["jobs"].values())):  # e.g. still the last corruption: start from a sound one
                 real = {"version": 1, "jobs": {"999999901": {"gpus": [0], "policy": "preserve", "since": time.time() - 5, "note": ""}}}
             jobs = real["jobs"]
             first = sorted(jobs)[0]
@@ -1080,6 +1171,13 @@ class Simulation:
             if self.agent is not None and self.agent.poll() is None:
                 self.agent.kill()
                 self.agent.wait()
+        flooder = getattr(self, "flooder", None)
+        if flooder is not None:
+            flooder.kill()
+            held = flooder.communicate()[0].split()
+            self.counts["isolate socket connections held by the flood"] = int(held[-1]) if held else 0
+        if getattr(self, "isolate_dir", None) is not None:
+            shutil.rmtree(self.isolate_dir, ignore_errors=True)
         if self.decoy is not None and self.decoy.poll() is None:
             self.decoy.kill()
             self.decoy.wait()
@@ -1182,6 +1280,8 @@ class Report:
             "Slurm calls printing garbage": sum(v for k, v in self.slurm_calls.items() if k.endswith(" garbage")),
             "bursts of 32+ jobs": c.get("bursts", 0),
             "CPU-only jobs": c.get("CPU-only jobs started", 0),
+            "jobs running from an earlier release": c.get("jobs running from an earlier release", 0),
+            "isolate socket connections held by a flooding user": c.get("isolate socket connections held by the flood", 0),
         }
         return out
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurm_mapa.slurm import paths
+from slurm_mapa.slurm import dcgm, paths
 from slurm_mapa.slurm.dcgm import mapping_files, write_mapping
 
 OTHER_UID = 12345
@@ -164,3 +164,103 @@ def test_the_exporter_reads_back_exactly_the_jobs_holding_each_gpu(states):
             assert {name: set(jobs) for name, jobs in read.items()} == _expected(holdings, gpu_count)
             assert all(job != "" for jobs in read.values() for job in jobs)  # no blank line, no empty hpc_job
             assert all(len(jobs) == len(set(jobs)) for jobs in read.values())
+
+
+# --- one bad entry, a refused directory, and what is reported (issue #31) ------------------------
+
+
+def test_a_directory_named_like_a_gpu_does_not_stop_the_other_gpus(tmp_path):
+    write_mapping(tmp_path, mapping_files({}, 5))
+    os.unlink(tmp_path / "3")
+    (tmp_path / "3").mkdir()  # an admin's mistake in root's directory
+    (tmp_path / "3" / "keep").write_text("x")
+    with pytest.raises(Exception) as caught:
+        write_mapping(tmp_path, mapping_files({"7": (1, 3, 4), "8": (0,)}, 5))
+    assert read_like_exporter(tmp_path) == {"0": ["8"], "1": ["7"], "2": [], "4": ["7"]}  # written after GPU 3 too
+    assert (tmp_path / "3" / "keep").read_text() == "x" and sorted(os.listdir(tmp_path)) == ["0", "1", "2", "3", "4"]
+    assert caught.type is dcgm.MappingError and re.fullmatch(r"GPU 3: .*/3 is a directory.*left alone.*", str(caught.value))
+
+
+def test_update_mapping_reports_each_gpus_problem_and_writes_the_rest(tmp_path):
+    for name in ("0", "2"):
+        (tmp_path / name).mkdir()
+    result = dcgm.update_mapping(tmp_path, mapping_files({"5": (0, 1, 2, 3)}, 4))
+    assert result.changed == ("1", "3") and not result.refused
+    assert [problem.split(":")[0] for problem in result.problems] == ["GPU 0", "GPU 2"]
+    assert result.new == result.problems and result.log_lines() == list(result.problems)
+    assert read_like_exporter(tmp_path) == {"1": ["5"], "3": ["5"]}
+
+
+def test_other_entries_named_like_a_gpu_are_replaced_not_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_text("root's file\n")
+    directory = tmp_path / "dcgm"
+    directory.mkdir()
+    os.mkfifo(directory / "0")
+    (directory / "1").symlink_to(outside)
+    assert write_mapping(directory, mapping_files({"9": (0, 1)}, 2)) == ["0", "1"]
+    assert all(stat.S_ISREG(os.lstat(directory / name).st_mode) for name in ("0", "1"))
+    assert read_like_exporter(directory) == {"0": ["9"], "1": ["9"]} and outside.read_text() == "root's file\n"
+
+
+def test_a_gpu_that_cannot_be_written_is_reported_with_the_same_text_each_time(tmp_path, monkeypatch):
+    real = paths.replace_file
+
+    def replace_file(target, data, mode=0o644):
+        if Path(target).name == "1":  # the error names a fresh temporary file each time...
+            raise OSError(28, "No space left on device", f"{target.parent}/.1.{os.urandom(4).hex()}.tmp")
+        real(target, data, mode)
+
+    monkeypatch.setattr(paths, "replace_file", replace_file)
+    writer = dcgm.MappingWriter()
+    first = writer.write(tmp_path, mapping_files({"4": (0, 1, 2)}, 3))
+    assert first.changed == ("0", "2") and first.problems == (f"GPU 1: cannot write {tmp_path / '1'}: No space left on device",)
+    second = writer.write(tmp_path, mapping_files({"4": (0, 1, 2), "5": (2,)}, 3))
+    assert second.problems == first.problems and second.new == () and second.changed == ("2",)  # ...the same problem
+
+
+def test_a_lasting_gpu_problem_is_reported_once_and_its_end_once(tmp_path):
+    writer = dcgm.MappingWriter()
+    (tmp_path / "2").mkdir()
+    files = mapping_files({"11": (0, 2)}, 3)
+    logged = [line for _ in range(60) for line in writer.write(tmp_path, files).log_lines()]  # a minute of the agent's loop
+    assert len(logged) == 1 and logged[0].startswith("GPU 2: ")
+    (tmp_path / "1").unlink()
+    (tmp_path / "1").mkdir()  # a second, different problem: reported, the first one not again
+    assert [line.split(":")[0] for line in writer.write(tmp_path, files).log_lines()] == ["GPU 1"]
+    os.rmdir(tmp_path / "2")
+    result = writer.write(tmp_path, files)
+    assert result.changed == ("2",) and result.new == () and result.log_lines() == ["solved: " + logged[0]]
+    assert [line.split(":")[0] for line in result.problems] == ["GPU 1"]
+    assert writer.write(tmp_path, files).log_lines() == []
+    writer.forget()
+    assert [line.split(":")[0] for line in writer.write(tmp_path, files).log_lines()] == ["GPU 1"]
+
+
+def test_a_refused_directory_is_still_refused_but_reported_once_per_distinct_problem(tmp_path):
+    directory = tmp_path / "dcgm"
+    directory.mkdir()
+    os.chmod(directory, 0o777)
+    writer = dcgm.MappingWriter()
+    files = mapping_files({"5": (0,)}, 2)
+    results = [writer.write(directory, files) for _ in range(30)]
+    assert all(result.refused and result.changed == () for result in results) and os.listdir(directory) == []
+    logged = [line for result in results for line in result.log_lines()]
+    assert len(logged) == 1 and "writable by group or others (mode 777)" in logged[0] and "no GPU file written" in logged[0]
+    os.chmod(directory, 0o775)  # another problem: reported again, the first one gone
+    result = writer.write(directory, files)
+    assert [line for line in result.new] and "(mode 775)" in result.new[0] and result.solved == (logged[0],)
+    assert writer.write(directory, files).log_lines() == [] and os.listdir(directory) == []
+    os.chmod(directory, 0o755)
+    result = writer.write(directory, files)
+    assert not result.refused and result.changed == ("0", "1") and result.problems == () and len(result.solved) == 1
+    assert read_like_exporter(directory) == {"0": ["5"], "1": []}
+
+
+def test_update_mapping_refuses_a_symlinked_directory_without_raising(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "dcgm").symlink_to(tmp_path / "real")
+    result = dcgm.update_mapping(tmp_path / "dcgm", {"0": "5\n"})
+    assert result.refused and "is not a real directory" in result.problems[0] and os.listdir(tmp_path / "real") == []
+    with pytest.raises(ValueError, match="not a GPU file name"):
+        dcgm.update_mapping(tmp_path, {"x": ""})

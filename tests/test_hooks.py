@@ -552,3 +552,92 @@ def test_the_prolog_asks_for_the_jobs_cpus_with_the_pid_that_asked(setup, monkey
     decision = run_prolog(env_for("91", "0,1", "mapa:topology=ring sensitive=yes"), config, slurm, logs.append, requester_pid=4242)
     assert asked == [(4242, "91")]
     assert decision.job_cpus == "25" and "cpus=25 affinity=prefer:0.1" in slurm.admin["91"]
+
+
+@pytest.mark.parametrize("old_mark", [b"812\n", b"812", b"pid=812\n", b"\xff\xfe garbage\n"])
+def test_a_job_with_a_mark_of_an_earlier_release_is_adopted_and_held(setup, old_mark):
+    """Security round 3: a Prolog of an earlier release marked its job with a bare pid. Such a mark
+    (or a damaged one) once hid the running job: scanned as "no mark", never adopted, so the next
+    job got its GPUs. The reconcile pass asks Slurm and replaces the mark with one this release
+    reads; the job then holds Slurm's GPUs."""
+    config, slurm, logs = setup
+    config.jobs_dir.mkdir(mode=0o755)
+    mark_path(config.jobs_dir, "40").write_bytes(old_mark)  # job 40 runs on GPUs 1,2; no ledger entry
+    slurm.running = {"40", "41"}
+    slurm.gres = {"40": ["gpu:2(IDX:1-2)"]}
+    assert reconcile_node(config, "dgx1", slurm, logs.append)
+    assert mark_path(config.jobs_dir, "40").read_text() == "pid=0 start=0 slurm=1,2\n"
+    decision = run_prolog(env_for("41", "0,3,4,5", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert not {1, 2} & set(decision.gpus)
+    assert LedgerFile(config.ledger, 8).read().holdings["40"].gpus == (1, 2)
+
+
+def test_a_readable_mark_is_never_replaced_by_adoption(setup):
+    from slurm_mapa.slurm.jobfiles import write_mark_if_none
+
+    config, _, _ = setup
+    config.jobs_dir.mkdir(mode=0o755)
+    write_mark(config.jobs_dir, "7", Mark(812, 99, (3,)))
+    assert not write_mark_if_none(config.jobs_dir, "7", Mark(0, 0, (1,)))
+    assert mark_path(config.jobs_dir, "7").read_text() == "pid=812 start=99 slurm=3\n"
+    mark_path(config.jobs_dir, "8").write_bytes(b"812\n")
+    assert write_mark_if_none(config.jobs_dir, "8", Mark(0, 0, (1,)))
+    assert mark_path(config.jobs_dir, "8").read_text() == "pid=0 start=0 slurm=1\n"
+
+
+def test_a_symlink_in_the_ledger_locks_place_is_replaced_not_followed(setup, tmp_path):
+    """Security round 3 (low): a dangling ledger.json.lock symlink made every Prolog raise (ELOOP)
+    and fall back to Slurm's GPUs."""
+    config, slurm, logs = setup
+    target = tmp_path / "elsewhere"
+    os.symlink(target, str(config.ledger) + ".lock")
+    slurm.running = {"3"}
+    decision = run_prolog(env_for("3", "0"), config, slurm, logs.append)
+    assert decision.policy == "preserve" and not target.exists()
+    lock = Path(str(config.ledger) + ".lock")
+    assert lock.is_file() and not lock.is_symlink()
+
+
+def test_a_root_request_with_a_path_for_a_job_id_is_refused_in_one_line(tmp_path):
+    """Security round 3 (low): a root request naming job ../../etc/passwd logged a traceback."""
+    import socket as socket_module
+
+    from slurm_mapa.slurm.agent import Agent, serve
+
+    errors = []
+    config = tmp_path / "mapa.toml"
+    config.write_text(f'ledger = "{tmp_path}/l.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\n[nodes]\n"dgx*" = "dgx1-v100"\n')
+    server = serve(str(tmp_path / "agent" / "agent.sock"), Agent(str(config), errors.append, node="dgx1"))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        payload = b"SLURM_JOB_ID=../../etc/passwd\0SLURMD_NODENAME=dgx1"
+        with socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM) as conn:
+            conn.connect(str(tmp_path / "agent" / "agent.sock"))
+            conn.sendall(b"MAPA1 prolog %d\n" % len(payload) + payload)
+            answer = conn.makefile("rb").readline()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answer.startswith(b"error SLURM_JOB_ID '../../etc/passwd' is not a job id")
+    assert errors == ["mapa-agent: refused a request: SLURM_JOB_ID '../../etc/passwd' is not a job id (accepted: digits)"]
+    assert not (tmp_path / "log").exists() or "Traceback" not in (tmp_path / "log").read_text()
+
+
+def test_a_prolog_asks_about_a_job_with_an_unreadable_mark_before_choosing(setup):
+    """Right after an upgrade no reconcile pass may have run yet: the Prolog itself, finding a job
+    whose mark it cannot read and that nothing else accounts for, asks Slurm before it chooses."""
+    config, slurm, logs = setup
+    config.jobs_dir.mkdir(mode=0o755)
+    for job, gpus in (("40", "1-2"), ("42", "5")):
+        mark_path(config.jobs_dir, job).write_bytes(f"{8000 + int(job)}\n".encode())  # earlier release: a bare pid
+        slurm.gres[job] = [f"gpu:{len(parse_gpu_indices(gpus))}(IDX:{gpus})"]
+    slurm.running = {"40", "41", "42"}
+    decision = run_prolog(env_for("41", "0,3,4,6", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert not {1, 2, 5} & set(decision.gpus)
+    holdings = LedgerFile(config.ledger, 8).read().holdings
+    assert holdings["40"].gpus == (1, 2) and holdings["42"].gpus == (5,)
+    asked = [call[4] for call in slurm.calls if call[1:4] == ["--json", "show", "job"]]
+    assert {"40", "42"} <= set(asked)
+    slurm.calls.clear()
+    run_prolog(env_for("43", "7", "mapa:"), config, slurm, logs.append)  # converted: never asked again
+    assert not {call[4] for call in slurm.calls if call[1:4] == ["--json", "show", "job"]} & {"40", "42"}

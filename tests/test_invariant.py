@@ -26,6 +26,10 @@ CASES = {
                                             weather_weights=(0.2, 0.3, 0.15, 0.15, 0.1, 0.1), corrupt_ledger=0.1),
     # 64 GPUs, agent up and down, big bursts of mostly CPU-only jobs.
     "64gpu-mixed-bursts": Scenario(seed=13, jobs=250, gpus=64, mode="mixed", cpu_only=0.5, burst=0.25, corrupt_ledger=0.1),
+    # An upgrade under load: jobs of an earlier release (bare-pid marks, no job file) run from the
+    # start, while a local user with no job floods the agent's isolate socket.
+    "8gpu-upgrade-under-a-flood": Scenario(seed=14, jobs=150, gpus=8, mode="mixed", legacy_jobs=3, flood=True,
+                                           corrupt_ledger=0.1),
 }
 
 
@@ -41,6 +45,10 @@ def test_no_gpu_is_used_by_two_live_jobs_whatever_fails(name, tmp_path):
     assert faults["kill -9 of a Prolog's Python"] > 0 and faults["ledger corruptions"] > 0
     if scenario.mode != "inprocess":
         assert faults["kill -9 of the agent"] > 0
+    if scenario.legacy_jobs:
+        assert faults["jobs running from an earlier release"] == scenario.legacy_jobs
+    if scenario.flood:
+        assert faults["isolate socket connections held by a flooding user"] >= 100
     assert report.counts.get("bursts", 0) > 0 and report.counts.get("max simultaneous Prologs", 0) >= 24
     # The guarantees.
     assert report.double_uses == 0, report.text(details=50)

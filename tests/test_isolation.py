@@ -340,6 +340,12 @@ class FakeProc:
 
 
 STEPD = "/usr/sbin/slurmstepd-wlm"
+
+
+def fake_binary_problem(exe_link):
+    """The fake /proc links to programs this host may lack: Slurm's is STEPD, anything else is not
+    (slurmstepd_binary_problem, which stats the real file, is tested on real files below)."""
+    return None if os.readlink(exe_link) == STEPD else f"it runs {os.readlink(exe_link)!r}, not a slurmstepd"
 USER = 1000  # the job's user (the agent gets it from the socket; these tests pass it)
 
 
@@ -358,13 +364,14 @@ def node(tmp_path):
                          f"41 31 0:38 / {cgroupfs}/unified rw - cgroup2 cgroup2 rw\n")
     proc = FakeProc(tmp_path / "proc")
     me, uid = os.getpid(), USER
-    proc.add(me, "python3", 5001, uid)  # the client: this test
-    proc.add(5001, "sh", 5000, uid, exe="/bin/dash")  # the TaskProlog
+    proc.add(me, "python3", 5001, uid, V1_BATCH)  # the client: this test, in its task's cgroups
+    proc.add(5001, "sh", 5000, uid, V1_BATCH, exe="/bin/dash")  # the TaskProlog
     proc.add(5000, "slurmstepd", 4000, uid, V1_BATCH, exe=STEPD)  # the task, before exec
     proc.add(4000, "slurmstepd", 1, 0, "", exe=STEPD)  # the step's slurmstepd
     attached: list[tuple[Path, bytes]] = []
     agent = Agent(str(tmp_path / "mapa.toml"), node="dgx1",
-                  isolator=Isolator(proc.root, mountinfo, attach=lambda d, p: attached.append((d, p))))
+                  isolator=Isolator(proc.root, mountinfo, attach=lambda d, p: attached.append((d, p)),
+                                    binary_problem=fake_binary_problem))
 
     def configure(mode):
         (tmp_path / "mapa.toml").write_text(
@@ -566,7 +573,7 @@ def test_the_isolation_socket_is_open_to_everyone_and_takes_only_isolate(isolati
     server, (agent, proc, cgroupfs, _, configure, tmp_path) = isolation_server
     path = tmp_path / "isolate" / "isolate.sock"
     for pid, name, ppid, exe in ((os.getpid(), "python3", 5001, sys.executable), (5001, "sh", 5000, "/bin/dash")):
-        proc.add(pid, name, ppid, os.getuid(), exe=exe)  # the socket tells the agent this test's own uid
+        proc.add(pid, name, ppid, os.getuid(), V1_BATCH, exe=exe)  # the socket tells the agent this test's own uid
     proc.add(5000, "slurmstepd", 4000, os.getuid(), V1_BATCH, exe=STEPD)
     assert oct(path.stat().st_mode & 0o777) == "0o666" and oct(path.parent.stat().st_mode & 0o777) == "0o755"
     assert agent_client.isolate(str(path), {"SLURM_JOB_ID": "12"}) == (0, "export MAPA_ISOLATION=cgroup-v1")
@@ -612,9 +619,13 @@ def test_the_spank_plugins_request_isolates_the_asking_task_itself(node):
 
 class CannedAgent(Agent):
     def __init__(self, answer):
+        super().__init__("/nonexistent/mapa.toml", node="dgx1")
         self.answer = answer
 
-    def isolate(self, pid, uid, env):
+    def job_of(self, pid):
+        return "55"  # the TaskProlog's task: admitted
+
+    def isolate(self, pid, uid, env, public=False):
         return self.answer
 
 
@@ -787,3 +798,208 @@ def test_mapa_hooks_writes_what_auto_comes_to_on_the_node(tmp_path, capsys):
         assert mapa_main(["hooks", str(tmp_path / node), "--config", str(config), "--node", node]) == 0
         assert f"ISOLATION={mode}\n" in (tmp_path / node / "mapa-taskprolog").read_text()
         assert f"isolation: {mode} (auto: node {node}'s topology" in capsys.readouterr().err
+
+
+# --- security round 3: what the root side trusts, and the public socket under a flood -----------
+def test_slurmstepd_binary_problem_trusts_only_roots_own_file(tmp_path):
+    from slurm_mapa.slurm.isolation import slurmstepd_binary_problem
+
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chmod(tmp_path, 0o755)
+    real = home / "slurmstepd"
+    real.write_bytes(b"\x7fELF")
+    os.chmod(real, 0o755)
+    link = tmp_path / "exe"
+    os.symlink(real, link)
+    assert slurmstepd_binary_problem(link) is None  # root's, 755, in root's directories
+    os.chmod(real, 0o775)
+    assert "only root may write" in slurmstepd_binary_problem(link)
+    os.chmod(real, 0o755)
+    os.chown(real, 1000, 1000)  # a user's copy of slurmstepd
+    assert "only root may write" in slurmstepd_binary_problem(link)
+    os.chown(real, 0, 0)
+    os.chown(home, 1000, 1000)  # root's file in a user's directory: the user can swap it
+    assert "not in root's directories" in slurmstepd_binary_problem(link)
+    os.chown(home, 0, 0)
+    os.symlink("/bin/sh", tmp_path / "sh-exe")
+    assert "not a slurmstepd" in slurmstepd_binary_problem(tmp_path / "sh-exe")
+    assert "cannot read" in slurmstepd_binary_problem(tmp_path / "missing")
+
+
+DELEGATED = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/job_999/step_0/user/task_0\n"
+DELEGATED_SCOPE = "0::/user.slice/user-1000.slice/user@1000.service/slurmstepd.scope/job_999/step_0/user/task_0\n"
+
+
+def test_a_task_forged_in_a_delegated_cgroup_subtree_is_refused_and_noted_nowhere(node):
+    """Security round 3: a user's own process under user@UID.service, in cgroups named like
+    Slurm's and running a copy of slurmstepd, once got isolated as a task of job 999 and wrote
+    isolation=failed-open into job 999's AdminComment. Every layer now refuses it alone."""
+    agent, proc, cgroupfs, _, _, tmp_path = node
+    (tmp_path / "jobs" / "999").write_text("MAPA_GPUS=0\n")
+    # 1. The path is no Slurm job's: the cgroups above the job are not slurmstepd's scope.
+    assert parse_proc_cgroup(DELEGATED) is None
+    proc.add(5000, "slurmstepd", 4000, USER, DELEGATED, exe=STEPD)
+    assert "is in no Slurm job cgroup" in agent.isolate(os.getpid(), USER, {})
+    # 2. Named like Slurm's scope, run by a fake task whose parent is the user's own process.
+    proc.add(5000, "slurmstepd", 4001, USER, DELEGATED_SCOPE, exe="/home/u/slurmstepd")
+    proc.add(4001, "slurmstepd", 1, USER, DELEGATED_SCOPE, exe="/home/u/slurmstepd")
+    assert "does not run under a Slurm task" in agent.isolate(os.getpid(), USER, {})
+    proc.add(5000, "slurmstepd", 4001, USER, DELEGATED_SCOPE, exe=STEPD)  # the real program, run by the user
+    proc.add(4001, "slurmstepd", 1, USER, DELEGATED_SCOPE, exe=STEPD)
+    answer = agent.isolate(os.getpid(), USER, {})
+    assert "is no task process: its parent 4001 is no slurmstepd running as root (uids 1000/1000)" in answer, answer
+    # 3. Even under a root slurmstepd (as if one could be had), the cgroups are the user's.
+    proc.add(5000, "slurmstepd", 4000, USER, DELEGATED_SCOPE, exe=STEPD)
+    scope = cgroupfs / "unified" / "user.slice" / "user-1000.slice" / "user@1000.service"
+    (scope / "slurmstepd.scope" / "job_999" / "step_0" / "user" / "task_0").mkdir(parents=True)
+    os.chown(scope, 1000, 1000)
+    answer = agent.isolate(os.getpid(), USER, {})
+    assert "belongs to uid 1000, not root: no Slurm job's cgroup" in answer, answer
+    assert not (tmp_path / "journal").exists() or not any((tmp_path / "journal").iterdir())
+    log = (tmp_path / "log").read_text()
+    assert "job 999" not in log.replace("job_999", "")  # nothing was done or noted for job 999
+
+
+def test_a_task_of_a_job_unknown_here_asks_for_its_adoption_at_once(node):
+    """A job whose Prolog never marked it holds GPUs the ledger does not know; its first task's
+    isolate request (a local signal) makes the agent's next reconcile pass, which adopts it, run now."""
+    import types
+
+    agent, proc, *_ = node
+    agent.background = types.SimpleNamespace(reconcile_soon=threading.Event(), wake=threading.Event())
+    proc.add(5000, "slurmstepd", 4000, USER, V1_BATCH.replace("job_12", "job_14"), exe=STEPD)
+    assert "job 14 has no job file and no Prolog mark" in agent.isolate(os.getpid(), USER, {})
+    assert agent.background.reconcile_soon.is_set()
+    agent.background.reconcile_soon.clear()
+    proc.add(5000, "slurmstepd", 4000, USER, V1_BATCH, exe=STEPD)
+    assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1")
+    assert not agent.background.reconcile_soon.is_set()
+
+
+def test_log_limiter_lets_a_burst_through_then_one_line_per_interval():
+    from slurm_mapa.slurm.agent import LogLimiter
+
+    now = [0.0]
+    limiter = LogLimiter(burst=3, interval=10.0, clock=lambda: now[0])
+    lines = [limiter.line(1000, f"bad {i}") for i in range(100)]
+    assert lines[:3] == ["bad 0", "bad 1", "bad 2"] and lines[3:] == [None] * 97
+    assert limiter.line(2000, "other user") == "other user"  # another caller keeps its own lines
+    now[0] = 10.0
+    assert limiter.line(1000, "bad 100") == "bad 100 (97 more like it not logged)"
+    assert limiter.line(1000, "bad 101") is None
+
+
+def test_public_admission_limits_each_user_and_job_and_queues_the_rest():
+    from slurm_mapa.slurm.agent import PublicAdmission
+
+    now = [0.0]
+    admission = PublicAdmission(per_uid=3, per_job=2, queue_per_uid=2, queue_total=3, clock=lambda: now[0])
+    assert [admission.arrive(1000, "7", f"r{i}") for i in range(5)] == ["run", "run", "wait", "wait", "refuse"]
+    assert admission.arrive(1000, "8", "x") == "run"  # another job of the user: its third place
+    assert admission.arrive(1000, "8", "y") == "refuse"  # the user's places are taken and its queue is full
+    assert admission.arrive(2000, "9", "z") == "run"  # another user is not held up by it
+    assert admission.arrive(2000, "9", "w") == "run"
+    assert admission.arrive(2000, "9", "v") == "wait" and admission.arrive(3000, "5", "u") == "run"
+    assert admission.arrive(3000, "5", "t") == "run" and admission.arrive(3000, "5", "s") == "refuse"  # 3 waiting in all
+    assert admission.finish(1000, "8") is None  # job 7 is at its own limit: r2 keeps waiting
+    assert admission.finish(1000, "7") == ("7", "r2")  # the next of the same job takes the freed place
+    now[0] = 11.0
+    assert sorted(admission.expired(10.0)) == ["r3", "v"]  # their clients gave up
+    assert admission.finish(1000, "7") is None
+
+
+@pytest.fixture
+def reachable_isolation_server(node):
+    """The isolate socket where another user can reach it (pytest's tmp_path is root's alone)."""
+    import shutil
+    import tempfile
+
+    agent = node[0]
+    where = Path(tempfile.mkdtemp(prefix="mapa-isolate-"))
+    os.chmod(where, 0o755)
+    server = serve_isolation(str(where / "isolate" / "isolate.sock"), agent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, where / "isolate" / "isolate.sock", node
+    server.shutdown()
+    server.server_close()
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def _flooder(sock_path, uid, count, hold, payload=None):
+    """A process of user ``uid`` that opens ``count`` connections to the isolate socket; with
+    ``payload``, sends it on each and closes; else holds them all open until its stdin closes."""
+    code = (
+        "import os, socket, sys\n"
+        f"os.setgid({uid}); os.setuid({uid})\n"
+        "print(os.getpid(), flush=True); sys.stdin.readline()\n"
+        "held = []\n"
+        "made = 0\n"
+        f"for _ in range({count}):\n"
+        "    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "    s.settimeout(2)\n"
+        "    try:\n"
+        f"        s.connect({str(sock_path)!r})\n"
+        "        made += 1\n"
+        f"        payload = {payload!r}\n"
+        "        if payload is not None:\n"
+        "            s.sendall(payload); s.close()\n"
+        "        else:\n"
+        "            held.append(s)\n"
+        "    except OSError:\n"
+        "        s.close()\n"
+        "print('flooded', made, flush=True)\n"
+        + ("sys.stdin.readline()\n" if hold else "")
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return child, int(child.stdout.readline())
+
+
+@pytest.mark.parametrize("with_a_job", [False, True])
+def test_a_users_flood_of_the_isolate_socket_leaves_other_tasks_answered(reachable_isolation_server, with_a_job):
+    """Security round 3 (high): 128 connections held open by one user once took every handler, so
+    each TaskProlog's request went unanswered (fail-open: every task on the node ran unisolated).
+    Now a caller that is no task costs no thread, and a user with a job gets at most its share."""
+    if os.getuid() != 0:
+        pytest.fail("the flooding user is made with setuid: run the suite as root, as CI does")
+    server, path, (agent, proc, cgroupfs, _, _, tmp_path) = reachable_isolation_server
+    child, child_pid = _flooder(path, 4242, 400, hold=True)
+    try:
+        if with_a_job:  # the flooder is a process of one of its own jobs
+            proc.add(child_pid, "python3", 1, 4242, V1_BATCH.replace("uid_1000/job_12", "uid_4242/job_77"))
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        flooded, made = child.stdout.readline().split()
+        assert flooded == "flooded" and int(made) >= 100
+        for pid, name, ppid, exe in ((os.getpid(), "python3", 5001, sys.executable), (5001, "sh", 5000, "/bin/dash")):
+            proc.add(pid, name, ppid, os.getuid(), V1_BATCH, exe=exe)
+        proc.add(5000, "slurmstepd", 4000, os.getuid(), V1_BATCH, exe=STEPD)
+        started = time.monotonic()
+        assert agent_client.isolate(str(path), {"SLURM_JOB_ID": "12"}) == (0, "export MAPA_ISOLATION=cgroup-v1")
+        assert time.monotonic() - started < 5.0  # answered while the flood still holds its connections
+        assert threading.active_count() < 16 + 20  # the flood holds at most its user's share of threads
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    if not with_a_job:  # each of its connections was closed at once, with no thread spent on it
+        deadline = time.monotonic() + 10
+        while server.turned_away < int(made) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.turned_away == int(made)
+
+
+def test_a_flood_of_bad_requests_costs_roots_log_a_few_lines(reachable_isolation_server):
+    if os.getuid() != 0:
+        pytest.fail("the flooding user is made with setuid: run the suite as root, as CI does")
+    server, path, (agent, proc, _, _, _, tmp_path) = reachable_isolation_server
+    child, child_pid = _flooder(path, 4242, 1000, hold=False, payload=b"MAPA1 nonsense 0\n")
+    proc.add(child_pid, "python3", 1, 4242, V1_BATCH.replace("uid_1000/job_12", "uid_4242/job_77"))
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    assert child.stdout.readline().split()[0] == "flooded"
+    child.stdin.close()
+    child.wait(timeout=30)
+    time.sleep(0.5)  # the last requests' handlers finish
+    log = (tmp_path / "log").read_text().splitlines()
+    refused = [line for line in log if "uid 4242" in line]
+    assert 1 <= len(refused) <= 10, refused[-3:]

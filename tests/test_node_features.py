@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from slurm_mapa.errors import InputError
-from slurm_mapa.slurm.commands import CommandFailed, active_features_argv, parse_available_features, show_node_argv
+from slurm_mapa.slurm.commands import (
+    CommandFailed,
+    active_features_argv,
+    parse_active_features,
+    parse_available_features,
+    show_node_argv,
+)
 from slurm_mapa.slurm.config import HookConfig, config_from_text
 from slurm_mapa.slurm.features import Publisher, merged_features
 from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerFile
@@ -28,8 +34,24 @@ def test_the_available_features_are_read_from_scontrol_show_node():
     assert show_node_argv("/usr/bin/scontrol", "dgx1") == ["/usr/bin/scontrol", "--oneliner", "show", "node", "dgx1"]
 
 
+def test_the_active_features_are_read_from_the_same_output_in_slurms_order():
+    assert parse_active_features(SHOW_NODE) == ("v100", "ib")
+    assert parse_active_features(SHOW_NODE.replace("ActiveFeatures=v100,ib", "ActiveFeatures=ib,mapa_ring4,v100")) == (
+        "ib", "mapa_ring4", "v100")
+    assert parse_active_features(SHOW_NODE.replace("ActiveFeatures=v100,ib", "ActiveFeatures=(null)")) == ()
+    for bad, message in ((SHOW_NODE.replace("ActiveFeatures=v100,ib ", ""), "0 ActiveFeatures= fields"),
+                         (SHOW_NODE + " ActiveFeatures=x", "2 ActiveFeatures= fields"),
+                         (SHOW_NODE.replace("ActiveFeatures=v100,ib", "ActiveFeatures=v100,,ib"), "accepted: at most"),
+                         (SHOW_NODE.replace("ActiveFeatures=v100,ib", "ActiveFeatures=v100;rm"), "not a list of feature names"),
+                         ("x" * (8 << 20), "characters for one node")):
+        with pytest.raises(CommandFailed, match=message):
+            parse_active_features(bad)
+
+
 def test_active_features_keep_the_nodes_own_and_replace_mapas():
     assert merged_features(("v100", "ib", "mapa_ring2", "mapa_noring2"), ("mapa_noring2",)) == ("v100", "ib", "mapa_noring2")
+    assert merged_features(("ib", "mapa_ring4", "v100"), ("mapa_ring2",)) == ("ib", "v100", "mapa_ring2")  # their order
+    assert merged_features((), ("mapa_ring2",)) == ("mapa_ring2",)
     assert active_features_argv("/usr/bin/scontrol", "dgx1", ("v100", "mapa_ring4")) == [
         "/usr/bin/scontrol", "update", "NodeName=dgx1", "ActiveFeatures=v100,mapa_ring4"]
     with pytest.raises(ValueError):
@@ -67,6 +89,27 @@ def test_the_agent_publishes_only_when_the_features_change(tmp_path):
     assert slurm.calls[-1][-1] == "ActiveFeatures=v100,ib,mapa_ring2,mapa_noring4"
     assert publisher.publish(config, slurm, logs.append, force=True)  # the reconcile pass: slurmctld may have restarted
     assert slurm.calls[-1][-1] == "ActiveFeatures=v100,ib,mapa_ring2,mapa_noring4" and logs == []
+
+
+def test_a_feature_an_admin_made_inactive_stays_inactive(tmp_path):
+    """Issue #31: the node's own features are taken from ActiveFeatures=, not AvailableFeatures=,
+    so publishing MAPA's does not turn on again what `scontrol update ... ActiveFeatures=` turned off."""
+    node = SHOW_NODE.replace("AvailableFeatures=v100,ib,mapa_ring2,mapa_noring2,mapa_ring4,mapa_noring4 ActiveFeatures=v100,ib",
+                             "AvailableFeatures=a,b,mapa_ring2,mapa_noring2 ActiveFeatures=a,mapa_ring2")
+    slurm, logs = FakeScontrol(node), []
+    config = HookConfig(ledger=tmp_path / "ledger.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log",
+                        nodes=(("dgx*", "dgx1-v100"),), feature_sizes=(2,))
+    publisher = Publisher("dgx1")
+    assert publisher.publish(config, slurm, logs.append)
+    assert slurm.calls[-1] == ["/usr/bin/scontrol", "update", "NodeName=dgx1", "ActiveFeatures=a,mapa_ring2"] and logs == []
+    # A job takes every GPU: MAPA's feature changes, b is still left off.
+    LedgerFile(config.ledger, 8).write(Ledger({"7": Holding(tuple(range(8)), "preserve", 1.0)}))
+    assert publisher.publish(config, slurm, logs.append)
+    assert slurm.calls[-1][-1] == "ActiveFeatures=a,mapa_noring2"
+    # The admin turns b on again (and a off): the next publication keeps that too.
+    slurm.text = node.replace("ActiveFeatures=a,mapa_ring2", "ActiveFeatures=b,mapa_noring2")
+    assert publisher.publish(config, slurm, logs.append, force=True)
+    assert slurm.calls[-1][-1] == "ActiveFeatures=b,mapa_noring2" and logs == []
 
 
 def test_nothing_is_published_without_features_in_the_config_or_in_slurm_conf(tmp_path):

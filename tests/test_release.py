@@ -2,35 +2,133 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from slurm_mapa.cli import main
 from slurm_mapa.slurm import commands
 from slurm_mapa.slurm.release import (
+    JSON_BATCH,
     NodeLine,
     WaitingJob,
     jobs_to_release,
     parse_nodes,
-    parse_waiting,
+    parse_pending,
+    parse_waiting_json,
     release_argv,
     release_once,
     sinfo_argv,
     squeue_argv,
+    squeue_json_argv,
     wanted_features,
 )
 
 R, F = "\x1e", "\x1f"
-# What squeue_argv printed in the mini cluster (Slurm 24.11.5), fields joined by \x1f.
+REQUIRE = "mapa:topology=ring sensitive=yes placement=require wait=10"
+# What squeue_argv prints (Slurm 24.11): the job id, a space, the reason (which may hold spaces).
 SQUEUE_TEXT = (
-    f"{R}41{F}BeginTime{F}dgx{F}(null){F}gres/gpu:3{F}mapa:topology=ring sensitive=yes placement=require wait=10\n"
-    f"{R}42{F}BeginTime{F}dgx,gpu{F}bigmem&ib{F}gres/gpu:v100:4{F}my run [mapa:topology=ring sensitive=yes placement=require wait=5]\n"
-    f"{R}43{F}Resources{F}dgx{F}(null){F}gres/gpu:3{F}mapa:topology=ring sensitive=yes placement=require wait=10\n"
-    f"{R}44{F}BeginTime{F}dgx{F}(null){F}gres/gpu:3{F}(null)\n"
-    f"{R}45{F}BeginTime{F}dgx{F}(null){F}gres/gpu:3{F}mapa:topology=ring sensitive=yes\n"
-    f"{R}46{F}BeginTime{F}dgx{F}a|b{F}gres/gpu:3{F}mapa:topology=ring sensitive=yes placement=require wait=10\n"
-    f"{R}47{F}BeginTime{F}dgx{F}(null){F}(null){F}mapa:topology=ring sensitive=yes placement=require wait=10\n"
-    f"{R}48{F}BeginTime{F}dgx{F}(null){F}gres/gpu:3{F}mapa:topology=rnig sensitive=yes placement=require\n"
+    "41 BeginTime\n"
+    "42 BeginTime\n"
+    "43 Resources\n"
+    "44 BeginTime\n"
+    "50 ReqNodeNotAvail, UnavailableNodes:dgx1\n"
 )
+# `squeue --json --states=PENDING --jobs=41,42,44` as Slurm 24.11 (data_parser v0.0.42) prints it,
+# each record abridged to the fields around the ones read.
+SQUEUE_JSON = """{
+  "jobs": [
+    {
+      "account": "",
+      "admin_comment": "mapa:topology=ring sensitive=yes placement=require wait=10",
+      "batch_flag": true,
+      "comment": "mapa:topology=ring sensitive=yes placement=require wait=10",
+      "features": "",
+      "gres_detail": [],
+      "job_id": 41,
+      "job_state": [
+        "PENDING"
+      ],
+      "name": "ring3",
+      "partition": "dgx",
+      "prefer": "mapa_ring3",
+      "state_description": "",
+      "state_reason": "BeginTime",
+      "tres_per_node": "gres/gpu:3",
+      "user_name": "alice"
+    },
+    {
+      "admin_comment": "mapa:topology=ring sensitive=yes placement=require wait=5",
+      "comment": "my run [mapa:topology=ring sensitive=yes placement=require wait=5]",
+      "features": "bigmem&ib",
+      "job_id": 42,
+      "job_state": [
+        "PENDING"
+      ],
+      "partition": "dgx,gpu",
+      "state_reason": "BeginTime",
+      "tres_per_node": "gres/gpu:v100:4",
+      "user_name": "bob"
+    },
+    {
+      "admin_comment": "",
+      "comment": "",
+      "features": "",
+      "job_id": 44,
+      "job_state": [
+        "PENDING"
+      ],
+      "partition": "dgx",
+      "state_reason": "BeginTime",
+      "tres_per_node": "gres/gpu:3",
+      "user_name": "carol"
+    }
+  ],
+  "last_backfill": {
+    "set": true,
+    "infinite": false,
+    "number": 1733400000
+  },
+  "last_update": {
+    "set": true,
+    "infinite": false,
+    "number": 1733400012
+  },
+  "meta": {
+    "plugin": {
+      "type": "openapi/slurmctld",
+      "name": "Slurm OpenAPI slurmctld",
+      "data_parser": "data_parser/v0.0.42",
+      "accounting_storage": "accounting_storage/slurmdbd"
+    },
+    "client": {
+      "source": "/dev/pts/0",
+      "user": "root",
+      "group": "root"
+    },
+    "command": [
+      "squeue",
+      "--json",
+      "--states=PENDING",
+      "--jobs=41,42,44"
+    ],
+    "slurm": {
+      "version": {
+        "major": "24",
+        "micro": "5",
+        "minor": "11"
+      },
+      "release": "24.11.5",
+      "cluster": "mapa"
+    }
+  },
+  "errors": [],
+  "warnings": []
+}
+"""
 SINFO_TEXT = (
     f"dgx1{F}gpu*{F}mix{F}mapa_ring2,mapa_noring3,mapa_noring4\n"
     f"dgx1{F}dgx{F}mix{F}mapa_ring2,mapa_noring3,mapa_noring4\n"
@@ -42,30 +140,119 @@ SINFO_TEXT = (
 )
 
 
+def job(job_id: int, comment: str = REQUIRE, reason: str = "BeginTime", partition: str = "dgx", features: str = "",
+        gres: str = "gres/gpu:3", state: object = ("PENDING",)) -> dict:
+    """One `.jobs[]` record, with the fields `mapa release` reads, as 24.11 prints them."""
+    return {"comment": comment, "features": features, "job_id": job_id,
+            "job_state": list(state) if isinstance(state, tuple) else state, "partition": partition,
+            "state_reason": reason, "tres_per_node": gres, "user_name": "u"}
+
+
+def squeue_json(*records: dict) -> str:
+    return json.dumps({"jobs": list(records), "meta": {"plugin": {"data_parser": "data_parser/v0.0.42"}},
+                       "errors": [], "warnings": []}, indent=2)
+
+
+class FakeSlurm:
+    """squeue, sinfo and scontrol over one table of pending jobs. squeue prints any ``--format``
+    as the real one does, each field's text as it is (a comment may hold the separators or a
+    newline), and ``--json`` through json.dumps; so the same table feeds the old one-call format
+    and the new two calls."""
+
+    def __init__(self, jobs: list[dict], sinfo: str = SINFO_TEXT, honour_filters: bool = True) -> None:
+        self.jobs, self.sinfo, self.honour_filters = jobs, sinfo, honour_filters
+        self.calls: list[list[str]] = []
+
+    def released(self) -> list[str]:
+        return [argv[2].removeprefix("JobId=") for argv in self.calls if argv[:2] == ["scontrol", "update"]]
+
+    def __call__(self, argv: list[str]) -> str:
+        self.calls.append(list(argv))
+        if argv[0] == "sinfo":
+            return self.sinfo
+        if argv[:2] == ["scontrol", "update"]:
+            return ""
+        assert argv[0] == "squeue", argv
+        pending = [j for j in self.jobs if "PENDING" in j["job_state"]]
+        if "--json" in argv:
+            asked = next(a for a in argv if a.startswith("--jobs=")).removeprefix("--jobs=").split(",")
+            shown = [j for j in pending if str(j["job_id"]) in asked] if self.honour_filters else self.jobs
+            return squeue_json(*shown)
+        fmt = next(a for a in argv if a.startswith("--format=")).removeprefix("--format=")
+        fields = {"A": "job_id", "r": "state_reason", "P": "partition", "f": "features", "b": "tres_per_node", "k": "comment"}
+        return "".join(re.sub(r"%([ArPfbk])", lambda m: str(j[fields[m.group(1)]]) or "(null)", fmt) + "\n" for j in pending)
+
+
 def test_argv_are_fixed_and_shell_free() -> None:
-    assert squeue_argv("squeue") == ["squeue", "--noheader", "--states=PENDING", f"--format={R}%A{F}%r{F}%P{F}%f{F}%b{F}%k"]
+    assert squeue_argv("squeue") == ["squeue", "--noheader", "--states=PENDING", "--format=%A %r"]
+    assert squeue_json_argv("/usr/bin/squeue", ["41", "42"]) == ["/usr/bin/squeue", "--json", "--states=PENDING", "--jobs=41,42"]
+    for bad in ([], ["41,42"], ["--all"], ["41", "x"]):
+        with pytest.raises(ValueError, match="accepted: one or more ids"):
+            squeue_json_argv("squeue", bad)
     assert sinfo_argv("/usr/bin/sinfo") == ["/usr/bin/sinfo", "--noheader", "--Node", f"--format=%N{F}%P{F}%t{F}%b"]
     assert release_argv("scontrol", "41") == ["scontrol", "update", "JobId=41", "StartTime=now"]
 
 
-def test_parse_waiting_reads_every_record() -> None:
-    jobs = parse_waiting(SQUEUE_TEXT)
-    assert [job.job_id for job in jobs] == [str(n) for n in range(41, 49)]
+def test_parse_pending_reads_ids_and_whole_reasons() -> None:
+    assert parse_pending(SQUEUE_TEXT) == [("41", "BeginTime"), ("42", "BeginTime"), ("43", "Resources"), ("44", "BeginTime"),
+                                          ("50", "ReqNodeNotAvail, UnavailableNodes:dgx1")]
+    assert parse_pending("") == [] and parse_pending("\n") == []
+    assert parse_pending("7 BeginTime\r\n7 BeginTime\n") == [("7", "BeginTime")]  # each id once
+
+
+@pytest.mark.parametrize("line", ["x41 BeginTime", "41", "41\tBeginTime", " 41 BeginTime", "-41 BeginTime",
+                                  f"41{F}BeginTime", "1234567890123 BeginTime"])
+def test_parse_pending_refuses_a_line_that_is_not_an_id_and_a_reason(line) -> None:
+    with pytest.raises(commands.CommandFailed, match="expected a job id, a space and the reason") as caught:
+        parse_pending(f"41 BeginTime\n{line}\n")
+    assert repr(line)[:40] in str(caught.value)
+    with pytest.raises(commands.CommandFailed, match="printed"):
+        parse_pending("1 BeginTime\n" * (commands.MAX_OUTPUT_BYTES // 12 + 1))
+
+
+def test_parse_waiting_json_reads_every_record() -> None:
+    jobs = parse_waiting_json(SQUEUE_JSON, ["41", "42", "44"])
+    assert [job.job_id for job in jobs] == ["41", "42", "44"]
+    assert jobs[0] == WaitingJob("41", "BeginTime", ("dgx",), "", "gres/gpu:3", REQUIRE)
     assert jobs[1] == WaitingJob("42", "BeginTime", ("dgx", "gpu"), "bigmem&ib", "gres/gpu:v100:4",
                                  "my run [mapa:topology=ring sensitive=yes placement=require wait=5]")
-    assert jobs[3].comment == "" and jobs[0].constraint == ""
+    assert jobs[2].comment == "" and jobs[2].constraint == ""
+    assert parse_waiting_json(SQUEUE_JSON, ["42"]) == [jobs[1]]  # only the jobs asked for
+    assert parse_waiting_json(squeue_json(), ["41"]) == []
 
 
-def test_records_that_cannot_be_read_are_skipped_not_guessed() -> None:
-    text = (f"{R}51{F}BeginTime{F}dgx{F}(null){F}gres/gpu:3{F}a comment with a {R} inside [mapa:sensitive=yes placement=require]\n"
-            f"{R}x52{F}BeginTime{F}dgx{F}(null){F}gres/gpu:3{F}mapa:sensitive=yes placement=require\n"
-            f"{R}53{F}BeginTime{F}dgx{F}gres/gpu:3\n"
-            f"{R}54{F}BeginTime{F}dgx{F}(null){F}gres/gpu:2{F}multi\nline {F} comment\n")
-    jobs = parse_waiting(text)
-    # 51's comment is cut at the separator (its directive lost), the others are dropped.
-    assert [job.job_id for job in jobs] == ["51"] and jobs[0].comment == "a comment with a "
-    assert [wanted_features(job) for job in jobs] == [None]
-    assert parse_waiting("") == []
+def test_only_pending_begin_time_records_of_the_jobs_asked_for_are_read() -> None:
+    """Whatever squeue answers (it may ignore --jobs or --states, a job may start meanwhile)."""
+    text = squeue_json(job(60), job(61, reason="Resources"), job(62, state=("RUNNING",)), job(63, state="PENDING"),
+                       job(64, state=("PENDING", "REQUEUED")), job(65), job(60, comment=""))
+    assert [j.job_id for j in parse_waiting_json(text, ["60", "61", "62", "63", "64"])] == ["60", "63", "64"]
+    assert parse_waiting_json(text, ["60"])[0].comment == REQUIRE  # the first record of a job, once
+
+
+@pytest.mark.parametrize("change", [
+    {"job_id": "70"}, {"job_id": True}, {"job_id": 70.0}, {"job_id": 0}, {"job_id": 10**12}, {"comment": None},
+    {"comment": ["mapa:sensitive=yes"]}, {"partition": 3}, {"features": None}, {"tres_per_node": {"gpu": 4}},
+    {"job_state": None}, {"job_state": {"current": ["PENDING"]}}, {"state_reason": None},
+])
+def test_a_record_with_a_missing_or_ill_typed_field_is_skipped(change) -> None:
+    good, bad = job(71), {**job(70), **change}
+    assert [j.job_id for j in parse_waiting_json(squeue_json(bad, good), ["70", "71"])] == ["71"]
+    for key in ("job_id", "comment", "partition", "features", "tres_per_node", "job_state", "state_reason"):
+        missing = {k: v for k, v in job(70).items() if k != key}
+        assert [j.job_id for j in parse_waiting_json(squeue_json(missing, good), ["70", "71"])] == ["71"]
+    assert parse_waiting_json('{"jobs": [1, "x", null, []]}', ["1"]) == []
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "not JSON"), ("41 BeginTime\n", "not JSON"), ('{"jobs": [', "not JSON"), ("[]", "no jobs list"),
+    ('"jobs"', "no jobs list"), ("{}", "no jobs list"), ('{"jobs": {"41": {}}}', "no jobs list"),
+    ('{"jobs": [], "errors": [{"description": "Invalid job id specified", "error_number": 2017}]}', "reported errors"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply|not JSON"),
+    ("1" * (commands.MAX_OUTPUT_BYTES + 1), "accepted: at most"),
+])
+def test_output_that_is_not_squeues_json_fails_the_call(text, message) -> None:
+    with pytest.raises(commands.CommandFailed, match=message):
+        parse_waiting_json(text, ["41"])
 
 
 def test_parse_nodes_drops_the_default_marker_and_checks_names() -> None:
@@ -81,21 +268,27 @@ def test_parse_nodes_drops_the_default_marker_and_checks_names() -> None:
 
 
 def test_wanted_features_only_for_waiting_require_jobs_with_a_per_node_gpu_count() -> None:
-    jobs = {job.job_id: job for job in parse_waiting(SQUEUE_TEXT)}
+    jobs = {j.job_id: j for j in parse_waiting_json(SQUEUE_JSON, ["41", "42", "44"])}
     assert wanted_features(jobs["41"]) == {"mapa_ring3"}
     assert wanted_features(jobs["42"]) == {"bigmem", "ib", "mapa_ring4"}
-    assert [wanted_features(jobs[j]) for j in ("43", "44", "45", "46", "47", "48")] == [None] * 6
+    assert wanted_features(WaitingJob("43", "Resources", ("dgx",), "", "gres/gpu:3", REQUIRE)) is None
+    others = [job(44, comment=""), job(45, comment="mapa:topology=ring sensitive=yes"), job(46, features="a|b"),
+              job(47, gres=""), job(48, comment="mapa:topology=rnig sensitive=yes placement=require")]
+    parsed = parse_waiting_json(squeue_json(*others), [str(n) for n in range(44, 49)])
+    assert len(parsed) == 5 and [wanted_features(j) for j in parsed] == [None] * 5
+    assert wanted_features(parse_waiting_json(squeue_json(job(49, gres="gres:gpu:4")), ["49"])[0]) == {"mapa_ring4"}
 
 
 def test_jobs_start_where_a_node_in_service_of_their_partition_has_every_feature() -> None:
-    released = jobs_to_release(parse_waiting(SQUEUE_TEXT), parse_nodes(SINFO_TEXT))
+    jobs = parse_waiting_json(SQUEUE_JSON, ["41", "42", "44"])
+    released = jobs_to_release(jobs, parse_nodes(SINFO_TEXT))
     # 41: dgx2 has mapa_ring3. 42 needs bigmem&ib&mapa_ring4: torus1 (partition gpu) has them;
     # summit1 is drained and does not count.
     assert released == [("41", "dgx2"), ("42", "torus1")]
     drained = SINFO_TEXT.replace(f"torus1{F}gpu*{F}idle", f"torus1{F}gpu*{F}drain")
-    assert jobs_to_release(parse_waiting(SQUEUE_TEXT), parse_nodes(drained)) == [("41", "dgx2")]
+    assert jobs_to_release(jobs, parse_nodes(drained)) == [("41", "dgx2")]
     no_ring = SINFO_TEXT.replace("mapa_ring3", "mapa_noring3")
-    assert jobs_to_release(parse_waiting(SQUEUE_TEXT), parse_nodes(no_ring)) == [("42", "torus1")]
+    assert jobs_to_release(jobs, parse_nodes(no_ring)) == [("42", "torus1")]
 
 
 def test_release_once_updates_the_jobs_and_goes_on_after_a_failed_update() -> None:
@@ -104,6 +297,8 @@ def test_release_once_updates_the_jobs_and_goes_on_after_a_failed_update() -> No
 
     def run(argv: list[str]) -> str:
         calls.append(argv)
+        if argv[:2] == ["squeue", "--json"]:
+            return SQUEUE_JSON
         if argv[0] == "squeue":
             return SQUEUE_TEXT
         if argv[0] == "sinfo":
@@ -113,7 +308,8 @@ def test_release_once_updates_the_jobs_and_goes_on_after_a_failed_update() -> No
         return ""
 
     assert release_once(run, log=logged.append) == 1
-    assert calls[2:] == [release_argv("scontrol", "41"), release_argv("scontrol", "42")]
+    assert calls[1] == squeue_json_argv("squeue", ["41", "42", "44"])  # only the jobs waiting for their begin time
+    assert calls[3:] == [release_argv("scontrol", "41"), release_argv("scontrol", "42")]
     assert "job 41" in logged[0] and "already started" in logged[0]
     assert "job 42" in logged[1] and "torus1" in logged[1]
 
@@ -123,10 +319,73 @@ def test_release_once_asks_sinfo_nothing_when_no_job_waits_for_its_begin_time() 
 
     def run(argv: list[str]) -> str:
         calls.append(argv)
-        return f"{R}60{F}Resources{F}dgx{F}(null){F}gres/gpu:3{F}(null)\n"
+        return "60 Resources\n61 Priority\n"
 
     assert release_once(run) == 0
     assert [argv[0] for argv in calls] == ["squeue"]
+    slurm = FakeSlurm([job(62, comment="")])  # waits for its begin time, but is no placement=require job
+    assert release_once(slurm) == 0 and [argv[0] for argv in slurm.calls] == ["squeue", "squeue"]
+
+
+@pytest.mark.parametrize("victim_reason", ["BeginTime", "Priority"])
+def test_a_comment_cannot_forge_a_record_that_releases_another_users_job(victim_reason) -> None:
+    """Issue #31: job 89's user writes, in its comment, a record for job 90 (someone else's job,
+    waiting for its begin time or its priority) claiming placement=require. Read from a separator
+    format (the old single squeue call), that record made `mapa release` start job 90 now."""
+    forged = f"{R}90{F}BeginTime{F}dgx{F}(null){F}gres/gpu:3{F}{REQUIRE}"
+    for comment in (f"my run{forged}", f"my run{forged}\n", f"{forged}{R}", f"x\n{forged}", f"x{F}{F}{F}{F}{forged}"):
+        slurm = FakeSlurm([job(89, comment=comment), job(90, comment="", reason=victim_reason)])
+        release_once(slurm, log=[].append)
+        assert "90" not in slurm.released(), comment
+        assert not any(argv[0] == "scontrol" and "JobId=90" in argv for argv in slurm.calls)
+    # The same job 90, with the directive in its own comment, is released: the test's scene works.
+    slurm = FakeSlurm([job(89, comment="x"), job(90, comment=REQUIRE)])
+    assert release_once(slurm, log=[].append) == 1 and slurm.released() == ["90"]
+
+
+def test_a_squeue_that_ignores_jobs_and_states_releases_only_the_jobs_asked_for() -> None:
+    slurm = FakeSlurm([job(91, comment=""), job(92, reason="Resources"), job(93, state=("RUNNING",))], honour_filters=False)
+    assert release_once(slurm, log=[].append) == 0 and slurm.released() == []
+    assert [argv[-1] for argv in slurm.calls if "--json" in argv] == ["--jobs=91"]
+
+
+def test_many_waiting_jobs_are_asked_for_in_batches_and_a_failed_batch_spoils_only_itself() -> None:
+    count = 2 * JSON_BATCH + 7
+    assert JSON_BATCH <= 500
+    slurm = FakeSlurm([job(1000 + n) for n in range(count)])
+    assert release_once(slurm, log=[].append) == count
+    asked = [argv[-1].removeprefix("--jobs=").split(",") for argv in slurm.calls if "--json" in argv]
+    assert [len(batch) for batch in asked] == [JSON_BATCH, JSON_BATCH, 7]
+    assert sum(asked, []) == [str(1000 + n) for n in range(count)]
+
+    def run(argv: list[str]) -> str:
+        if "--json" in argv and "--jobs=1000," in argv[-1] + ",":
+            return "slurm_load_jobs error: Unable to contact slurm controller"
+        return slurm(argv)
+
+    slurm.calls.clear()
+    with pytest.raises(commands.CommandFailed, match="1 batch.*not JSON"):
+        release_once(run, log=[].append)
+    assert len(slurm.released()) == count - JSON_BATCH and "1000" not in slurm.released()
+
+
+_TRICKY = st.sampled_from([R, F, "\n", "\r", '"', "\\", "\\u001e", '"}, {"job_id": 90, "', "}]}", "\x00", "\u2028",
+                           "90", "BeginTime", "dgx", "gres/gpu:3", "(null)", "mapa:", REQUIRE, f" [{REQUIRE[:-1]}]",
+                           f"{R}90{F}BeginTime{F}dgx{F}(null){F}gres/gpu:3{F}{REQUIRE}\n"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(comment=st.lists(_TRICKY | st.text(max_size=8), max_size=12).map("".join),
+       victim_reason=st.sampled_from(["BeginTime", "Priority", "Resources"]))
+def test_no_comment_releases_any_job_but_its_own(comment, victim_reason) -> None:
+    """Any comment, carried through squeue as squeue carries it, is read back as exactly that
+    comment of exactly its job; at most its own job is released, never the victim."""
+    attacker, victim = job(89, comment=comment), job(90, comment="my own, later", reason=victim_reason)
+    assert parse_waiting_json(squeue_json(attacker, victim), ["89", "90"])[0] == WaitingJob(
+        "89", "BeginTime", ("dgx",), "", "gres/gpu:3", comment)
+    slurm = FakeSlurm([attacker, victim])
+    release_once(slurm, log=[].append)
+    assert set(slurm.released()) <= {"89"}
 
 
 def test_the_command_checks_its_interval(capsys) -> None:

@@ -8,6 +8,7 @@ job_submit.lua tests run the plugin under Lua 5.1 (skipped with MAPA_SKIP_LUA=1 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -35,6 +36,8 @@ from slurm_mapa.slurm.commands import (
 )
 from slurm_mapa.slurm.decision import (
     MAX_ADMIN_COMMENT_CHARS,
+    MAX_RECORD_SCAN_CHARS,
+    AdminComment,
     Decision,
     find_record,
     parse_decisions,
@@ -43,7 +46,7 @@ from slurm_mapa.slurm.decision import (
     split_admin_comment,
     with_decision,
 )
-from slurm_mapa.slurm.directive import parse_directive, parse_directive_lines
+from slurm_mapa.slurm.directive import parse_comment, parse_directive, parse_directive_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "slurm_mapa" / "data" / "slurm" / "job_submit.lua"
@@ -328,9 +331,96 @@ def test_the_record_stays_bounded():
 def test_reading_a_hostile_admin_comment_stays_fast():
     hostile = ("mapa:" + "x" * 8000 + " ") * 200 + "mapa:topology=ring # n1=0-999999999 policy=p " + "#" * 10_000
     started = time.perf_counter()
-    assert find_record(hostile) is None  # beyond the candidates tried
+    assert find_record(hostile) is None  # beyond the characters read (MAX_RECORD_SCAN_CHARS)
     assert parse_decisions(hostile) == {} and read_admin_comment(hostile).before == hostile.strip()
     assert time.perf_counter() - started < 1
+
+
+# Foreign `mapa:` words in front of the record: an admin's notes, another tool's, a user's rejected directive.
+# Each holds one `mapa:` word, none a directive (`mapa:` alone, before a `#` or at the end, would be one: the defaults).
+_FOREIGN_WORDS = ["mapa:checked", "MAPA: checked", "Mapa:topology=blob", "mapa:ticket#12", "mapa:see-docs", "mapa:gpus=0 ok",
+                  "mapa:topology=ring x"]
+
+
+def _foreign(count: int) -> str:
+    return " ".join(_FOREIGN_WORDS[i % len(_FOREIGN_WORDS)] for i in range(count))
+
+
+@pytest.mark.parametrize("count", [32, 33, 100])
+def test_many_foreign_mapa_words_in_front_do_not_hide_the_record(count):
+    foreign = _foreign(count)
+    assert find_record(foreign) is None and parse_decisions(foreign) == {}
+    text = with_decision(foreign, RING_YES, N1)
+    assert text.startswith(foreign + " mapa:topology=ring sensitive=yes # n1=0,3")
+    assert find_record(text) == len(foreign) + 1 and read_admin_comment(text).before == foreign
+    assert parse_decisions(text) == {"n1": N1} and record_directive(text) == RING_YES
+    again = with_decision(text, RING_YES, N2)  # the next node's Prolog (or the journal's flush) finds the record
+    assert again == text + " # n2=4,7 policy=preserve eff=58.900 agg=100.000 pres=216.000"
+    assert with_decision(again, RING_YES, N2) == again  # already there: written the same
+    assert parse_decisions(again) == {"n1": N1, "n2": N2} and split_admin_comment(again)[0] == foreign
+
+
+def test_ten_thousand_foreign_mapa_words_in_front_do_not_hide_the_record():
+    foreign = " ".join(["mapa:", "MAPA:"] * 5000)  # 60,000 characters, within what slurmdbd can store
+    record = "mapa:topology=ring sensitive=yes # n1=0,3 policy=preserve free=0,1,2,3 eff=58.900 agg=100.000 pres=216.000 # ok"
+    text = f"{foreign} {record}"
+    assert len(text) <= MAX_RECORD_SCAN_CHARS
+    started = time.perf_counter()
+    assert find_record(text) == len(foreign) + 1
+    assert parse_decisions(text) == {"n1": N1} and record_directive(text) == RING_YES
+    assert read_admin_comment(text) == AdminComment(foreign, "mapa:topology=ring sensitive=yes", (N1.text(),), ("ok",))
+    assert split_admin_comment(text) == (foreign, record)
+    assert time.perf_counter() - started < 1
+    mixed = f"{_foreign(4000)} {record}"  # other words, with `#` among them: they end segments too
+    assert parse_decisions(mixed) == {"n1": N1} and record_directive(mixed) == RING_YES
+
+
+def test_the_record_is_looked_for_in_a_bounded_prefix_only():
+    record = "mapa:topology=ring sensitive=yes # n1=0,3 policy=preserve"
+    assert find_record("x" * (MAX_RECORD_SCAN_CHARS - 1) + " " + record) is None  # starts at MAX_RECORD_SCAN_CHARS
+    assert find_record("x" * (MAX_RECORD_SCAN_CHARS - 2) + " " + record) == MAX_RECORD_SCAN_CHARS - 1
+
+
+@pytest.mark.parametrize("hostile", [
+    " ".join(["mapa:"] * 200_000),  # no `#`: one segment, its last word's text far too long to parse
+    " ".join(["mapa:x#"] * 200_000),  # a segment per word
+    " ".join(["mapa:topology=ring sensitive=yes" + " gpus=2" * 70 + " #"] * 20_000),  # each one parsed, each one too many tokens
+    ("mapa:" + "topology=ring " * 580 + "# ") * 200,  # each one 8 Ki characters, parsed up to its length check
+    ("mapa:" + "x" * 8000 + "\u00e9 #") * 200,  # each one long, with a character no directive has
+])
+def test_reading_admin_comments_full_of_mapa_words_stays_fast(hostile):
+    started = time.perf_counter()
+    assert find_record(hostile) is None and parse_decisions(hostile) == {} and record_directive(hostile) is None
+    assert time.perf_counter() - started < 1
+
+
+def test_no_directive_holds_a_token_starting_with_mapa():
+    """What find_record relies on to parse only the last `mapa:` word before each `#`."""
+    for body in ("mapa:topology=ring mapa:", "mapa:topology=ring\tMAPA:topology=ring", "mapa: mapa:gpus=2", "mapa:gpus=2 mapa:=x"):
+        with pytest.raises(InputError):
+            parse_comment(body)
+
+
+def _first_record_naively(text: str) -> int | None:
+    """find_record without its shortcuts: every `mapa:` word in order, the first whose text parses."""
+    for marker in re.finditer(r"(?:^|(?<=[ \t\r\n\f\v]))mapa:", text, re.IGNORECASE):
+        end = text.find("#", marker.start())
+        try:
+            parse_comment(text[marker.start() : end if end >= 0 else len(text)])
+        except InputError:
+            continue
+        return marker.start()
+    return None
+
+
+_RECORD_WORDS = ["mapa:", "MAPA:", "mapa:topology=ring", "mapa:gpus=2", "mapa:topology=blob", "sensitive=yes", "gpus=2", "mapa:x",
+                 "#", " # ", " ", "\t", "\n", "n1=0 policy=p", "x", "=", "mapa:topology=ring\tgpus=2", "\u00e9", "mapa:gpus=2 gpus=3"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_RECORD_WORDS) | st.text(max_size=4), max_size=60).map("".join))
+def test_find_record_takes_the_first_mapa_word_that_parses(text):
+    assert find_record(text) == _first_record_naively(text)
 
 
 def test_sacct_and_explain_find_the_record_behind_an_admin_note():

@@ -191,3 +191,22 @@ def test_the_agent_writes_dcgm_job_mapping_with_mapas_gpus(tmp_path):
     run_epilog({"SLURM_JOB_ID": "41"}, config, [].append)
     assert sorted(background.write_dcgm_mapping(), key=int) == sorted(map(str, first.gpus), key=int)
     assert all((mapping / str(gpu)).read_text() == "" for gpu in first.gpus)
+
+
+def test_a_dcgm_mapping_directory_problem_is_logged_once_not_every_second(tmp_path):
+    """Security round 3 (low): a mapping directory others may write is refused, but said once."""
+    import os
+
+    mapping = tmp_path / "dcgm"
+    mapping.mkdir()
+    os.chmod(mapping, 0o777)
+    path = write_config(tmp_path, job_submit_lua=True, dcgm_job_mapping_dir=str(mapping))
+    errors: list[str] = []
+    background = Background(Agent(str(path), errors.append, run=lambda timeout: NoSlurm()), "dgx1")
+    for _ in range(30):  # the records loop's turns: one a second
+        assert background.write_dcgm_mapping() == []
+    assert len(errors) == 1 and "writable by group or others" in errors[0], errors
+    assert list(mapping.iterdir()) == []
+    os.chmod(mapping, 0o755)
+    assert len(background.write_dcgm_mapping()) == 8
+    assert len(errors) == 2 and "solved" in errors[1], errors

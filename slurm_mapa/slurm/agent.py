@@ -42,7 +42,7 @@ from typing import Callable, Mapping
 from ..errors import InputError, MapaError
 from .agent_client import (DEFAULT_SOCKET, ISOLATE, ISOLATE_KEYS, ISOLATE_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES,
                            MAX_REQUEST_BYTES, MAX_VALUE_BYTES)
-from .commands import Runner
+from .commands import Runner, is_job_id
 from .config import HookConfig, hook_logger, load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
@@ -56,6 +56,18 @@ REQUEST_READ_TIMEOUT_S = 5.0
 LISTEN_BACKLOG = 256
 # Each request holds a thread; past this many at once the client is told to run the hook itself.
 MAX_HANDLERS = 128
+# The public isolate socket: requests of one user (one job) handled at once; more wait their turn
+# without a thread, up to PUBLIC_QUEUE_PER_UID; past that, and for callers that are no task of a
+# Slurm job on this node, the connection is closed at once. So one user's flood takes at most
+# PUBLIC_PER_UID of the MAX_HANDLERS threads, and every other user's tasks are answered.
+PUBLIC_PER_UID = 16
+PUBLIC_PER_JOB = 8
+PUBLIC_QUEUE_PER_UID = 256
+PUBLIC_QUEUE_TOTAL = 4096
+QUEUED_MAX_AGE_S = 10.0  # the client's own deadline (agent_client.ISOLATE_TIMEOUT_S): older ones gave up
+# Log lines about refused public requests: LOG_BURST per caller, then one per LOG_INTERVAL_S.
+LOG_BURST = 5
+LOG_INTERVAL_S = 10.0
 
 
 def parse_header(line: bytes, kinds: tuple[str, ...] = KINDS) -> tuple[str, int]:
@@ -140,6 +152,32 @@ def read_request(conn: socket.socket, timeout: float = REQUEST_READ_TIMEOUT_S, k
     return kind, parse_payload(payload, keys)
 
 
+class LogLimiter:
+    """At most ``burst`` lines per key, then one per ``interval`` seconds; the lines held back are
+    counted and named in the next line let through. Keys are the callers (a uid), so a flood of
+    bad requests costs root's log a line every few seconds, and other callers keep theirs."""
+
+    def __init__(self, burst: int = LOG_BURST, interval: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 max_keys: int = 10000) -> None:
+        self.burst, self.interval, self.clock, self.max_keys = burst, interval, clock, max_keys
+        self.tokens: dict[object, tuple[float, float, int]] = {}  # key -> (tokens, when, held back)
+        self.lock = threading.Lock()
+
+    def line(self, key: object, text: str) -> str | None:
+        """The line to log for ``text`` now (with the count held back), or None to hold it back."""
+        now = self.clock()
+        with self.lock:
+            if key not in self.tokens and len(self.tokens) >= self.max_keys:
+                self.tokens.clear()
+            tokens, when, held = self.tokens.get(key, (float(self.burst), now, 0))
+            tokens = min(float(self.burst), tokens + (now - when) / self.interval)
+            if tokens < 1.0:
+                self.tokens[key] = (tokens, now, held + 1)
+                return None
+            self.tokens[key] = (tokens - 1.0, now, 0)
+        return text + (f" ({held} more like it not logged)" if held else "")
+
+
 class Agent:
     """Runs hooks for requests; the config is read again for each, so an edit applies at once."""
 
@@ -159,6 +197,7 @@ class Agent:
         self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
         self.make_runner = run  # tests give a fake Slurm here
         self.background: Background | None = None  # started by main(); tests drive it directly
+        self.public_log = LogLimiter()  # failures of the public socket's requests, per uid
 
     def run_hook(
         self,
@@ -175,8 +214,9 @@ class Agent:
         else:
             epilog_failing_open(env, config_env, " (in mapa-agent)")
 
-    def isolate(self, pid: int, uid: int, env: Mapping[str, str]) -> str:
-        """The answer to a TaskProlog's isolate request from process ``pid`` of user ``uid``."""
+    def isolate(self, pid: int, uid: int, env: Mapping[str, str], public: bool = False) -> str:
+        """The answer to a TaskProlog's isolate request from process ``pid`` of user ``uid``
+        (``public``: on the socket anyone may use; its failures are logged at a bounded rate)."""
         config, problem = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
         log = hook_logger(config.log)
         if problem:
@@ -189,6 +229,10 @@ class Agent:
             outcome = self.isolator.isolate(pid, uid, env, job_devices_for(config, self.node))
         except IsolationError as error:
             reason, job_id = str(error), error.job_id
+            if error.unknown_job and self.background is not None:
+                # A task of a job with no mark here: the job holds GPUs the ledger does not know.
+                # Adopt it now rather than at the next reconcile pass.
+                self.background.reconcile_soon.set()
         except InputError as error:
             reason = str(error)
         except Exception as error:  # noqa: BLE001 - a bug must not decide whether the task runs
@@ -201,7 +245,7 @@ class Agent:
                 self.isolated.add((outcome.job_id, outcome.step, asker))
                 log(f"isolation: {outcome.state}: {outcome.detail} (asked by {asker})")
             return f"done {outcome.state} {outcome.detail}"
-        answer = self._isolation_failed(mode, log, reason, pid, uid)
+        answer = self._isolation_failed(mode, self._limited(log, uid) if public else log, reason, pid, uid)
         if job_id is not None:
             self.note_isolation(config, log, job_id, "refused" if answer.startswith("error") else "failed-open", reason)
         return answer
@@ -227,12 +271,31 @@ class Agent:
             self.background.wake.set()
 
     def isolation_failed(self, reason: str, pid: int, uid: int) -> str:
-        """The answer to an isolate request that could not even be read: as the mode says."""
+        """The answer to a public isolate request that could not even be read: as the mode says."""
         config, _ = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
         mode, _ = effective_mode(config, self.node)
         if mode == "off":
             return "done off"
-        return self._isolation_failed(mode, hook_logger(config.log), reason, pid, uid)
+        return self._isolation_failed(mode, self._limited(hook_logger(config.log), uid), reason, pid, uid)
+
+    def _limited(self, log: Callable[[str], None], uid: int) -> Callable[[str], None]:
+        def limited(text: str) -> None:
+            line = self.public_log.line(uid, text)
+            if line is not None:
+                log(line)
+        return limited
+
+    def job_of(self, pid: int) -> str | None:
+        """The Slurm job whose task cgroup process ``pid`` is in, None if none: the public socket's
+        cheap first check (one small /proc read), before a thread or a log line is spent on it."""
+        from .isolation import parse_proc_cgroup
+
+        try:
+            with open(self.isolator.proc / str(pid) / "cgroup", "rb") as handle:
+                cgroup = parse_proc_cgroup(handle.read(65536).decode("utf-8", "replace"))
+        except OSError:
+            return None
+        return cgroup.job_id if cgroup is not None else None
 
     @staticmethod
     def _isolation_failed(mode: str, log: Callable[[str], None], reason: str, pid: int, uid: int) -> str:
@@ -263,6 +326,7 @@ class Agent:
 
 MAX_RECORD_AGE_S = 7 * 86400  # a record slurmctld has refused for a week is dropped (and logged)
 MAX_BACKOFF_S = 300.0
+MIN_RECONCILE_GAP_S = 1.0
 
 
 class Background:
@@ -280,9 +344,15 @@ class Background:
         self.clock = clock
         self.wake = threading.Event()
         self.stop = threading.Event()
+        # Set when a task of a job unknown here asks for isolation (its Prolog never marked it):
+        # the next reconcile pass (which adopts it) runs now, not at its interval.
+        self.reconcile_soon = threading.Event()
         self.retry_at: dict[str, float] = {}
         self.failures: dict[str, int] = {}
         self.features = Publisher(node)
+        from .dcgm import MappingWriter
+
+        self.dcgm_writer = MappingWriter()  # says each problem of the mapping directory once, not every second
 
     def _config(self):
         config, problem = load_hook_config({"MAPA_CONFIG": self.agent.config_path}, validate=False)
@@ -312,13 +382,17 @@ class Background:
 
         config = self._config()
         if config.dcgm_job_mapping_dir is None:
+            self.dcgm_writer.forget()
             return []
         records, _ = jobfiles.scan(config.jobs_dir)
         holdings = {job: record.gpus if record.gpus is not None else record.mark.slurm_gpus
                     for job, record in records.items()
                     if not record.ended and (record.gpus is not None or record.mark is not None)}
         gpu_count = load_graph(config, self.node).size
-        return dcgm.write_mapping(config.dcgm_job_mapping_dir, dcgm.mapping_files(holdings, gpu_count))
+        result = self.dcgm_writer.write(config.dcgm_job_mapping_dir, dcgm.mapping_files(holdings, gpu_count))
+        for line in result.log_lines():  # new problems, and "solved: ..." when one goes away
+            self.agent.log_errors(f"mapa-agent: DCGM job mapping: {line}")
+        return list(result.changed)
 
     def flush_records(self) -> int:
         """Write the journal's due records; how many were written or dropped."""
@@ -359,13 +433,15 @@ class Background:
 
     def _reconcile_loop(self) -> None:
         while not self.stop.is_set():
+            self.reconcile_soon.clear()
             try:
                 self.reconcile_once()
                 interval = self._config().reconcile_interval
             except Exception as error:  # noqa: BLE001 - the next pass tries again
                 self.agent.log_errors(f"mapa-agent: reconcile pass failed: {error}")
                 interval = 60.0
-            self.stop.wait(interval * random.uniform(0.75, 1.25))
+            self.stop.wait(MIN_RECONCILE_GAP_S)  # however often tasks ask: one squeue a second at most
+            self.reconcile_soon.wait(interval * random.uniform(0.75, 1.25))
 
     def _records_loop(self) -> None:
         from . import journal
@@ -409,6 +485,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 conn.sendall(b"error only root may ask mapa-agent\n")
                 return
             kind, env = read_request(conn, self.server.request_read_timeout, KINDS + (ISOLATE,), KEYS + ISOLATE_KEYS)
+            if kind != ISOLATE and not is_job_id(env.get("SLURM_JOB_ID", "")):
+                raise InputError(f"SLURM_JOB_ID {env.get('SLURM_JOB_ID', '')[:40]!r} is not a job id (accepted: digits)")
         except (InputError, OSError) as error:
             self.server.agent.log_errors(f"mapa-agent: refused a request: {error}")
             try:
@@ -449,11 +527,87 @@ class _Handler(socketserver.BaseRequestHandler):
         except (InputError, OSError) as error:
             answer = self.server.agent.isolation_failed(f"bad request: {error}", pid, uid)
         else:
-            answer = self.server.agent.isolate(pid, uid, env)
+            answer = self.server.agent.isolate(pid, uid, env, public=True)
         try:
             conn.sendall(answer.replace("\n", " ").encode("utf-8", "replace")[:1023] + b"\n")
         except OSError:
             pass
+
+
+class PublicAdmission:
+    """Who of the public socket's callers gets a thread now, waits, or is turned away.
+
+    A caller that is no task of a Slurm job on this node is closed at once (the peer's cgroup, one
+    /proc read). The rest are limited per uid and per job: past ``per_uid`` (``per_job``) requests
+    being handled, a request waits in its uid's queue without a thread, up to ``queue_per_uid``
+    (``queue_total`` in all); past that it is closed. Closed, a TaskProlog falls back as its mode
+    says (fail-open runs the task, fail-closed fails it): only the flooding user's own tasks."""
+
+    def __init__(self, per_uid: int = PUBLIC_PER_UID, per_job: int = PUBLIC_PER_JOB,
+                 queue_per_uid: int = PUBLIC_QUEUE_PER_UID, queue_total: int = PUBLIC_QUEUE_TOTAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_uid, self.per_job = per_uid, per_job
+        self.queue_per_uid, self.queue_total = queue_per_uid, queue_total
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.active_uid: dict[int, int] = {}
+        self.active_job: dict[str, int] = {}
+        self.waiting: dict[int, list[tuple[float, str, object]]] = {}  # uid -> (since, job, request)
+        self.waiting_total = 0
+
+    def _fits(self, uid: int, job: str) -> bool:
+        return self.active_uid.get(uid, 0) < self.per_uid and self.active_job.get(job, 0) < self.per_job
+
+    def _start(self, uid: int, job: str) -> None:
+        self.active_uid[uid] = self.active_uid.get(uid, 0) + 1
+        self.active_job[job] = self.active_job.get(job, 0) + 1
+
+    def arrive(self, uid: int, job: str, request: object) -> str:
+        """"run" (handle it now: counted as active), "wait" (queued) or "refuse"."""
+        with self.lock:
+            if self._fits(uid, job):
+                self._start(uid, job)
+                return "run"
+            queue = self.waiting.setdefault(uid, [])
+            if len(queue) >= self.queue_per_uid or self.waiting_total >= self.queue_total:
+                return "refuse"
+            queue.append((self.clock(), job, request))
+            self.waiting_total += 1
+            return "wait"
+
+    def finish(self, uid: int, job: str) -> tuple[str, object] | None:
+        """One request of ``uid``/``job`` is done; the next waiting request of the uid that fits (it
+        is counted as active and is the caller's to handle), or None. Requests that waited past
+        their client's deadline are dropped (returned through ``expired``)."""
+        with self.lock:
+            for counts, key in ((self.active_uid, uid), (self.active_job, job)):
+                counts[key] -= 1
+                if counts[key] <= 0:
+                    del counts[key]
+            queue = self.waiting.get(uid, [])
+            for position, (_, waiting_job, request) in enumerate(queue):
+                if self._fits(uid, waiting_job):
+                    del queue[position]
+                    self.waiting_total -= 1
+                    if not queue:
+                        del self.waiting[uid]
+                    self._start(uid, waiting_job)
+                    return waiting_job, request
+            return None
+
+    def expired(self, max_age: float = QUEUED_MAX_AGE_S) -> list[object]:
+        """Take out the waiting requests older than ``max_age`` (their clients have given up)."""
+        now, old = self.clock(), []
+        with self.lock:
+            for uid in list(self.waiting):
+                kept = [item for item in self.waiting[uid] if now - item[0] <= max_age]
+                old += [item[2] for item in self.waiting[uid] if now - item[0] > max_age]
+                self.waiting_total -= len(self.waiting[uid]) - len(kept)
+                if kept:
+                    self.waiting[uid] = kept
+                else:
+                    del self.waiting[uid]
+        return old
 
 
 def _discard_unread(conn: socket.socket) -> None:
@@ -471,24 +625,64 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     request_queue_size = LISTEN_BACKLOG
     request_read_timeout = REQUEST_READ_TIMEOUT_S
 
-    def __init__(self, path: str, agent: Agent, max_handlers: int = MAX_HANDLERS, public: bool = False) -> None:
+    def __init__(self, path: str, agent: Agent, max_handlers: int = MAX_HANDLERS, public: bool = False,
+                 admission: PublicAdmission | None = None) -> None:
         self.agent = agent
         self.public = public  # the TaskPrologs' socket: isolate requests from anyone, nothing else
+        self.admission = admission or PublicAdmission()
         self.handler_slots = threading.BoundedSemaphore(max_handlers)
         self.refused: list[tuple[float, socket.socket]] = []  # told busy, closed by service_actions
+        self.turned_away = 0  # public requests closed unanswered (no task, or over their user's limit)
+        self.admitted: dict[int, tuple[int, str]] = {}  # id(request) -> (uid, job), while counted active
+        self.admitted_lock = threading.Lock()
         super().__init__(path, _Handler)
 
+    def _turn_away(self, request: socket.socket, uid: int, why: str) -> None:
+        self.turned_away += 1
+        line = self.agent.public_log.line(("turned away", uid), f"mapa-agent: isolate socket: closed a request of uid {uid}: {why}")
+        if line is not None:
+            self.agent.log_errors(line)
+        self.shutdown_request(request)
+
     def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
-        """A thread for the request if fewer than max_handlers run; else ``error busy`` at once."""
-        if not self.handler_slots.acquire(blocking=False):
-            self.agent.log_errors("mapa-agent: too many requests at once; told one client to run its hook itself")
+        """A thread for the request if fewer than max_handlers run; else ``error busy`` at once.
+        On the public socket, first the caller's admission (PublicAdmission)."""
+        if self.public:
+            try:
+                pid, uid = peer_credentials(request)
+            except OSError:
+                self.shutdown_request(request)
+                return
+            job = self.agent.job_of(pid)
+            if job is None:
+                self._turn_away(request, uid, f"process {pid} is no task of a Slurm job on this node")
+                return
+            verdict = self.admission.arrive(uid, job, request)
+            if verdict == "wait":
+                return
+            if verdict == "refuse":
+                self._turn_away(request, uid, f"more than {self.admission.per_uid} requests of this user at once "
+                                f"and {self.admission.queue_per_uid} waiting")
+                return
+            with self.admitted_lock:
+                self.admitted[id(request)] = (uid, job)
+        self._dispatch(request, client_address)
+
+    def _dispatch(self, request: socket.socket | None, client_address: object) -> None:
+        while request is not None:
+            if self.handler_slots.acquire(blocking=False):
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    self.handler_slots.release()  # the thread never started
+                    self._finished(request)
+                    raise
+                return
+            line = self.agent.public_log.line("busy", "mapa-agent: too many requests at once; told one client to run its hook itself")
+            if line is not None:
+                self.agent.log_errors(line)
             self._refuse_busy(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.handler_slots.release()  # the thread never started
-            raise
+            request = self._finished(request)
 
     def _refuse_busy(self, request: socket.socket) -> None:
         """Answer ``error busy`` without waiting on the client. The socket is closed a moment later
@@ -505,6 +699,9 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def service_actions(self) -> None:
         """Called by serve_forever between requests: close refused sockets older than 0.2 s."""
         super().service_actions()
+        if self.public:
+            for stale in self.admission.expired():
+                self.shutdown_request(stale)  # type: ignore[arg-type]
         now = time.monotonic()
         while self.refused and (now - self.refused[0][0] > 0.2 or len(self.refused) > MAX_HANDLERS):
             _, request = self.refused.pop(0)
@@ -518,10 +715,27 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         super().server_close()
 
     def process_request_thread(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        """Handle the request, then (public socket) those of the same user that waited for it."""
         try:
-            super().process_request_thread(request, client_address)
+            while request is not None:
+                super().process_request_thread(request, client_address)
+                request = self._finished(request)
         finally:
             self.handler_slots.release()
+
+    def _finished(self, request: socket.socket) -> socket.socket | None:
+        """A public request is done: the next waiting one of its user, now counted active, or None."""
+        with self.admitted_lock:
+            admitted = self.admitted.pop(id(request), None)
+        if admitted is None:
+            return None
+        following = self.admission.finish(*admitted)
+        if following is None:
+            return None
+        job, waiting = following
+        with self.admitted_lock:
+            self.admitted[id(waiting)] = (admitted[0], job)
+        return waiting  # type: ignore[return-value]
 
 
 def prepare_socket_dir(path: Path) -> None:

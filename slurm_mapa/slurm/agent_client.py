@@ -20,11 +20,16 @@ devices isolated (slurm/isolation.py), on a second socket anyone may use, which 
 kind. The agent answers ``done <state> <detail>`` (state: cgroup-v1, cgroup-v2, off, failed-open)
 or ``error <why>`` (isolation = "fail-closed" and it failed). The client prints
 ``export MAPA_ISOLATION=<state>`` for the TaskProlog and exits 0; when refused, a ``print`` line
-(Slurm shows it in the task's output) and exit status 1; 3 when there was no answer.
+(Slurm shows it in the task's output) and exit status 1; 3 when there was no answer: the agent
+could not be asked, did not answer in time, or stayed busy (``error busy``, or its listen backlog
+full) until the deadline. The task waits ISOLATE_TIMEOUT_S at most for all of it, retries
+included. The SPANK plugin (data/spank/spank_mapa_isolate.c) gives each case the same meaning.
 """
 
+import errno
 import os
 import sys
+import time
 
 import _socket
 
@@ -48,9 +53,14 @@ ISOLATE_SOCKET = "/run/slurm-mapa-isolate/isolate.sock"
 ISOLATE = "isolate"
 # The job id is only checked against the task's cgroup; the step's GPUs narrow within the job.
 ISOLATE_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_GPUS")
-ISOLATE_TIMEOUT_S = 10.0  # the task waits for this; isolation takes milliseconds
-BUSY_RETRIES = 5
+ISOLATE_TIMEOUT_S = 10.0  # the task waits this long at most, retries included; isolation takes milliseconds
+BUSY = "error busy"
+# Busy is asked again after a pause that doubles from the first to the most (as in the SPANK plugin).
+FIRST_BUSY_BACKOFF_S = 0.01
+MAX_BUSY_BACKOFF_S = 0.25
 REFUSED = 1
+# What _ask returns when the agent's listen backlog is full: a non-blocking connect's EAGAIN.
+BACKLOG_FULL = object()
 
 
 def request_bytes(kind, env):
@@ -68,16 +78,40 @@ def request_bytes(kind, env):
     return ("MAPA1 %s %d\n" % (kind, len(payload))).encode() + payload
 
 
-def ask_agent(kind, env, path=DEFAULT_SOCKET, timeout=ANSWER_TIMEOUT_S):
-    """The agent's answer line, or None when it could not be asked or did not answer."""
+def _left(deadline, longest):
+    """Seconds to wait for the next step: ``longest``, or less when ``deadline`` comes first."""
+    if deadline is None:
+        return longest
+    return min(longest, deadline - time.monotonic())
+
+
+def _ask(request, path, answer_timeout, deadline=None):
+    """One request; its answer line, None, or BACKLOG_FULL. The connect and the send wait
+    CONNECT_TIMEOUT_S at most, each read ``answer_timeout``; with ``deadline`` (time.monotonic())
+    nothing waits past it."""
+    def wait_at_most(longest):
+        left = _left(deadline, longest)
+        if left <= 0:
+            raise TimeoutError("past the deadline")
+        sock.settimeout(left)
+
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    answer = b""
     try:
-        sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect(path)
-        sock.sendall(request_bytes(kind, env))
-        sock.settimeout(timeout)
-        answer = b""
+        # A timeout makes the socket non-blocking: on a full listen backlog the connect fails at
+        # once with EAGAIN (a blocking one would wait for an accept); the other waits are polls.
+        wait_at_most(CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(path)
+        except BlockingIOError as error:
+            if error.errno == errno.EAGAIN:
+                return BACKLOG_FULL
+            raise
+        if deadline is not None:  # sendall's timeout bounds it whole (Python 3.5+)
+            wait_at_most(CONNECT_TIMEOUT_S)
+        sock.sendall(request)
         while b"\n" not in answer and len(answer) < 4096:
+            wait_at_most(answer_timeout)
             chunk = sock.recv(4096)
             if not chunk:
                 break
@@ -91,16 +125,30 @@ def ask_agent(kind, env, path=DEFAULT_SOCKET, timeout=ANSWER_TIMEOUT_S):
     return answer.split(b"\n", 1)[0].decode("utf-8", "replace")
 
 
-def isolate(path, env=os.environ, retries=BUSY_RETRIES):
-    """Ask for the task's isolation; (exit status, line for the TaskProlog's output or None)."""
-    import time
+def ask_agent(kind, env, path=DEFAULT_SOCKET, timeout=ANSWER_TIMEOUT_S):
+    """The agent's answer line, or None when it could not be asked or did not answer."""
+    answer = _ask(request_bytes(kind, env), path, timeout)
+    return None if answer is BACKLOG_FULL else answer
 
-    for attempt in range(retries + 1):
-        answer = ask_agent(ISOLATE, env, path, ISOLATE_TIMEOUT_S)
-        if answer != "error busy" or attempt == retries:
+
+def isolate(path, env=os.environ, *, timeout=None):
+    """Ask for the task's isolation; (exit status, line for the TaskProlog's output or None).
+
+    All of it, the asks again when the agent is busy included, ends within ``timeout`` seconds
+    (ISOLATE_TIMEOUT_S by default)."""
+    deadline = time.monotonic() + (ISOLATE_TIMEOUT_S if timeout is None else timeout)
+    request = request_bytes(ISOLATE, env)
+    backoff = FIRST_BUSY_BACKOFF_S
+    while True:
+        answer = _ask(request, path, ISOLATE_TIMEOUT_S, deadline)
+        if answer is not BACKLOG_FULL and answer != BUSY:
             break
-        time.sleep(0.05 * (attempt + 1))
-    if answer is None or answer == "error busy":
+        if time.monotonic() + backoff >= deadline:
+            answer = None  # busy until the deadline
+            break
+        time.sleep(backoff)
+        backoff = min(backoff * 2, MAX_BUSY_BACKOFF_S)
+    if answer is None:
         return FALL_BACK, None
     words = answer.split(" ", 2)
     if words[0] == "done" and len(words) > 1 and words[1] in ("cgroup-v1", "cgroup-v2", "off", "failed-open"):

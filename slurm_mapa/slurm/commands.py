@@ -285,16 +285,29 @@ def show_node_argv(scontrol: str, node: str) -> list[str]:
 def parse_available_features(text: str) -> tuple[str, ...]:
     """The ``AvailableFeatures=`` of `scontrol --oneliner show node NODE` (``(null)``: none).
     CommandFailed unless the output holds exactly one such token of plain feature names."""
+    return _parse_node_features(text, "AvailableFeatures")
+
+
+def parse_active_features(text: str) -> tuple[str, ...]:
+    """The ``ActiveFeatures=`` of `scontrol --oneliner show node NODE`, in Slurm's order
+    (``(null)``: none); an administrator may have made some available features inactive.
+    CommandFailed unless the output holds exactly one such token of plain feature names."""
+    return _parse_node_features(text, "ActiveFeatures")
+
+
+def _parse_node_features(text: str, field: str) -> tuple[str, ...]:
     if len(text) > MAX_OUTPUT_BYTES:
-        raise CommandFailed(f"scontrol printed {len(text)} characters for one node")
-    values = [token[len("AvailableFeatures="):] for token in text.split() if token.startswith("AvailableFeatures=")]
+        raise CommandFailed(f"scontrol printed {len(text)} characters for one node (accepted: at most {MAX_OUTPUT_BYTES})")
+    key = field + "="
+    values = [token[len(key):] for token in text.split() if token.startswith(key)]
     if len(values) != 1:
-        raise CommandFailed(f"scontrol show node printed {len(values)} AvailableFeatures= fields (expected one): {text[:120]!r}")
+        raise CommandFailed(f"scontrol show node printed {len(values)} {key} fields (expected one): {text[:120]!r}")
     if values[0] in ("", "(null)"):
         return ()
     names = tuple(values[0].split(","))
     if len(names) > MAX_FEATURES or not all(map(is_feature_name, names)):
-        raise CommandFailed(f"AvailableFeatures={values[0][:120]!r} is not a list of feature names")
+        raise CommandFailed(f"{key}{values[0][:120]!r} is not a list of feature names (accepted: at most {MAX_FEATURES} "
+                            "names of letters, digits, '_', '.', '-', joined by ',')")
     return names
 
 

@@ -18,9 +18,11 @@ The AdminComment is also the admins' field, and other job_submit plugins may wri
 MAPA's record shares it (:func:`read_admin_comment`):
 
 * The record starts at the first ``mapa:`` (any case) that begins the text or follows
-  whitespace and whose text up to the next ``#`` parses as a directive (at most
-  MAX_RECORD_CANDIDATES are tried). Text before it is the admin's, kept verbatim in front. With
-  no such record the whole text is the admin's, and MAPA's record goes after it, one space apart.
+  whitespace and whose text up to the next ``#`` parses as a directive, however many other
+  ``mapa:`` words come before it; only a ``mapa:`` within the first MAX_RECORD_SCAN_CHARS
+  characters is taken (:func:`find_record`). Text before it is the admin's, kept verbatim in
+  front. With no such record the whole text is the admin's, and MAPA's record goes after it,
+  one space apart.
   A ``mapa:`` in the admin's note that does not parse (``MAPA: checked``) is therefore not taken
   for the record; one whose text does parse would be: an admin should not write a directive in
   a note.
@@ -44,17 +46,21 @@ from dataclasses import dataclass
 
 from ..errors import InputError
 from .commands import parse_gpu_indices
-from .directive import Directive, parse_comment
+from .directive import COMMENT_PREFIX, MAX_LINE_CHARS, Directive, parse_comment
 
 # 16 Ki characters stay within the 64 KiB TEXT column slurmdbd keeps the AdminComment in, even
 # at 4 bytes a character, and hold about 150 decisions of 8-GPU nodes.
 MAX_ADMIN_COMMENT_CHARS = 16384
-MAX_RECORD_CANDIDATES = 32  # `mapa:` words tried as the record's start, so reading stays linear
+# Where MAPA's record is looked for: the first 64 Ki characters, all that slurmdbd's 64 KiB TEXT
+# column can hold, so what sacct returns is read whole; with_decision and job_submit.lua write at
+# most MAX_ADMIN_COMMENT_CHARS. Bounds the work on any text, however many `mapa:` words it has.
+MAX_RECORD_SCAN_CHARS = 65536
 DECISION_KEYS = ("policy", "free", "running", "slurm", "cpus", "affinity", "eff", "agg", "pres", "fallback", "isolation", "why")
 ISOLATION_STATES = ("failed-open", "refused")  # what a node's record says when device isolation was not applied
 MAX_WHY_CHARS = 200
 _CPU_LIST = re.compile(r"[0-9]{1,5}(?:-[0-9]{1,5})?(?:,[0-9]{1,5}(?:-[0-9]{1,5})?)*")  # the form format_cpu_list writes
 _MARKER = re.compile(r"(?:^|(?<=[ \t\r\n\f\v]))mapa:", re.IGNORECASE)
+_DIRECTIVE_CHARS = re.compile(r"[ -~\t]*")  # what directive._check_line accepts, checked at C speed first
 
 
 @dataclass(frozen=True)
@@ -125,18 +131,42 @@ class AdminComment:
 
 
 def find_record(admin_comment: str) -> int | None:
-    """Where MAPA's record starts in an AdminComment, or None when it has none."""
-    for tried, marker in enumerate(_MARKER.finditer(admin_comment)):
-        if tried == MAX_RECORD_CANDIDATES:
-            break
-        end = admin_comment.find("#", marker.start())
-        body = admin_comment[marker.start() : end if end >= 0 else len(admin_comment)]
-        try:
-            parse_comment(body)
-        except InputError:
-            continue
-        return marker.start()
+    """Where MAPA's record starts in an AdminComment, or None when it has none.
+
+    Linear in the text, whatever it holds: only ``mapa:`` words starting in the first
+    MAX_RECORD_SCAN_CHARS characters are candidates, and of the candidates before one ``#`` only
+    the last is parsed. An earlier one's text up to the ``#`` holds the later ``mapa:`` word after
+    a blank, and no directive has a token starting with ``mapa:`` (its key would hold a ``:``), so
+    it could not parse; the texts parsed are therefore disjoint, and each at most MAX_LINE_CHARS
+    long (parse_comment refuses a longer one). Other ``mapa:`` words in front, however many, cannot
+    hide the record.
+    """
+    limit = MAX_RECORD_SCAN_CHARS + len(COMMENT_PREFIX) - 1  # a marker starting before MAX_RECORD_SCAN_CHARS fits
+    segment_end = -1  # where the text of the current `#` segment ends: its `#`, or the end of the text
+    pending = None  # the last marker seen in the current segment
+    for marker in _MARKER.finditer(admin_comment, 0, limit):
+        start = marker.start()
+        if start > segment_end:  # a new segment: the pending marker is the last of its own
+            if pending is not None and _is_record(admin_comment, pending, segment_end):
+                return pending
+            segment_end = admin_comment.find("#", start)
+            if segment_end < 0:
+                segment_end = len(admin_comment)
+        pending = start
+    if pending is not None and _is_record(admin_comment, pending, segment_end):
+        return pending
     return None
+
+
+def _is_record(admin_comment: str, start: int, end: int) -> bool:
+    """Whether ``admin_comment[start:end]`` (``mapa:`` up to the next ``#``) parses as a directive."""
+    if end - start > MAX_LINE_CHARS or not _DIRECTIVE_CHARS.fullmatch(admin_comment, start, end):
+        return False  # parse_comment refuses it (too long, or a character no directive has)
+    try:
+        parse_comment(admin_comment[start:end])
+    except InputError:
+        return False
+    return True
 
 
 def read_admin_comment(admin_comment: str) -> AdminComment:

@@ -2,10 +2,11 @@
 
 The pure part (which features a node has) is :mod:`slurm_mapa.core.features`; this module reads
 the node's free GPUs from the ledger and writes the features into slurmctld with
-``scontrol update NodeName=NODE ActiveFeatures=...``, keeping every feature of the node that is not
-MAPA's. Such updates live in slurmctld only (a restart forgets them), so the agent publishes again
-at every reconcile pass as well as after starts and ends; it asks slurmctld only when the features
-changed, or at the reconcile pass. Configured by ``[features]`` in mapa.toml; without it nothing
+``scontrol update NodeName=NODE ActiveFeatures=...``, leaving every feature of the node that is not
+MAPA's as it is (active if active now, inactive if an administrator made it inactive). Such
+updates live in slurmctld only (a restart forgets them), so the agent publishes again at every
+reconcile pass as well as after starts and ends; it asks slurmctld only when the features changed,
+or at the reconcile pass. Configured by ``[features]`` in mapa.toml; without it nothing
 is published. docs/admin.md, "Choosing the node", has the slurm.conf lines.
 """
 
@@ -15,16 +16,18 @@ from typing import Callable, Sequence
 
 from ..core.features import PREFIX, feature_names, fleet_best, node_features
 from ..errors import MapaError
-from .commands import CommandFailed, active_features_argv, parse_available_features, show_node_argv
+from .commands import CommandFailed, active_features_argv, parse_active_features, parse_available_features, show_node_argv
 from .config import HookConfig
 from .ledger import LedgerCorrupt, LedgerFile
 
 RunCommand = Callable[[Sequence[str]], str]
 
 
-def merged_features(available: Sequence[str], mapa: Sequence[str]) -> tuple[str, ...]:
-    """The node's ActiveFeatures: its own (non-MAPA) available features, then MAPA's."""
-    return tuple(name for name in available if not name.startswith(PREFIX)) + tuple(mapa)
+def merged_features(active: Sequence[str], mapa: Sequence[str]) -> tuple[str, ...]:
+    """The node's new ActiveFeatures: its currently active features that are not MAPA's, in their
+    order, then MAPA's. Not its available ones: that would re-activate a feature an administrator
+    made inactive (``scontrol update NodeName=... ActiveFeatures=...``) at every publication."""
+    return tuple(name for name in active if not name.startswith(PREFIX)) + tuple(mapa)
 
 
 class Publisher:
@@ -71,14 +74,15 @@ class Publisher:
         if mapa is None or (mapa == self.last and not force):
             return False
         try:
-            available = parse_available_features(run(show_node_argv(config.scontrol, self.node)))
+            shown = run(show_node_argv(config.scontrol, self.node))
+            available, active = parse_available_features(shown), parse_active_features(shown)
             missing = [name for name in mapa if name not in available]
             if missing:
                 log(f"features of {self.node}: slurm.conf does not list {','.join(missing)} in the node's Features= "
                     f"(needed: {','.join(feature_names(config.feature_sizes))}); nothing published")
                 self.last = mapa  # said once per change, not at every start
                 return True
-            run(active_features_argv(config.scontrol, self.node, merged_features(available, mapa)))
+            run(active_features_argv(config.scontrol, self.node, merged_features(active, mapa)))
         except (CommandFailed, ValueError) as error:
             log(f"features of {self.node}: could not publish {','.join(mapa)} ({error}); trying again at the next change or pass")
             self.last = None

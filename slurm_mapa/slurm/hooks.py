@@ -290,10 +290,12 @@ def fallback_decision(
 
 def current_ledger(
     ledger_file: LedgerFile, config: HookConfig, size: int, job_id: str, log: Log, running: set[str] | None = None,
-    listed_at: float | None = None, slurm_gave: tuple[int, ...] = (),
+    listed_at: float | None = None, slurm_gave: tuple[int, ...] = (), unknown: list[str] | None = None,
 ) -> tuple[Ledger, list[str], list[tuple[str, float]]]:
     """The ledger reconciled with the jobs directory, without ``job_id`` (which chooses afresh),
-    the jobs found to have ended and leftover temporary files. Local files only: no Slurm call."""
+    the jobs found to have ended and leftover temporary files. Local files only: no Slurm call.
+    ``unknown``: filled with the jobs whose GPUs the files cannot tell (a mark this release cannot
+    read, an earlier release's, and nothing else): they are not forgotten, they are asked about."""
     who = f"job {job_id}" if job_id else "reconcile pass"
     try:
         ledger = ledger_file.read()
@@ -304,6 +306,10 @@ def current_ledger(
     records.pop(job_id, None)
     before = ledger
     ledger, ended = reconcile(ledger.without([job_id]), records, size, running, listed_at, time.time(), slurm_gave=slurm_gave)
+    if unknown is not None:
+        unknown += sorted((job for job, record in records.items()
+                           if record.mark_unreadable and record.gpus is None and not record.ended and not record.claimed
+                           and job not in ledger.holdings and job not in ended), key=int)
     shared = ledger.shared()
     for job, holding in ledger.holdings.items():
         if holding.policy == "slurm" and before.holdings.get(job) != holding:
@@ -362,17 +368,22 @@ def spread(job_id: str, gpus: Sequence[int]) -> tuple[int, ...]:
 
 
 def record_provisional(
-    ctx: PrologContext, config: HookConfig, size: int, lock_wait: float, log: Log, mark: jobfiles.Mark | None = None
+    ctx: PrologContext, config: HookConfig, size: int, lock_wait: float, log: Log, mark: jobfiles.Mark | None = None,
+    unknown: list[str] | None = None,
 ) -> tuple[int, ...] | None:
     """Step 2: a safe choice made from local files only, recorded before anything slow happens.
-    None when a newer run of the job's Prolog owns the job (see owns_job)."""
+    None when a newer run of the job's Prolog owns the job (see owns_job). ``unknown``: see
+    current_ledger."""
     ledger_file = LedgerFile(config.ledger, size)
     try:
         with ledger_file.locked(timeout=max(lock_wait, 0.1)):
             if mark is not None and not owns_job(config, ctx.job_id, mark):
                 return None
             for _ in range(MAX_CLAIM_RACES):
-                ledger, ended, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
+                if unknown is not None:
+                    unknown.clear()
+                ledger, ended, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus,
+                                                  unknown=unknown)
                 decision = fallback_decision(ctx, ledger, size, "provisional")
                 try:
                     commit(config, ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log)
@@ -459,11 +470,14 @@ def run_prolog(
         except (MapaError, OSError) as error:
             problem = f"no-topology: {error}"
     size = graph.size if graph is not None else size_without_topology(ctx, config)
-    provisional = record_provisional(ctx, config, size, budget.for_step(budget.left()), log, mark)
+    unknown: list[str] = []
+    provisional = record_provisional(ctx, config, size, budget.for_step(budget.left()), log, mark, unknown)
     if provisional is None:
         log(f"job {ctx.job_id}: a newer run of its Prolog took the job over; this one writes nothing")
         return None
     bounded = within_budget(run, budget, config.command_timeout)
+    if unknown:  # rare (an upgrade from a release with other marks): their GPUs are asked for before choosing
+        adopt_jobs(f"job {ctx.job_id}", unknown[:MAX_ADOPTED_PER_PASS], size, config, bounded, log, budget)
     return _decide_and_commit(ctx, config, bounded, log, problem, graph, size, provisional, unhealthy_gpus, still_wanted, defer,
                               budget, mark)
 
@@ -662,8 +676,21 @@ def adopt_unknown_jobs(
     except LedgerCorrupt:
         known = set()
     records, _ = jobfiles.scan(config.jobs_dir)
-    unknown = sorted(running - known - set(records), key=int)
-    for job_id in unknown[:MAX_ADOPTED_PER_PASS]:
+    # Known: a job file, a readable mark, claims or an Epilog's .ended say what the job uses. A job
+    # whose files cannot be read (an earlier release's mark, a bare pid) is not: it is adopted, and
+    # its mark replaced by one this release reads.
+    told = {job for job, record in records.items()
+            if record.gpus is not None or record.mark is not None or record.claimed or record.ended}
+    unknown = sorted(running - known - told, key=int)
+    adopt_jobs(who, unknown[:MAX_ADOPTED_PER_PASS], size, config, run, log, budget)
+    if len(unknown) > MAX_ADOPTED_PER_PASS:
+        log(f"{who}: {len(unknown) - MAX_ADOPTED_PER_PASS} more unknown jobs are left to the next pass")
+
+
+def adopt_jobs(who: str, jobs: Sequence[str], size: int, config: HookConfig, run: RunCommand, log: Log, budget: Budget) -> None:
+    """Ask Slurm for each job's GPUs here and mark it with them (pid 0), unless its own Prolog has
+    marked it meanwhile; a job that has ended is left to reaping."""
+    for job_id in jobs:
         try:
             record = parse_job_json(run(show_job_argv(config.scontrol, job_id)))
             gpus = slurm_gpus_on_only_node(record)
@@ -683,8 +710,6 @@ def adopt_unknown_jobs(
             continue  # its own Prolog has marked it meanwhile
         if gpus:
             log(f"{who}: adopted job {job_id} with Slurm's GPUs {','.join(map(str, gpus))} (it ran without a MAPA choice)")
-    if len(unknown) > MAX_ADOPTED_PER_PASS:
-        log(f"{who}: {len(unknown) - MAX_ADOPTED_PER_PASS} more unknown jobs are left to the next pass")
 
 
 def reconcile_node(config: HookConfig, node: str, run: RunCommand, log: Log, budget: Budget | None = None) -> bool:

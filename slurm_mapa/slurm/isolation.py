@@ -35,6 +35,7 @@ import ctypes
 import os
 import platform
 import re
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import InputError, MapaError
+from . import paths
 
 MODES = ("auto", "off", "fail-open", "fail-closed")
 APPLIED_MODES = ("off", "fail-open", "fail-closed")  # what "auto" comes to on a node
@@ -57,17 +59,24 @@ RENDER_MINORS = (128, 255)  # /dev/dri/renderD128 on; 0-127 are the card (primar
 # 2552-2555). S is a number, batch, extern, interactive or N+M for a het component
 # (log_build_step_id_str, src/common/log.c:1690-1713).
 _STEP = r"(?P<step>[0-9]+(?:\+[0-9]+)?|batch|extern|interactive)"
-_V1_PATH = re.compile(r"(?P<base>.*/uid_[0-9]+/job_(?P<job>[0-9]+)/step_" + _STEP + r")(?:/task_(?P<task>[0-9]+))?")
+# The directory above uid_U is Slurm's own: "slurm", or "slurm_<node>" with MULTIPLE_SLURMD
+# (xcgroup.c's prepend); on v2 the job's parent is slurmstepd's scope, "slurmstepd.scope" or
+# "<node>_slurmstepd.scope" (cgroup_v2.c). A directory of another name is no Slurm job's.
+_V1_PATH = re.compile(r"(?P<base>(?:.*/)?slurm(?:_[^/]+)?/uid_[0-9]+/job_(?P<job>[0-9]+)/step_" + _STEP
+                      + r")(?:/task_(?P<task>[0-9]+))?")
 # v2, also <scope>/job_J/step_S/slurm: slurmstepd's own cgroup, where a forked task still is when
 # the SPANK plugin asks (before the parent places it, mgr.c:2414-2439).
-_V2_PATH = re.compile(r"(?P<job_dir>.*/job_(?P<job>[0-9]+))/step_" + _STEP + r"/(?:user/task_(?P<task>[0-9]+|special)|slurm)")
+_V2_PATH = re.compile(r"(?P<job_dir>(?:.*/)?(?:[^/]+_)?slurmstepd\.scope/job_(?P<job>[0-9]+))/step_" + _STEP
+                      + r"/(?:user/task_(?P<task>[0-9]+|special)|slurm)")
 
 
 class IsolationError(MapaError):
     """Isolation could not be applied; the message says why (it is logged and answered).
-    ``job_id``: the job, once the kernel's cgroup path has named it (None before)."""
+    ``job_id``: the job, once the kernel's cgroup path has named it (None before).
+    ``unknown_job``: the job runs here but left nothing in the jobs directory (no mark)."""
 
     job_id: str | None = None
+    unknown_job: bool = False
 
 
 @dataclass(frozen=True)
@@ -314,24 +323,44 @@ def read_process(proc: Path, pid: int) -> ProcessInfo:
     return parse_status(pid, (proc / str(pid) / "status").read_bytes()[:_PROC_FILE_LIMIT].decode("utf-8", "replace"))
 
 
-def _is_slurmstepd(proc: Path, info: ProcessInfo) -> bool:
-    """A slurmstepd, by name and by the file it runs (Debian's is slurmstepd-wlm). The name alone
-    could be set by anyone (prctl PR_SET_NAME)."""
-    if info.name != "slurmstepd":
-        return False
+def slurmstepd_binary_problem(exe_link: Path) -> str | None:
+    """Why the program behind ``exe_link`` (a /proc/PID/exe) is not Slurm's slurmstepd, or None.
+
+    The kernel's facts, none of which a user controls: the file the process runs (stat through the
+    link reaches its inode, even if renamed since) belongs to root and is writable by nobody else,
+    it sits in root's directories, and its name is slurmstepd (Debian's is slurmstepd-wlm). A
+    user's copy, or any program renamed with prctl(PR_SET_NAME), fails one of these."""
     try:
-        return os.path.basename(os.readlink(proc / str(info.pid) / "exe")).startswith("slurmstepd")
-    except OSError:
-        return False
+        target = os.readlink(exe_link)
+        info = os.stat(exe_link)
+    except OSError as error:
+        return f"cannot read {exe_link}: {error.strerror}"
+    if not os.path.isabs(target) or target.endswith(" (deleted)") or not os.path.basename(target).startswith("slurmstepd"):
+        return f"it runs {target[:200]!r}, not a slurmstepd"
+    if info.st_uid != 0 or stat.S_IMODE(info.st_mode) & 0o022 or not stat.S_ISREG(info.st_mode):
+        return f"its program {target[:200]} is not a file of root's that only root may write"
+    try:
+        paths.check_ancestors(Path(target))
+    except paths.UnsafePath as error:
+        return f"its program {target[:200]} is not in root's directories ({error})"
+    return None
 
 
-def find_task_process(proc: Path, peer_pid: int, peer_uid: int) -> tuple[ProcessInfo, SlurmCgroup]:
+def _is_slurmstepd(proc: Path, info: ProcessInfo, binary_problem: Callable[[Path], str | None]) -> bool:
+    """A slurmstepd, by name and by the file it runs (the name alone could be set by anyone)."""
+    return info.name == "slurmstepd" and binary_problem(proc / str(info.pid) / "exe") is None
+
+
+def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
+                      binary_problem: Callable[[Path], str | None] = slurmstepd_binary_problem) -> tuple[ProcessInfo, SlurmCgroup]:
     """The task process a TaskProlog runs for (the nearest ancestor of ``peer_pid`` that is a
-    slurmstepd running as ``peer_uid``, child of a slurmstepd) and its Slurm cgroup.
+    slurmstepd running as ``peer_uid``, child of a slurmstepd running as root) and its Slurm cgroup.
 
-    Slurm 24.11 forks each task from slurmstepd, drops to the user and runs the TaskProlog from
-    it before exec (src/slurmd/slurmstepd/mgr.c:2337-2365, task.c:450-456). IsolationError
-    otherwise: the caller is no TaskProlog, or its task is in no Slurm job cgroup.
+    Slurm 24.11 forks each task from slurmstepd (root), drops to the user and runs the TaskProlog
+    from it before exec (src/slurmd/slurmstepd/mgr.c:2337-2365, task.c:450-456). No user can make
+    a root slurmstepd the parent of a process of theirs, so a fake task (a copied slurmstepd, in a
+    cgroup subtree systemd delegated to the user) fails here. IsolationError otherwise: the caller
+    is no TaskProlog, or its task is in no Slurm job cgroup.
     """
     pid = peer_pid
     for _ in range(MAX_ANCESTORS):
@@ -339,7 +368,7 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int) -> tuple[Process
             info = read_process(proc, pid)
         except (OSError, ValueError) as error:
             raise IsolationError(f"cannot read process {pid}: {error}") from None
-        if _is_slurmstepd(proc, info):
+        if _is_slurmstepd(proc, info, binary_problem):
             break
         if info.ppid <= 1:
             raise IsolationError(f"process {peer_pid} does not run under a Slurm task (no slurmstepd among its ancestors)")
@@ -353,8 +382,10 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int) -> tuple[Process
         parent = read_process(proc, info.ppid)
     except (OSError, ValueError) as error:
         raise IsolationError(f"cannot read process {info.ppid}, parent of task {info.pid}: {error}") from None
-    if not _is_slurmstepd(proc, parent):
-        raise IsolationError(f"process {info.pid} is no task process: its parent {info.ppid} is no slurmstepd")
+    problem = binary_problem(proc / str(parent.pid) / "exe") if parent.name == "slurmstepd" else "its name is not slurmstepd"
+    if problem is not None or parent.uids != (0, 0):
+        raise IsolationError(f"process {info.pid} is no task process: its parent {info.ppid} is no slurmstepd running as root"
+                             + (f" ({problem})" if problem else f" (uids {parent.uids[0]}/{parent.uids[1]})"))
     try:
         text = (proc / str(info.pid) / "cgroup").read_bytes()[:_PROC_FILE_LIMIT].decode("utf-8", "replace")
     except OSError as error:
@@ -364,6 +395,26 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int) -> tuple[Process
         raise IsolationError(f"task {info.pid} is in no Slurm job cgroup (Slurm needs proctrack/cgroup or task/cgroup "
                              f"for isolation); /proc/{info.pid}/cgroup: {text.strip()[:300]!r}")
     return info, cgroup
+
+
+def check_v2_job_cgroup_owner(cgroup2_root: Path, cgroup: SlurmCgroup) -> None:
+    """IsolationError unless the task's ``job_J`` cgroup and every cgroup above it belong to root:
+    Slurm creates them as root, while a subtree systemd delegates to a user (user@UID.service)
+    belongs to that user, who could name cgroups there like Slurm's."""
+    match = _V2_PATH.fullmatch(cgroup.path)
+    if cgroup.version != 2 or match is None or ".." in cgroup.path.split("/"):
+        raise IsolationError(f"{cgroup.path!r} is not a Slurm cgroup v2 task path")
+    directory = cgroup2_root / match["job_dir"].lstrip("/")
+    while True:
+        try:
+            owner = os.lstat(directory).st_uid
+        except OSError as error:
+            raise IsolationError(f"cannot inspect the cgroup {directory}: {error.strerror}") from None
+        if owner != 0:
+            raise IsolationError(f"the cgroup {directory} belongs to uid {owner}, not root: no Slurm job's cgroup")
+        if directory == cgroup2_root or directory == directory.parent:
+            return
+        directory = directory.parent
 
 
 def _write(path: Path, line: str) -> None:
@@ -552,10 +603,12 @@ class Isolator:
     two tasks of a job from configuring its cgroup at once)."""
 
     def __init__(self, proc: Path = Path("/proc"), mountinfo: Path = Path("/proc/self/mountinfo"),
-                 attach: Callable[[Path, bytes], None] = attach_device_program) -> None:
+                 attach: Callable[[Path, bytes], None] = attach_device_program,
+                 binary_problem: Callable[[Path], str | None] = slurmstepd_binary_problem) -> None:
         self.proc = proc
         self.mountinfo = mountinfo
         self.attach = attach
+        self.binary_problem = binary_problem  # tests' fake /proc links to a slurmstepd this host lacks
         self.lock = threading.Lock()
         self.configured: set[tuple[str, int]] = set()  # cgroups written or attached to
 
@@ -563,15 +616,21 @@ class Isolator:
                 job_devices: Callable[[str], JobDevices]) -> Outcome:
         """Isolate the task of the TaskProlog ``peer_pid``; IsolationError says why it could not.
         ``job_devices``: the job's GPUs and their device numbers, for a job id."""
-        task, cgroup = find_task_process(self.proc, peer_pid, peer_uid)
+        task, cgroup = find_task_process(self.proc, peer_pid, peer_uid, self.binary_problem)
         try:
-            return self._isolate_task(task, cgroup, request, job_devices)
+            mounts = cgroup_mounts(self.mountinfo.read_text())
+        except OSError as error:
+            raise IsolationError(f"cannot read {self.mountinfo}: {error}") from None
+        if cgroup.version == 2 and mounts[1] is not None:
+            check_v2_job_cgroup_owner(Path(mounts[1]), cgroup)
+        try:
+            return self._isolate_task(task, cgroup, request, job_devices, mounts)
         except IsolationError as error:
             error.job_id = cgroup.job_id  # known from here on: the agent records the failure in the job's AdminComment
             raise
 
     def _isolate_task(self, task: ProcessInfo, cgroup: SlurmCgroup, request: Mapping[str, str],
-                      job_devices: Callable[[str], JobDevices]) -> Outcome:
+                      job_devices: Callable[[str], JobDevices], mounts: tuple[str | None, str | None]) -> Outcome:
         claimed = request.get("SLURM_JOB_ID")
         if claimed is not None and claimed != cgroup.job_id:
             raise IsolationError(f"the request says job {claimed!r}, but task {task.pid} is in job {cgroup.job_id}'s cgroup")
@@ -579,10 +638,6 @@ class Isolator:
         step = step_gpus(devices.job_gpus, request.get("SLURM_STEP_GPUS"))
         job_rules = device_rules(devices.vendor, map(devices.minors, devices.job_gpus))
         step_rules = device_rules(devices.vendor, map(devices.minors, step)) if step != devices.job_gpus else None
-        try:
-            mounts = cgroup_mounts(self.mountinfo.read_text())
-        except OSError as error:
-            raise IsolationError(f"cannot read {self.mountinfo}: {error}") from None
         gpus = ",".join(map(str, step)) or "none"
         with self.lock:
             if len(self.configured) > 100000:  # months of jobs: forget; a cgroup is only written again
@@ -638,8 +693,10 @@ def job_devices_for(config, node: str, dev: Path = Path("/dev")) -> Callable[[st
             try:
                 gpus = jobfiles.parse_mark(jobfiles.mark_path(config.jobs_dir, job_id).read_bytes()).slurm_gpus
             except (OSError, ValueError):
-                raise IsolationError(f"job {job_id} has no job file and no Prolog mark in {config.jobs_dir}: "
-                                     "its Prolog did not run on this node") from None
+                error = IsolationError(f"job {job_id} has no job file and no Prolog mark in {config.jobs_dir}: "
+                                       "its Prolog did not run on this node")
+                error.unknown_job = True
+                raise error from None
         spec = config.topology_for(node)
         if spec is None:
             vendor = "amd" if (dev / "kfd").exists() else "nvidia"

@@ -65,6 +65,7 @@ class JobRecords:
     newest: float = 0.0  # newest modification time of its files
     claimed: tuple[int, ...] = ()  # GPUs it claimed without the lock
     ended: bool = False  # its Epilog has run (its .ended file is there)
+    mark_unreadable: bool = False  # a mark is there but is not one mark_text writes (an earlier release's)
 
 
 def job_file_text(gpus: tuple[int, ...] | list[int]) -> str:
@@ -166,8 +167,18 @@ def write_mark(jobs_dir: Path, job_id: str, mark: Mark) -> None:
 
 
 def write_mark_if_none(jobs_dir: Path, job_id: str, mark: Mark) -> bool:
-    """Mark a job for its Prolog's sake (adoption) unless its own Prolog has marked it meanwhile."""
-    return paths.create_file(mark_path(jobs_dir, job_id), mark_text(mark).encode(), mode=0o600)
+    """Mark a job for its Prolog's sake (adoption) unless its own Prolog has marked it meanwhile;
+    a mark that cannot be read (an earlier release's bare pid, or damaged) is replaced."""
+    if paths.create_file(mark_path(jobs_dir, job_id), mark_text(mark).encode(), mode=0o600):
+        return True
+    try:
+        parse_mark(paths.read_bytes(mark_path(jobs_dir, job_id), MARK_MAX_BYTES))
+    except FileNotFoundError:
+        return write_mark_if_none(jobs_dir, job_id, mark)  # removed meanwhile (an Epilog): create it
+    except (OSError, ValueError):
+        write_mark(jobs_dir, job_id, mark)
+        return True
+    return False  # a readable mark: its own Prolog's
 
 
 def claim_path(jobs_dir: Path, gpu: int) -> Path:
@@ -280,7 +291,8 @@ def _job_records(jobs_dir: Path, job_id: str, claimed: tuple[int, ...], claimed_
         except FileNotFoundError:
             continue
         except (OSError, ValueError):
-            pass  # unreadable: as if absent, but seen
+            if kind == "mark":  # its GPUs are unknown here: the next reconcile pass asks Slurm (adoption)
+                record = dataclasses.replace(record, mark_unreadable=True)
     return record if seen else None
 
 

@@ -245,7 +245,12 @@ class LedgerFile:
         """Hold the ledger's lock; TimeoutError after ``timeout`` seconds, UnsafePath if the
         directory is not root's alone (another user could swap the ledger or its lock)."""
         paths.ensure_trusted_dir(self.path.parent)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            fd = self._open_replacing_symlink()
         try:
             deadline = time.monotonic() + timeout
             while True:
@@ -259,6 +264,23 @@ class LedgerFile:
             yield
         finally:
             os.close(fd)  # closing drops the lock
+
+    def _open_replacing_symlink(self) -> int:
+        """The lock file, after removing a symlink found in its place (dangling or not: never
+        followed; the directory is root's alone), else every Prolog would fail on it and fall back.
+        The removal runs under a lock on the directory and only while the name is a symlink, so two
+        Prologs repairing at once never remove the file one of them has just made and locked."""
+        dir_fd = os.open(self.lock_path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX)
+            try:
+                if os.path.islink(self.lock_path):
+                    os.unlink(self.lock_path)
+            except FileNotFoundError:
+                pass
+            return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        finally:
+            os.close(dir_fd)  # drops the directory's lock
 
     def read(self) -> Ledger:
         """The ledger (empty if there is none); LedgerCorrupt if it cannot be trusted."""

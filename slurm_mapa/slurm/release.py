@@ -14,28 +14,44 @@ MAPA's features come and go as jobs start and end. The begin time bounds the wai
 command is not running.
 
 It finds the directive in the job comment (job_submit.lua only delays a job whose comment it can
-read back), parses it strictly and never trusts it further. The parsing and the decision are
-pure functions tested on literal squeue and sinfo output; the loop is the edge.
+read back), parses it strictly and never trusts it further.
+
+Why two squeue calls: the comment (and the job name, and the constraint) are written by the job's
+user and may hold any character, the separators and newlines of a ``--format`` line included, so
+a comment read from such a line could carry a forged record naming another user's job, which this
+command (an administrator) would then start. So the text format carries only what users cannot
+write (``%A %r``: job id, then the reason), and a job's user-writable fields are read only from
+``squeue --json`` (Slurm 24.11 and later), whose strings are escaped; each JSON record is checked
+again (one of the ids asked for, pending, reason BeginTime), so nothing of the first call is
+trusted beyond choosing which jobs to ask about. sinfo's fields (node and partition names, states,
+active features) are the administrator's and mapa-agent's, so its separator format stays.
+
+The parsing and the decision are pure functions tested on literal squeue and sinfo output; the
+loop is the edge.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 from ..errors import InputError
 from . import commands
 from .directive import directive_in_comment
 
-RECORD = "\x1e"  # squeue starts every job's record with this; fields are split by FIELD
-FIELD = "\x1f"
-SQUEUE_FORMAT = RECORD + FIELD.join(("%A", "%r", "%P", "%f", "%b", "%k"))
+FIELD = "\x1f"  # sinfo's fields are split by this (no sinfo field is user-writable)
+PENDING_FORMAT = "%A %r"  # job id, one space, the reason (which may hold spaces): nothing users write
 SINFO_FORMAT = FIELD.join(("%N", "%P", "%t", "%b"))
 MAX_RECORDS = 100_000  # jobs or node lines read in one pass; more is an error, not a silent cut
+# Job ids per `squeue --json --jobs=...`: a 24.11 record is several KiB of indented JSON, so a
+# batch stays well under commands.MAX_OUTPUT_BYTES (and one hostile job, a huge comment, spoils
+# only its own batch).
+JSON_BATCH = 100
 IN_SERVICE = frozenset({"idle", "mix", "alloc", "comp"})  # sinfo %t states a job may start on
 _GPUS_PER_NODE = re.compile(r"gres[/:]gpu(?::[A-Za-z0-9_.\-]{1,64})?:([0-9]{1,3})")
 
@@ -46,7 +62,7 @@ class WaitingJob:
     reason: str
     partitions: tuple[str, ...]
     constraint: str  # the job's --constraint, "" when none
-    gres: str  # squeue %b, e.g. gres/gpu:4
+    gres: str  # the job's tres_per_node (squeue %b), e.g. gres/gpu:4
     comment: str
 
 
@@ -59,7 +75,17 @@ class NodeLine:
 
 
 def squeue_argv(squeue: str) -> list[str]:
-    return [squeue, "--noheader", "--states=PENDING", f"--format={SQUEUE_FORMAT}"]
+    """The pending jobs, with only fields no user can write (see the module docstring)."""
+    return [squeue, "--noheader", "--states=PENDING", f"--format={PENDING_FORMAT}"]
+
+
+def squeue_json_argv(squeue: str, job_ids: Iterable[str]) -> list[str]:
+    """These pending jobs' whole records, as JSON (the data_parser is Slurm's default: v0.0.42 in
+    24.11). ValueError for anything but plain job ids (no option may be smuggled in)."""
+    ids = list(job_ids)
+    if not ids or not all(map(commands.is_job_id, ids)):
+        raise ValueError(f"job ids {ids[:5]!r} (accepted: one or more ids of 1 to 12 digits)")
+    return [squeue, "--json", "--states=PENDING", f"--jobs={','.join(ids)}"]
 
 
 def sinfo_argv(sinfo: str) -> list[str]:
@@ -74,21 +100,71 @@ def _null(text: str) -> str:
     return "" if text == "(null)" else text
 
 
-def parse_waiting(text: str) -> list[WaitingJob]:
-    """The records of ``squeue_argv``'s output. A record that cannot be read (a comment holding
-    the separators) is skipped: its job starts at its begin time, as it would without this."""
+def parse_pending(text: str) -> list[tuple[str, str]]:
+    """``squeue_argv``'s lines as (job id, reason), each id once, in squeue's order. The reason is
+    the rest of the line after the first space (Slurm's reasons may hold spaces). CommandFailed,
+    naming the line, for a line that is not ``<job id> <reason>``."""
     _bounded(text, "squeue")
-    jobs: list[WaitingJob] = []
-    for record in text.split(RECORD)[1:]:
-        fields = record.rstrip("\n").split(FIELD)
-        if len(fields) != 6 or not commands.is_job_id(fields[0]):
+    pending: dict[str, str] = {}
+    for line in text.split("\n"):  # not splitlines(): it also splits at \x1c-\x1e, \x85, ...
+        if not line.strip():
             continue
-        job_id, reason, partitions, constraint, gres, comment = fields
-        jobs.append(WaitingJob(job_id, reason, tuple(p for p in partitions.split(",") if p), _null(constraint),
-                               _null(gres), _null(comment)))
-        if len(jobs) > MAX_RECORDS:
+        job_id, space, reason = line.partition(" ")
+        if not space or not commands.is_job_id(job_id):
+            raise commands.CommandFailed(f"squeue printed {line[:120]!r} (expected a job id, a space and the reason)")
+        pending.setdefault(job_id, reason.rstrip("\r"))
+        if len(pending) > MAX_RECORDS:
             raise commands.CommandFailed(f"more than {MAX_RECORDS} pending jobs in one squeue answer")
+    return list(pending.items())
+
+
+def parse_waiting_json(text: str, asked: Collection[str]) -> list[WaitingJob]:
+    """The jobs of ``squeue_json_argv``'s output that are among ``asked``, pending and waiting for
+    their begin time, in squeue's order (each once): so a squeue that ignored ``--jobs`` or
+    ``--states``, or a job that started meanwhile, changes nothing.
+
+    A job whose record lacks one of the fields read, or holds it with another type, is skipped:
+    it starts at its begin time, as it would without this command. CommandFailed for output that
+    is too long, not JSON, not an object with a ``jobs`` list, or that reports errors.
+    """
+    if len(text) > commands.MAX_OUTPUT_BYTES:
+        raise commands.CommandFailed(f"squeue --json printed {len(text)} characters (accepted: at most {commands.MAX_OUTPUT_BYTES})")
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise commands.CommandFailed("squeue --json printed JSON nested too deeply to read (accepted: Slurm's job list)") from None
+    except ValueError:  # JSONDecodeError, and invalid UTF-8 surrogates
+        raise commands.CommandFailed(f"squeue --json printed something that is not JSON: {text[:120]!r}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
+        raise commands.CommandFailed(f"squeue --json printed no jobs list (expected an object with \"jobs\": [...]): {text[:120]!r}")
+    errors = data.get("errors")
+    if errors:  # Slurm says the answer is incomplete or wrong
+        raise commands.CommandFailed(f"squeue --json reported errors: {json.dumps(errors)[:200]}")
+    wanted, seen = set(asked), set()
+    jobs: list[WaitingJob] = []
+    for record in data["jobs"]:
+        job = _waiting_job(record)
+        if job is not None and job.job_id in wanted and job.job_id not in seen:
+            seen.add(job.job_id)
+            jobs.append(job)
     return jobs
+
+
+def _waiting_job(record: object) -> WaitingJob | None:
+    """One ``.jobs[]`` record as a WaitingJob, or None unless it is a pending job waiting for its
+    begin time with every field read present and of Slurm's type."""
+    if not isinstance(record, dict):
+        return None
+    job_id, state, reason = record.get("job_id"), record.get("job_state"), record.get("state_reason")
+    texts = [record.get(key) for key in ("partition", "features", "tres_per_node", "comment")]
+    # bool is an int to Python, never a job id; job_state is a list from v0.0.42 on, a string before.
+    if type(job_id) is not int or not 0 < job_id < 10**12 or not all(isinstance(t, str) for t in texts):
+        return None
+    states = [state] if isinstance(state, str) else state
+    if not isinstance(states, list) or "PENDING" not in states or reason != "BeginTime":
+        return None
+    partitions, constraint, gres, comment = texts
+    return WaitingJob(str(job_id), reason, tuple(p for p in partitions.split(",") if p), constraint, gres, comment)
 
 
 def parse_nodes(text: str) -> list[NodeLine]:
@@ -151,19 +227,30 @@ def jobs_to_release(jobs: Iterable[WaitingJob], nodes: Iterable[NodeLine]) -> li
 def release_once(run: Callable[[list[str]], str], squeue: str = "squeue", sinfo: str = "sinfo", scontrol: str = "scontrol",
                  log: Callable[[str], None] = print) -> int:
     """One pass; the number of jobs released. A job that started or ended meanwhile makes its
-    update fail: logged, and the pass goes on."""
-    jobs = parse_waiting(run(squeue_argv(squeue)))
-    if not any(job.reason == "BeginTime" for job in jobs):
-        return 0  # nothing waits: sinfo is not asked
-    released = 0
-    for job_id, node in jobs_to_release(jobs, parse_nodes(run(sinfo_argv(sinfo)))):
+    update fail: logged, and the pass goes on. A ``squeue --json`` batch that fails leaves its
+    jobs to their begin time; the other batches go on, and the pass then raises CommandFailed."""
+    ids = [job_id for job_id, reason in parse_pending(run(squeue_argv(squeue))) if reason == "BeginTime"]
+    jobs: list[WaitingJob] = []
+    failed: list[str] = []
+    for start in range(0, len(ids), JSON_BATCH):
+        batch = ids[start:start + JSON_BATCH]
         try:
-            run(release_argv(scontrol, job_id))
+            jobs += parse_waiting_json(run(squeue_json_argv(squeue, batch)), batch)
         except commands.CommandFailed as error:
-            log(f"mapa release: job {job_id}: {error}")
-            continue
-        released += 1
-        log(f"mapa release: job {job_id} (placement=require) starts now: {node} has a good placement free")
+            failed.append(str(error))
+    released = 0
+    if any(wanted_features(job) is not None for job in jobs):  # else sinfo is not asked
+        for job_id, node in jobs_to_release(jobs, parse_nodes(run(sinfo_argv(sinfo)))):
+            try:
+                run(release_argv(scontrol, job_id))
+            except commands.CommandFailed as error:
+                log(f"mapa release: job {job_id}: {error}")
+                continue
+            released += 1
+            log(f"mapa release: job {job_id} (placement=require) starts now: {node} has a good placement free")
+    if failed:
+        raise commands.CommandFailed(f"squeue --json failed for {len(failed)} batch(es) of jobs waiting for their begin "
+                                     f"time (they start then): {failed[0]}")
     return released
 
 
