@@ -168,6 +168,30 @@ make_gpu_devices() {
     fi
 }
 
+# The node's topology file as discovery (`mapa topo discover` with NVML or AMD SMI) writes it on a
+# real node: the preset's links, and each GPU's device minor, read from the device files gres.conf
+# names (the mock ones above). With minor numbers, mapa.toml's isolation = "auto" is fail-open here.
+node_topology() {
+    local gres=$1 preset=$2
+    /usr/bin/python3 -I -c '
+import dataclasses, os, re, sys
+sys.path.insert(0, "/opt/slurm-mapa")
+from slurm_mapa.hardware.topofile import topology_from_toml_text, topology_to_toml
+preset, gres = sys.argv[1], sys.argv[2]
+files = []
+for line in open(gres):
+    match = re.search(r"(?:^|\s)File=(\S+)", line.split("#")[0])
+    if not match:
+        continue
+    ranged = re.fullmatch(r"(.*\D)\[(\d+)-(\d+)\]", match.group(1))
+    files += [f"{ranged[1]}{i}" for i in range(int(ranged[2]), int(ranged[3]) + 1)] if ranged else [match.group(1)]
+topology = topology_from_toml_text(open(preset).read(), source=preset)
+minors = tuple(os.minor(os.stat(path).st_rdev) for path in files)
+print(topology_to_toml(dataclasses.replace(topology, minor_numbers=minors),
+                       comment=f"{os.path.basename(preset)} with the device minors of {gres}, as discovery writes them"))
+' "$preset" "$gres" > /etc/slurm/mapa-topology.toml.new && mv /etc/slurm/mapa-topology.toml.new /etc/slurm/mapa-topology.toml
+}
+
 mariadb_server() {
     mkdir -p /run/mysqld
     chown mysql:mysql /run/mysqld
@@ -233,6 +257,7 @@ case $ROLE in
         rm -f /etc/slurm/gres.conf
         socket_gres "$gres" > /etc/slurm/gres.conf
         make_gpu_devices "$gres"
+        node_topology "$gres" "$MAPA/gres_conf/$MAPA_PRESET.toml"
         writable_cgroups
         # The mock nvidia-smi (rocm-smi on an AMD node) prints this node's topology, so
         # `mapa topo discover` works here.

@@ -122,7 +122,7 @@ def test_a_live_agent_runs_the_prolog_and_epilog_like_the_in_process_hooks(live_
     assert agent_client.ask_agent("prolog", env_for("11", "0,1,2,3", "mapa:topology=ring sensitive=yes"), socket_path) == "done"
     expected = select("preserve", preset("dgx1-v100"), range(8), Request(make_pattern("ring", 4), True)).gpus
     assert LedgerFile(config.ledger, 8).read().holdings["11"].gpus == expected
-    assert (config.jobs_dir / "11").read_text() == f"MAPA_GPUS={','.join(map(str, expected))}\n"
+    assert (config.jobs_dir / "11").read_text().splitlines()[0] == f"MAPA_GPUS={','.join(map(str, expected))}"
     # The AdminComment is written just after the answer (off the job's start).
     _eventually(lambda: f"dgx1={','.join(map(str, expected))} policy=preserve" in slurm.admin.get("11", ""))
     # The real client, as the hook wrapper runs it.
@@ -178,7 +178,7 @@ def test_a_prolog_whose_client_went_away_keeps_only_its_provisional_choice(tmp_p
     slurm.admin["7"] = "mapa:topology=ring sensitive=yes"
     assert run_prolog(env_for("7", "0,1"), config, slurm, logs.append, still_wanted=lambda: False) is None
     # The search's choice is not written; the safe provisional one (Slurm's GPUs, free here) is.
-    assert (config.jobs_dir / "7").read_text() == "MAPA_GPUS=0,1\n"
+    assert (config.jobs_dir / "7").read_text() == "MAPA_GPUS=0,1\nSLURM_GPUS=0,1\nPAIRED_GPUS=0,1\n"
     assert LedgerFile(config.ledger, 8).read().holdings["7"].gpus == (0, 1)
     assert any("went away" in line for line in logs)
     assert not any(call[1] == "update" for call in slurm.calls)  # nor is anything recorded in the AdminComment

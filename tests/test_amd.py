@@ -304,8 +304,9 @@ def test_taskprolog_exports_rocr_and_relative_hip_lists_where_kfd_exists(tmp_pat
     assert out[:4] == [f"export {key}={value}" for key, value in binding_environment([6, 7, 0], vendor="amd").items()]
     single = _taskprolog(tmp_path, "MAPA_GPUS=5\n", vendor="amd")
     assert single[:2] == ["export ROCR_VISIBLE_DEVICES=5", "export HIP_VISIBLE_DEVICES=0"]
-    step = _taskprolog(tmp_path, "MAPA_GPUS=4,5,2,3\n", kfd="/dev/null", step_gpus="4,5")
-    assert step[:2] == ["export ROCR_VISIBLE_DEVICES=4,5", "export HIP_VISIBLE_DEVICES=0,1"]
+    # A step Slurm gave its GPUs 1 and 2: MAPA's paired with them (the job file's pairing).
+    step = _taskprolog(tmp_path, "MAPA_GPUS=4,5,2,3\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=2,3,4,5\n", kfd="/dev/null", step_gpus="1,2")
+    assert step[:2] == ["export ROCR_VISIBLE_DEVICES=3,4", "export HIP_VISIBLE_DEVICES=0,1"]
 
 
 def test_taskprolog_stays_nvidia_without_kfd_or_when_told(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm_mapa.core.order import prefix_order
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Request, select
 from slurm_mapa.hardware.presets import preset
@@ -78,7 +79,11 @@ def test_prolog_chooses_like_mapa_select_and_records_everywhere(setup):
     decision = run_prolog(env_for("11", "0,1,2,3", "nightly [mapa:topology=ring sensitive=yes]"), config, slurm, logs.append)
     expected = select("preserve", preset("dgx1-v100"), range(8), Request(make_pattern("ring", 4), True))
     assert decision.gpus == expected.gpus and decision.policy == "preserve"
-    assert (config.jobs_dir / "11").read_text() == f"MAPA_GPUS={','.join(map(str, expected.gpus))}\n"
+    # MAPA's GPUs, then Slurm's (0-3, ascending) and MAPA's in the order they pair with them: a best
+    # pair first, each next GPU closing the best ring of those before it (core/order.py).
+    paired = prefix_order(preset("dgx1-v100"), expected.gpus)
+    assert (config.jobs_dir / "11").read_text() == (f"MAPA_GPUS={','.join(map(str, expected.gpus))}\nSLURM_GPUS=0,1,2,3\n"
+                                                    f"PAIRED_GPUS={','.join(map(str, paired))}\n")
     assert LedgerFile(config.ledger, 8).read().holdings["11"].gpus == expected.gpus
     recorded = slurm.admin["11"]
     assert recorded.startswith("mapa:topology=ring sensitive=yes # dgx1=")
@@ -246,17 +251,55 @@ def test_taskprolog_exports_only_strict_gpu_lists(tmp_path):
                                 "export CUDA_DEVICE_ORDER=PCI_BUS_ID", "export MAPA_GPUS=0,3,2,1",
                                 "export MAPA_SLURM_JOB_GPUS=4,5,6,7", "export MAPA_SLURM_STEP_GPUS=",
                                 "export SLURM_JOB_GPUS=0,1,2,3", "export SLURM_STEP_GPUS=0,1,2,3"]
-    step = run_taskprolog(tmp_path, "55", "MAPA_GPUS=7,3,12,1\n", {"SLURM_JOB_GPUS": "0-3", "SLURM_STEP_GPUS": "0,1"})
-    assert step.splitlines()[-4:] == ["export MAPA_SLURM_JOB_GPUS=0-3", "export MAPA_SLURM_STEP_GPUS=0,1",
+    paired = "MAPA_GPUS=7,3,12,1\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=3,7,1,12\n"
+    step = run_taskprolog(tmp_path, "55", paired, {"SLURM_JOB_GPUS": "0-3", "SLURM_STEP_GPUS": "0,1", "SLURM_STEP_ID": "0"})
+    # Slurm's job GPUs here come from the Prolog (the job file): an srun step's SLURM_JOB_GPUS is the batch node's.
+    assert step.splitlines()[-4:] == ["export MAPA_SLURM_JOB_GPUS=0,1,2,3", "export MAPA_SLURM_STEP_GPUS=0,1",
                                       "export SLURM_JOB_GPUS=1,3,7,12", "export SLURM_STEP_GPUS=3,7"]
     for evil in ["MAPA_GPUS=0;reboot\n", "MAPA_GPUS=$(id)\n", "CUDA=1\n", "MAPA_GPUS=\n", "MAPA_GPUS=1,,2\n"]:
         assert run_taskprolog(tmp_path, "56", evil) == ""
     assert run_taskprolog(tmp_path, "57", None) == ""
 
 
-def test_taskprolog_gives_a_smaller_step_the_first_gpus_in_pattern_order(tmp_path):
-    out = run_taskprolog(tmp_path, "58", "MAPA_GPUS=4,7,6,5\n", {"SLURM_STEP_GPUS": "4,5"})
-    assert "export CUDA_VISIBLE_DEVICES=4,7" in out.splitlines()
+PAIRED_JOB = "MAPA_GPUS=4,7,6,5\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=7,6,5,4\n"  # Slurm's 0 is MAPA's 7, 1 is 6, ...
+
+
+@pytest.mark.parametrize("env, cuda", [
+    # Two concurrent steps Slurm keeps apart (srun --exact --gres=gpu:2): MAPA's keep apart too.
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_GPUS": "0,1"}, "7,6"),
+    ({"SLURM_STEP_ID": "1", "SLURM_STEP_GPUS": "2,3"}, "5,4"),
+    # srun -n4 --gpus-per-task=1 (and --gpu-bind=single:1, map_gpu, --ntasks-per-gpu): Slurm narrows
+    # SLURM_STEP_GPUS to each task's own; local rank r gets the r-th paired GPU.
+    ({"SLURM_STEP_ID": "2", "SLURM_STEP_GPUS": "0", "SLURM_LOCALID": "0"}, "7"),
+    ({"SLURM_STEP_ID": "2", "SLURM_STEP_GPUS": "3", "SLURM_LOCALID": "3"}, "4"),
+    ({"SLURM_STEP_ID": "3", "SLURM_STEP_GPUS": "1-3"}, "6,5,4"),  # Slurm's range form
+    # A step of no GPUs (--gres=gpu:0, --gres=none): Slurm unset SLURM_STEP_GPUS; it sees none.
+    ({"SLURM_STEP_ID": "4"}, ""),
+    # The batch step (no step number in its environment): the whole job.
+    ({}, "4,7,6,5"),
+    # Not Slurm's list, or GPUs Slurm did not give the job here: the job's, never a crash.
+    ({"SLURM_STEP_ID": "5", "SLURM_STEP_GPUS": "08"}, "4,7,6,5"),
+    ({"SLURM_STEP_ID": "5", "SLURM_STEP_GPUS": "0-99999"}, "4,7,6,5"),
+    ({"SLURM_STEP_ID": "5", "SLURM_STEP_GPUS": "0,9"}, "4,7,6,5"),
+    ({"SLURM_STEP_ID": "5", "SLURM_STEP_GPUS": "$(id)"}, "4,7,6,5"),
+])
+def test_taskprolog_gives_each_step_and_task_the_mapa_gpus_paired_with_slurms(tmp_path, env, cuda):
+    """Issue 24: one fixed pairing per job and node between Slurm's indices and MAPA's GPUs, so
+    Slurm's own split of a job into steps and tasks carries over unchanged."""
+    out = run_taskprolog(tmp_path, "58", PAIRED_JOB, env).splitlines()
+    assert f"export CUDA_VISIBLE_DEVICES={cuda}" in out and "export MAPA_GPUS=4,7,6,5" in out
+    assert f"export SLURM_STEP_GPUS={','.join(sorted(cuda.split(','), key=int)) if cuda else ''}" in out
+
+
+def test_taskprolog_of_an_earlier_releases_job_file_gives_steps_the_jobs_gpus(tmp_path):
+    out = run_taskprolog(tmp_path, "59", "MAPA_GPUS=4,7,6,5\n", {"SLURM_STEP_ID": "0", "SLURM_STEP_GPUS": "4,5"})
+    assert "export CUDA_VISIBLE_DEVICES=4,7,6,5" in out.splitlines()
+
+
+def test_taskprolog_without_a_job_file_drops_what_the_batch_node_exported(tmp_path):
+    """A node where the job has no choice of MAPA's (its other node's batch step exported MAPA_GPUS
+    into srun's environment): that value is not this node's."""
+    assert run_taskprolog(tmp_path, "60", None, {"MAPA_GPUS": "0,3"}).splitlines() == ["unset MAPA_GPUS"]
 
 
 def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys, monkeypatch):

@@ -38,7 +38,8 @@ from slurm_mapa.slurm.isolation import (
     prog_attach_attr,
     prog_load_attr,
     release_job_v1,
-    step_gpus,
+    gpus_of_step,
+    slurm_gpu_list,
     v1_rule_lines,
     v1_writes,
 )
@@ -118,12 +119,23 @@ def test_status_and_mountinfo_parsers():
     assert cgroup_mounts("30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n") == (None, "/sys/fs/cgroup")
 
 
-def test_a_smaller_step_gets_the_jobs_first_gpus_like_the_taskprolog_exports():
-    assert step_gpus((4, 7, 6, 5), "4,5") == (4, 7)
-    assert step_gpus((4, 7, 6, 5), None) == (4, 7, 6, 5)
-    assert step_gpus((4, 7), "0,1,2") == (4, 7)
-    assert step_gpus((4, 7), "0;1") == (4, 7)  # not a GPU list: the job's
-    assert step_gpus((), "") == ()
+def test_a_step_gets_the_mapa_gpus_paired_with_slurms_like_the_taskprolog_exports():
+    """Issue 24: a step (or a task, whose SLURM_STEP_GPUS Slurm narrows) gets MAPA's GPUs paired
+    one to one with the GPUs Slurm gave it, never "the job's first k"."""
+    from slurm_mapa.slurm.jobfiles import JobMapping
+
+    mapping = JobMapping((4, 7, 6, 5), (0, 1, 2, 3), (7, 6, 5, 4))  # Slurm's 0 is MAPA's 7, 1 is 6, ...
+    assert gpus_of_step((4, 7, 6, 5), mapping, "0", "0,1") == (7, 6)
+    assert gpus_of_step((4, 7, 6, 5), mapping, "1", "2-3") == (5, 4)  # a concurrent step: the other two
+    assert gpus_of_step((4, 7, 6, 5), mapping, "2", "3") == (4,)  # a task of --gpus-per-task=1
+    assert gpus_of_step((4, 7, 6, 5), mapping, "3", None) == ()  # --gres=gpu:0: Slurm unset it
+    assert gpus_of_step((4, 7, 6, 5), mapping, "batch", None) == (4, 7, 6, 5)
+    assert gpus_of_step((4, 7, 6, 5), mapping, "interactive", "0") == (4, 7, 6, 5)
+    assert gpus_of_step((4, 7, 6, 5), mapping, "0+1", "1") == (6,)  # a het step's component
+    assert gpus_of_step((4, 7, 6, 5), mapping, "0", "0,9") == (4, 7, 6, 5)  # not the job's GPUs here: the job's
+    assert gpus_of_step((4, 7, 6, 5), mapping, "0", "0;1") == (4, 7, 6, 5)  # not a GPU list: the job's
+    assert gpus_of_step((4, 7), None, "0", "0") == (4, 7)  # an earlier release's job file pairs nothing
+    assert slurm_gpu_list("0-2,5") == (0, 1, 2, 5) and slurm_gpu_list("") is None and slurm_gpu_list("GPU-1a2b") is None
 
 
 # --- the rules ----------------------------------------------------------------------------------
@@ -386,19 +398,19 @@ def test_the_agent_isolates_the_task_of_a_taskprolog(node):
     agent, proc, cgroupfs, _, _, tmp_path = node
     answer = agent.isolate(os.getpid(), USER, {"SLURM_JOB_ID": "12"})
     job = cgroupfs / "devices" / "mapa" / "job_12"
-    assert answer == f"done cgroup-v1 job 12 step batch task pid 5000: GPUs 4,5 in {job}"
+    assert answer == f"done cgroup-v1 gpus=4,5 job 12 step batch task pid 5000: GPUs 4,5 in {job}"
     assert lines(job / "cgroup.procs") == ["5000"] and lines(job / "devices.allow") == ["c 195:4 rwm", "c 195:5 rwm"]
-    assert "isolation: cgroup-v1: job 12 step batch task pid 5000: GPUs 4,5" in (tmp_path / "log").read_text()
-    # A smaller step: its own cgroup below the job's, with the job's first GPU.
+    assert "isolation: cgroup-v1: gpus=4,5 job 12 step batch task pid 5000: GPUs 4,5" in (tmp_path / "log").read_text()
+    # A step of no GPUs (srun --gres=gpu:0: Slurm unset SLURM_STEP_GPUS): its own cgroup, every GPU denied.
     proc.add(5000, "slurmstepd", 4000, USER, V1_BATCH.replace("step_batch", "step_2"), exe=STEPD)
-    assert agent.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": "3"}).startswith("done cgroup-v1 job 12 step 2")
-    assert lines(job / "step_2" / "cgroup.procs") == ["5000"] and lines(job / "step_2" / "devices.allow") == ["c 195:4 rwm"]
+    assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1 gpus=none job 12 step 2")
+    assert lines(job / "step_2" / "cgroup.procs") == ["5000"] and "c 195:4 rwm" in lines(job / "step_2" / "devices.deny")
 
 
 def test_a_job_without_gpus_is_denied_every_gpu(node):
     agent, proc, cgroupfs, _, _, _ = node
     proc.add(5000, "slurmstepd", 4000, USER, V1_BATCH.replace("job_12", "job_13"), exe=STEPD)
-    assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1 job 13 step batch task pid 5000: GPUs none")
+    assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1 gpus=none job 13 step batch task pid 5000: GPUs none")
     assert len(lines(cgroupfs / "devices" / "mapa" / "job_13" / "devices.deny")) == 254
 
 
@@ -407,8 +419,9 @@ def test_on_cgroup_v2_the_agent_attaches_programs(node):
     proc.add(5000, "slurmstepd", 4000, USER, V2_STEP, exe=STEPD)
     (cgroupfs / "unified" / V2_STEP[4:-1]).mkdir(parents=True)
     job = cgroupfs / "unified" / "system.slice" / "slurmstepd.scope" / "job_12"
-    assert agent.isolate(os.getpid(), USER, {}) == f"done cgroup-v2 job 12 step 0: GPUs 4,5 (programs attached to {job})"
-    assert agent.isolate(os.getpid(), USER, {}) == "done cgroup-v2 job 12 step 0: GPUs 4,5"  # once per job
+    task = {"SLURM_STEP_GPUS": "0,1"}  # the job file pairs nothing (an earlier release's): the job's GPUs
+    assert agent.isolate(os.getpid(), USER, task) == f"done cgroup-v2 gpus=4,5 job 12 step 0: GPUs 4,5 (programs attached to {job})"
+    assert agent.isolate(os.getpid(), USER, task) == "done cgroup-v2 gpus=4,5 job 12 step 0: GPUs 4,5"  # once per job
     assert attached == [(job, device_program(device_rules("nvidia", [4, 5])))]
 
 
@@ -545,7 +558,7 @@ def test_auto_isolates_only_where_the_topology_names_the_device_files(node, tmp_
     configure("auto")
     assert agent.isolate(os.getpid(), USER, {}) == "done off"
     (tmp_path / "mapa.toml").write_text((tmp_path / "mapa.toml").read_text().replace('"dgx*" = "dgx1-v100"', f'"dgx*" = "{discovered}"'))
-    assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1 job 12 step batch")
+    assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1 gpus=4,5 job 12 step batch")
 
 
 def test_config_accepts_only_the_four_modes():
@@ -576,7 +589,7 @@ def test_the_isolation_socket_is_open_to_everyone_and_takes_only_isolate(isolati
         proc.add(pid, name, ppid, os.getuid(), V1_BATCH, exe=exe)  # the socket tells the agent this test's own uid
     proc.add(5000, "slurmstepd", 4000, os.getuid(), V1_BATCH, exe=STEPD)
     assert oct(path.stat().st_mode & 0o777) == "0o666" and oct(path.parent.stat().st_mode & 0o777) == "0o755"
-    assert agent_client.isolate(str(path), {"SLURM_JOB_ID": "12"}) == (0, "export MAPA_ISOLATION=cgroup-v1")
+    assert agent_client.isolate(str(path), {"SLURM_JOB_ID": "12"}) == (0, "export MAPA_ISOLATION=cgroup-v1\nexport MAPA_ISOLATED_GPUS=4,5")
     assert lines(cgroupfs / "devices" / "mapa" / "job_12" / "cgroup.procs") == ["5000"]
     hook = agent_client.ask_agent("prolog", {"SLURM_JOB_ID": "12"}, str(path))
     assert hook == "done failed-open bad request: unknown hook kind 'prolog' (accepted: isolate)"
@@ -604,12 +617,12 @@ def test_the_spank_plugins_request_isolates_the_asking_task_itself(node):
         server.shutdown()
         server.server_close()
     job = cgroupfs / "devices" / "mapa" / "job_12"
-    assert answer == f"done cgroup-v1 job 12 step batch task pid {me}: GPUs 4,5 in {job}\n"
+    assert answer == f"done cgroup-v1 gpus=4,5 job 12 step batch task pid {me}: GPUs 4,5 in {job}\n"
     assert lines(job / "cgroup.procs") == [str(me)]
     # v2: the forked task is still in slurmstepd's own cgroup (step_S/slurm); the job's program goes on job_J.
     proc.add(me, "slurmstepd", 4000, 0, V2_STEP.replace("/user/task_3", "/slurm"), exe=STEPD)
     (cgroupfs / "unified" / "system.slice" / "slurmstepd.scope" / "job_12" / "step_0" / "slurm").mkdir(parents=True)
-    assert agent.isolate(me, 0, {}).startswith("done cgroup-v2 job 12 step 0: GPUs 4,5 (programs attached to ")
+    assert agent.isolate(me, 0, {}).startswith("done cgroup-v2 gpus=4,5 job 12 step 0: GPUs 4,5 (programs attached to ")
     assert [d.name for d, _ in attached] == ["job_12"]
     # A root process that is no task (its parent is no slurmstepd) is refused like any other.
     proc.add(4001, "bash", 1, 0, "", exe="/bin/bash")
@@ -629,10 +642,11 @@ class CannedAgent(Agent):
         return self.answer
 
 
-def run_taskprolog(tmp_path, isolation, answer, socket_there=True, **env):
+def run_taskprolog(tmp_path, isolation, answer, socket_there=True, job_file="MAPA_GPUS=6,2,3\n", **env):
     """The TaskProlog `mapa hooks` writes, with an agent that answers ``answer``."""
     (tmp_path / "jobs").mkdir(exist_ok=True)
-    (tmp_path / "jobs" / "55").write_text("MAPA_GPUS=6,2,3\n")
+    if job_file is not None:
+        (tmp_path / "jobs" / "55").write_text(job_file)
     sock = tmp_path / "iso" / "isolate.sock"
     script = taskprolog_text(str(tmp_path / "jobs"), "nvidia", isolation, sys.executable, str(REPO))
     script = script.replace("ISOLATE_SOCKET=/run/slurm-mapa-isolate/isolate.sock\n", f"ISOLATE_SOCKET={sock}\n")
@@ -656,10 +670,11 @@ CUDA_LINES = ["export CUDA_VISIBLE_DEVICES=6,2,3", "export GPU_DEVICE_ORDINAL=6,
 
 
 def test_taskprolog_asks_for_isolation_and_exports_its_state(tmp_path):
-    done = run_taskprolog(tmp_path, "fail-open", "done cgroup-v1 job 55 step 0 task pid 1: GPUs 6,2,3 in /x")
+    done = run_taskprolog(tmp_path, "fail-open", "done cgroup-v1 gpus=2,3,6 job 55 step batch task pid 1: GPUs 6,2,3 in /x")
     # Isolated, CUDA sees only GPUs 2, 3 and 6, as 0, 1 and 2 (bus order): MAPA's order in those numbers.
     isolated = ["export CUDA_VISIBLE_DEVICES=2,0,1", "export GPU_DEVICE_ORDINAL=2,0,1", *CUDA_LINES[2:]]
-    assert (done.returncode, done.stdout.splitlines()) == (0, ["export MAPA_ISOLATION=cgroup-v1", *isolated])
+    assert (done.returncode, done.stdout.splitlines()) == (0, ["export MAPA_ISOLATION=cgroup-v1", "export MAPA_ISOLATED_GPUS=2,3,6",
+                                                               *isolated])
     failed = run_taskprolog(tmp_path, "fail-open", "done failed-open cannot set up the devices cgroup")
     assert (failed.returncode, failed.stdout.splitlines()) == (0, ["export MAPA_ISOLATION=failed-open", *CUDA_LINES])
 
@@ -671,11 +686,19 @@ def test_taskprolog_after_the_spank_plugin_isolated_the_task(tmp_path):
     alone = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1")
     ranked = ["export CUDA_VISIBLE_DEVICES=2,0,1", "export GPU_DEVICE_ORDINAL=2,0,1", *CUDA_LINES[2:]]
     assert alone.stdout.splitlines() == ["export MAPA_ISOLATION=cgroup-v1", "unset MAPA_SPANK_ISOLATION", *ranked]
-    # A step of one GPU: GPU 6, the third of the job's GPUs 2, 3, 6 the task can open.
-    step = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1", SLURM_STEP_GPUS="0")
-    assert "export CUDA_VISIBLE_DEVICES=2" in step.stdout.splitlines() and "export SLURM_STEP_GPUS=6" in step.stdout
-    # Its own answer (the step's cgroup) wins: then only GPU 6 is there, rank 0.
-    own = run_taskprolog(tmp_path, "fail-open", "done cgroup-v1 job 55 step 1 ...", MAPA_SPANK_ISOLATION="cgroup-v1", SLURM_STEP_GPUS="0")
+    # A step of one GPU, by a plugin of an earlier release (no MAPA_SPANK_GPUS): the job file pairs
+    # nothing (an earlier release's too), so the step has the job's GPUs, ranked among them.
+    step = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1", SLURM_STEP_GPUS="0",
+                          SLURM_STEP_ID="1")
+    assert "export CUDA_VISIBLE_DEVICES=2,0,1" in step.stdout.splitlines()
+    # This release's plugin names what the step may open (MAPA_SPANK_GPUS): the task's GPUs ranked among those.
+    paired = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1", MAPA_SPANK_GPUS="3,6",
+                            SLURM_STEP_GPUS="2", SLURM_STEP_ID="1", job_file="MAPA_GPUS=6,2,3\nSLURM_GPUS=0,1,2\nPAIRED_GPUS=2,3,6\n")
+    assert "export CUDA_VISIBLE_DEVICES=1" in paired.stdout.splitlines() and "export SLURM_STEP_GPUS=6" in paired.stdout
+    assert "unset MAPA_SPANK_GPUS" in paired.stdout.splitlines()
+    # Its own answer (what the agent isolated the task to) wins: only GPU 6 there, rank 0.
+    own = run_taskprolog(tmp_path, "fail-open", "done cgroup-v1 gpus=6 job 55 step 1 ...", MAPA_SPANK_ISOLATION="cgroup-v1",
+                         SLURM_STEP_GPUS="2", SLURM_STEP_ID="1", job_file="MAPA_GPUS=6,2,3\nSLURM_GPUS=0,1,2\nPAIRED_GPUS=2,3,6\n")
     assert "export CUDA_VISIBLE_DEVICES=0" in own.stdout.splitlines()
     # Off or failed open at the plugin: nothing is assumed, and the variable goes all the same.
     off = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="off")
@@ -975,7 +998,7 @@ def test_a_users_flood_of_the_isolate_socket_leaves_other_tasks_answered(reachab
             proc.add(pid, name, ppid, os.getuid(), V1_BATCH, exe=exe)
         proc.add(5000, "slurmstepd", 4000, os.getuid(), V1_BATCH, exe=STEPD)
         started = time.monotonic()
-        assert agent_client.isolate(str(path), {"SLURM_JOB_ID": "12"}) == (0, "export MAPA_ISOLATION=cgroup-v1")
+        assert agent_client.isolate(str(path), {"SLURM_JOB_ID": "12"}) == (0, "export MAPA_ISOLATION=cgroup-v1\nexport MAPA_ISOLATED_GPUS=4,5")
         assert time.monotonic() - started < 5.0  # answered while the flood still holds its connections
         assert threading.active_count() < 16 + 20  # the flood holds at most its user's share of threads
     finally:
@@ -1003,3 +1026,79 @@ def test_a_flood_of_bad_requests_costs_roots_log_a_few_lines(reachable_isolation
     log = (tmp_path / "log").read_text().splitlines()
     refused = [line for line in log if "uid 4242" in line]
     assert 1 <= len(refused) <= 10, refused[-3:]
+
+
+# --- issue 24: steps and tasks ----------------------------------------------------------------------
+def _as_spank_then_taskprolog(proc, step, task):
+    """The test process as the task itself asking as root (the SPANK plugin), then as a TaskProlog."""
+    me = os.getpid()
+    text = V1_BATCH.replace("step_batch/task_0", f"step_{step}/task_{task}").replace("step_batch", f"step_{step}")
+
+    def as_spank():
+        proc.add(me, "slurmstepd", 4000, 0, text.replace(f"/task_{task}", ""), exe=STEPD)  # not in its task cgroup yet
+
+    def as_taskprolog():
+        proc.add(me, "python3", 5001, USER, text)
+        proc.add(5001, "sh", 5000, USER, text, exe="/bin/dash")
+        proc.add(5000, "slurmstepd", 4000, USER, text, exe=STEPD)
+
+    return as_spank, as_taskprolog
+
+
+def test_concurrent_steps_are_isolated_to_the_mapa_gpus_paired_with_slurms(node):
+    """Two concurrent steps of a 4-GPU job (srun --exact --gres=gpu:2 ... &): Slurm gave them 0,1
+    and 2,3; each step's cgroup holds MAPA's paired GPUs, never the other step's."""
+    agent, proc, cgroupfs, _, _, tmp_path = node
+    (tmp_path / "jobs" / "12").write_text("MAPA_GPUS=4,5,6,7\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=7,6,5,4\n")
+    job = cgroupfs / "devices" / "mapa" / "job_12"
+    for step, slurm, mapa in (("0", "0,1", ("7", "6")), ("1", "2,3", ("5", "4"))):
+        as_spank, as_taskprolog = _as_spank_then_taskprolog(proc, step, "0")
+        as_spank()
+        answer = agent.isolate(os.getpid(), 0, {"MAPA_STEP_ENV": "1", "SLURM_STEP_GPUS": slurm})
+        assert answer.startswith(f"done cgroup-v1 gpus={','.join(mapa)} job 12 step {step}"), answer
+        allowed = {line.split(":")[1].split()[0] for line in lines(job / f"step_{step}" / "devices.allow")}
+        assert allowed == set(mapa)
+        as_taskprolog()  # a task of the step, narrowed by --gpus-per-task=1 to Slurm's first: it may open the step's
+        answer = agent.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": slurm.split(",")[0]})
+        assert answer.startswith(f"done cgroup-v1 gpus={','.join(mapa)} job 12 step {step}"), answer
+    assert not set(lines(job / "step_0" / "devices.allow")) & set(lines(job / "step_1" / "devices.allow"))
+
+
+def test_per_task_scope_isolates_each_task_to_its_own_gpu(node):
+    agent, proc, cgroupfs, _, configure, tmp_path = node
+    (tmp_path / "mapa.toml").write_text((tmp_path / "mapa.toml").read_text().replace('isolation = "fail-open"\n',
+                                                                                    'isolation = "fail-open"\nisolation_scope = "task"\n'))
+    (tmp_path / "jobs" / "12").write_text("MAPA_GPUS=4,5,6,7\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=7,6,5,4\n")
+    step_dir = cgroupfs / "devices" / "mapa" / "job_12" / "step_3"
+    for task, slurm, mapa in (("0", "0", "7"), ("1", "1", "6")):
+        as_spank, as_taskprolog = _as_spank_then_taskprolog(proc, "3", task)
+        as_spank()
+        agent.isolate(os.getpid(), 0, {"MAPA_STEP_ENV": "1", "SLURM_STEP_GPUS": "0,1"})
+        as_taskprolog()
+        answer = agent.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": slurm})
+        assert answer.startswith(f"done cgroup-v1 gpus={mapa} job 12 step 3"), answer
+        assert lines(step_dir / f"task_{task}" / "cgroup.procs") == ["5000"]
+        assert [line for line in lines(step_dir / f"task_{task}" / "devices.allow") if line.startswith("c 195:")
+                and int(line.split(":")[1].split()[0]) < 8] == [f"c 195:{mapa} rwm"]
+    assert {line.split(":")[1].split()[0] for line in lines(step_dir / "devices.allow")} == {"6", "7"}
+
+
+def test_a_plugin_of_an_earlier_release_isolates_at_the_jobs_level(node):
+    """A request from root without MAPA_STEP_ENV (an earlier plugin sends nothing of the step) must
+    not take a step for one of no GPUs."""
+    agent, proc, cgroupfs, _, _, tmp_path = node
+    (tmp_path / "jobs" / "12").write_text("MAPA_GPUS=4,5,6,7\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=7,6,5,4\n")
+    as_spank, _ = _as_spank_then_taskprolog(proc, "0", "0")
+    as_spank()
+    assert agent.isolate(os.getpid(), 0, {}).startswith("done cgroup-v1 gpus=4,5,6,7 job 12 step 0")
+
+
+def test_taskprolog_of_a_job_without_a_job_file_ranks_slurms_gpus_when_isolated(tmp_path):
+    """A job whose Prolog was killed runs on Slurm's GPUs, which the agent isolates it to (from the
+    mark): CUDA then numbers those from 0, so the TaskProlog exports ranks, not node indices."""
+    (tmp_path / "jobs").mkdir()
+    done = run_taskprolog(tmp_path, "fail-open", "done cgroup-v1 gpus=1,5 job 55 step 0 ...", job_file=None,
+                          SLURM_STEP_GPUS="5", SLURM_STEP_ID="0")
+    assert done.stdout.splitlines()[-2:] == ["export CUDA_VISIBLE_DEVICES=1", "export GPU_DEVICE_ORDINAL=1"]
+    off = run_taskprolog(tmp_path, "fail-open", "done off", job_file=None, SLURM_STEP_GPUS="5", SLURM_STEP_ID="0")
+    assert off.stdout.splitlines() == ["export MAPA_ISOLATION=off"]

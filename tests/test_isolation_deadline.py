@@ -22,13 +22,29 @@ SOURCE = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data" / "spank" /
 FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"]  # as containers/Dockerfile builds it
 MARGIN_S = 5.0  # a noisy 2-core machine: a regression hangs for ever, a slow run is a second late
 
-# What slurmstepd gives the plugin: spank_remote, spank_setenv and the log functions, printed.
+# What slurmstepd gives the plugin: spank_remote, spank_getenv (this process's environment),
+# spank_setenv and the log functions, printed.
 SHIM = r"""
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <slurm/spank.h>
 
 int spank_remote(spank_t sp) { (void)sp; return 1; }
+
+/* The step's environment: this process's own (the runner sets what a test wants). */
+spank_err_t spank_getenv(spank_t sp, const char *var, char *buf, int len)
+{
+	const char *value = getenv(var);
+	(void)sp;
+	if (value == NULL)
+		return ESPANK_ENV_NOEXIST;
+	if ((int)strlen(value) >= len)
+		return ESPANK_NOSPACE;
+	strcpy(buf, value);
+	return ESPANK_SUCCESS;
+}
 
 spank_err_t spank_setenv(spank_t sp, const char *var, const char *val, int overwrite)
 {
@@ -74,12 +90,14 @@ def plugin(tmp_path_factory):
     return built  # plugin, shim
 
 
-def run_plugin(plugin, *args, within):
-    """slurm_spank_task_init_privileged(args): (its return value, what it logged, seconds)."""
+def run_plugin(plugin, *args, within, env=None):
+    """slurm_spank_task_init_privileged(args): (its return value, what it logged, seconds).
+    ``env``: the step's environment as the plugin reads it (spank_getenv)."""
     so, shim = plugin
     start = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-c", RUNNER, shim, so, *args], capture_output=True, text=True, timeout=within)
+        done = subprocess.run([sys.executable, "-c", RUNNER, shim, so, *args], capture_output=True, text=True, timeout=within,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {})})
     except subprocess.TimeoutExpired:
         pytest.fail(f"slurm_spank_task_init_privileged did not return within {within} s")
     elapsed = time.monotonic() - start
@@ -205,7 +223,7 @@ def test_spank_plugin_asks_again_when_the_backlog_drains(plugin, agent):
     slow.serve("done cgroup-v1 job 12 step 0 task pid 9: GPUs 4,5 in /x", after=0.5)
     got, log, _ = run_plugin(plugin, "fail-closed", f"socket={slow.path}", "timeout_ms=8000", within=8 + MARGIN_S)
     assert (got, log) == (0, ["setenv MAPA_SPANK_ISOLATION=cgroup-v1 1"])
-    assert slow.requests == [b"MAPA1 isolate 0\n"]
+    assert slow.requests == [b"MAPA1 isolate 15\n"]  # MAPA_STEP_ENV=1 follows the header
 
 
 @pytest.mark.parametrize("mode, rc", [("fail-open", 0), ("fail-closed", -1)])
@@ -314,3 +332,39 @@ def test_isolate_client_runs_under_python_isolated_mode(agent, tmp_path):
     done = subprocess.run([sys.executable, "-I", "-S", str(client), "isolate", busy.path], capture_output=True, text=True,
                           timeout=10 + MARGIN_S, env={"SLURM_JOB_ID": "12", "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
     assert (done.returncode, done.stdout, done.stderr) == (0, "export MAPA_ISOLATION=off\n", "")
+
+
+@pytest.mark.parametrize("step_gpus, payload", [
+    ("0,2", b"MAPA_STEP_ENV=1\0SLURM_STEP_GPUS=0,2"),
+    (None, b"MAPA_STEP_ENV=1"),  # a step of no GPUs: Slurm unset the variable
+    ("0;rm -rf", b"MAPA_STEP_ENV=1"),  # not a list of indices: not sent
+])
+def test_spank_plugin_sends_the_steps_gpus_and_passes_on_what_the_task_may_open(plugin, tmp_path, step_gpus, payload):
+    """The plugin reads the step's SLURM_STEP_GPUS (Slurm narrows it per task only after this hook)
+    and sends it; the agent's answer names the GPUs the task may open, which the task gets in
+    MAPA_SPANK_GPUS for its TaskProlog."""
+    path = tmp_path / "agent.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    received = []
+
+    def answer():
+        conn, _ = server.accept()
+        with conn:
+            reader = conn.makefile("rb")
+            header = reader.readline()
+            received.append((header, reader.read(int(header.split()[2]))))
+            conn.sendall(b"done cgroup-v1 gpus=4,7 job 12 step 0 task pid 1: GPUs 4,7 in /x\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        got, log, _ = run_plugin(plugin, f"socket={path}", within=10 + MARGIN_S,
+                                 env={} if step_gpus is None else {"SLURM_STEP_GPUS": step_gpus})
+    finally:
+        thread.join(timeout=10)
+        server.close()
+    assert got == 0
+    assert received == [(b"MAPA1 isolate %d\n" % len(payload), payload)]
+    assert log == ["setenv MAPA_SPANK_ISOLATION=cgroup-v1 1", "setenv MAPA_SPANK_GPUS=4,7 1"]

@@ -575,3 +575,187 @@ def test_placement_require_delays_the_start_by_its_wait_and_prefers_the_good_fea
     assert results[2].placement.startswith("features=bigmem&ib ")
     assert [r.admin_comment for r in results[:2]] == ["mapa:topology=ring sensitive=yes placement=require wait=7",
                                                       "mapa:topology=ring sensitive=yes placement=require wait=30"]
+
+
+# --- MAPA's record behind foreign `mapa:` words in admin_comment (issue #31) ---------------------
+
+# Loads the plugin like run_cases.lua, then per record "MODE SCRIPT_LEN ADMIN_LEN\n" + bytes runs
+# "submit" (slurm_job_submit with job_desc.script and job_desc.admin_comment; answers rc and
+# job_desc.admin_comment after it) or "admin" (the plugin's local _admin_text on ADMIN, found among
+# the upvalues of slurm_job_submit; answers 0 and its result). Answer: "RC LEN\n" + LEN bytes.
+ADMIN_DRIVER = r"""
+slurm = { SUCCESS = 0, ERROR = -1, ESLURM_INVALID_GRES = 2072, ESLURM_INTERNAL = 2090 }
+for _, name in ipairs({ "log_user", "log_info", "log_debug", "log_error" }) do
+    slurm[name] = function(fmt, ...) string.format(fmt, ...) end
+end
+assert(loadfile(arg[1]))()
+
+local function upvalue(fn, name, seen)
+    if seen[fn] then
+        return nil
+    end
+    seen[fn] = true
+    local index = 1
+    while true do
+        local found, value = debug.getupvalue(fn, index)
+        if found == nil then
+            return nil
+        elseif found == name then
+            return value
+        elseif type(value) == "function" then
+            local inner = upvalue(value, name, seen)
+            if inner ~= nil then
+                return inner
+            end
+        end
+        index = index + 1
+    end
+end
+local admin_text = assert(upvalue(slurm_job_submit, "_admin_text", {}), "no _admin_text in the plugin")
+
+local file = assert(io.open(arg[2], "rb"))
+local data = file:read("*a")
+file:close()
+local position, out = 1, {}
+local function take(count)
+    if count < 0 then
+        return nil
+    end
+    local text = string.sub(data, position, position + count - 1)
+    position = position + count
+    return text
+end
+while position <= #data do
+    local stop = assert(string.find(data, "\n", position, true))
+    local mode, script_len, admin_len = string.match(string.sub(data, position, stop - 1), "^(%a+) (%-?%d+) (%-?%d+)$")
+    position = stop + 1
+    local script, admin = take(tonumber(script_len)), take(tonumber(admin_len))
+    local rc, result
+    if mode == "submit" then
+        local job_desc = { script = script, admin_comment = admin }
+        rc = slurm_job_submit(job_desc, {}, 1000)
+        result = rawget(job_desc, "admin_comment") or ""
+    else
+        rc, result = 0, admin_text(admin)
+    end
+    out[#out + 1] = string.format("%d %d\n", rc, #result) .. result
+end
+io.write(table.concat(out))
+"""
+
+
+def _run_admin(tmp: Path, cases: list[tuple[str, str | None, str | None]], plugin: Path = PLUGIN) -> list[tuple[int, str]]:
+    """(mode, script, admin_comment) cases through ADMIN_DRIVER: (rc, admin_comment after / admin text)."""
+    lua = _require("lua5.1")
+    blob = bytearray()
+    for mode, script, admin in cases:
+        raw, admin_raw = _bytes(script), _bytes(admin)
+        blob += f"{mode} {-1 if raw is None else len(raw)} {-1 if admin_raw is None else len(admin_raw)}\n".encode()
+        blob += (raw or b"") + (admin_raw or b"")
+    (tmp / "admin_driver.lua").write_text(ADMIN_DRIVER)
+    (tmp / "admin_cases.bin").write_bytes(bytes(blob))
+    done = subprocess.run([lua, str(tmp / "admin_driver.lua"), str(plugin), str(tmp / "admin_cases.bin")],
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, f"the Lua driver failed:\n{done.stderr.decode(errors='replace')}"
+    data, pos, results = done.stdout, 0, []
+    for _ in cases:
+        end = data.index(b"\n", pos)
+        rc, length = map(int, data[pos:end].split())
+        results.append((rc, data[end + 1 : end + 1 + length].decode("latin-1")))
+        pos = end + 1 + length
+    assert pos == len(data), "the driver wrote more results than cases"
+    return results
+
+
+_BLANKS = " \t\r\n\f\v"  # what the plugin strips around the admin's text (Python's str.strip, for ASCII)
+# Foreign `mapa:` words: an admin's notes, another tool's, a user's rejected directive; none a directive.
+_FOREIGN_MAPA_WORDS = ["mapa:checked", "MAPA: checked", "Mapa:topology=blob", "mapa:ticket#12", "mapa:see-docs", "mapa:gpus=0 ok",
+                       "mapa:topology=ring x"]
+_OLD_RECORD = "mapa:topology=tree sensitive=no # n1=0,3 policy=preserve free=0-3 eff=58.900 # checked by ops"
+_SUBMIT_SCRIPT = "#!/bin/sh\n#MAPA topology=ring sensitive=yes\nsrun x\n"
+_NEW_RECORD = "mapa:topology=ring sensitive=yes"
+
+
+def _foreign_mapa_words(count: int) -> str:
+    return " ".join(_FOREIGN_MAPA_WORDS[i % len(_FOREIGN_MAPA_WORDS)] for i in range(count))
+
+
+def _python_admin_text(text: str) -> str:
+    """The admin's text by decision.py's rule, stripped as the plugin strips it."""
+    from slurm_mapa.slurm.decision import find_record
+
+    start = find_record(text)
+    return (text if start is None else text[:start]).strip(_BLANKS)
+
+
+@pytest.mark.parametrize("count", [32, 33, 100, 1000, 2600])
+def test_many_foreign_mapa_words_do_not_hide_an_older_record_from_the_plugin(tmp_path: Path, count: int) -> None:
+    """Issue #31: the record after 32 or more foreign `mapa:` words was taken for the admin's text,
+    and a second record appended. Only texts within _MAX_ADMIN_COMMENT_CHARS (16 KB) are rewritten:
+    2600 words fit as `mapa: MAPA: ...`, 1000 of the longer ones."""
+    variants = [_foreign_mapa_words(count), " ".join(["mapa:", "MAPA:"] * (count // 2)), _foreign_mapa_words(count).replace(" ", "\t")]
+    variants = [admin for admin in variants if len(admin) + 1 + len(_OLD_RECORD) <= 16384]
+    assert len(variants) >= (1 if count > 1000 else 3)
+    cases = [("submit", _SUBMIT_SCRIPT, f"{admin} {_OLD_RECORD}") for admin in variants]
+    results = _run_admin(tmp_path, cases)
+    for (_, _, admin_comment), admin, (rc, after) in zip(cases, variants, results):
+        assert len(admin_comment) <= 16384
+        assert rc == SUCCESS
+        assert after == f"{admin} {_NEW_RECORD}", admin_comment[-200:]
+        assert after.lower().count("mapa:topology=") == admin.lower().count("mapa:topology=") + 1  # one record, not two
+        assert _python_admin_text(admin_comment) == admin
+
+
+@pytest.mark.parametrize("count", [32, 100, 10_000])
+def test_the_plugins_admin_text_finds_the_record_behind_any_number_of_foreign_mapa_words(tmp_path: Path, count: int) -> None:
+    """_admin_text itself, past what slurm_job_submit reads (an admin_comment over 16 KB is left as it was)."""
+    foreign = " ".join(["mapa:", "MAPA:"] * (count // 2))  # 10,000 words: 60,000 bytes
+    mixed = _foreign_mapa_words(min(count, 4000))  # other words, some with a `#`: 4000 fill MAX_RECORD_SCAN_CHARS
+    texts = [f"{foreign} {_OLD_RECORD}", f"{mixed} {_OLD_RECORD}", f" \t{foreign}\n{_OLD_RECORD} "]
+    started = time.monotonic()
+    results = _run_admin(tmp_path, [("admin", None, text) for text in texts])
+    elapsed = time.monotonic() - started
+    assert [admin for _, admin in results] == [foreign, mixed, foreign]
+    assert [admin for _, admin in results] == [_python_admin_text(text) for text in texts]
+    assert elapsed < 10, f"the plugin took {elapsed:.1f} s"
+    if count == 10_000:  # through slurm_job_submit: too long to rewrite, left as it was
+        (rc, after), = _run_admin(tmp_path, [("submit", _SUBMIT_SCRIPT, texts[0])])
+        assert (rc, after) == (SUCCESS, texts[0])
+
+
+def test_the_plugin_and_find_record_agree_on_admin_comments_full_of_mapa_words(tmp_path: Path) -> None:
+    """The rule of decision.py's find_record, hostile texts and the scan bound included; linear time."""
+    scan = 65536  # decision.py's MAX_RECORD_SCAN_CHARS
+    record = "mapa:topology=ring sensitive=yes # n1=0,3 policy=preserve"
+    texts = [
+        "x" * (scan - 1) + " " + record,  # the record starts at MAX_RECORD_SCAN_CHARS: not looked at
+        "x" * (scan - 2) + " " + record,  # one before: found
+        " ".join(["mapa:"] * 200_000),  # no `#`: one segment, its last word's text far too long to parse
+        " ".join(["mapa:x#"] * 200_000),  # a segment per word
+        " ".join(["mapa:topology=ring sensitive=yes" + " gpus=2" * 70 + " #"] * 20_000),  # each too many tokens
+        ("mapa:" + "topology=ring " * 580 + "# ") * 200,  # each one 8 Ki characters, parsed up to its length check
+        ("mapa:" + "x" * 8000 + "\xe9 #") * 200,  # each one long, with a character no directive has
+        ("mapa:" + "x" * 8000 + " ") * 200 + record,  # the record beyond the bound
+        " ".join(["mapa:", "mapa:topology=ring", "MAPA:gpus=2"] * 1000) + " # n1=0 policy=p",  # the last word before `#` parses
+        "re MAPA: bug #7 mapa: is fine, mapa:topology=tree sensitive=yes # n1=2 policy=preserve",
+        "mapa:topology=blob mapa:gpus=2 # x",
+        "xmapa:topology=ring mapa:topology=ring\tgpus=2",
+        "ops: mapa:" + "y" * 8188 + " #",  # exactly at the line limit: parsed, refused for its token
+        "ops: mapa:" + " " * 8187 + "#",  # exactly at the line limit: a directive (the defaults)
+        "ops: mapa:" + " " * 8188 + "#",  # one over: not a record
+        "",
+        "   ",
+    ]
+    rnd = random.Random(31)
+    words = ["mapa:", "MAPA:", "mapa:topology=ring", "mapa:gpus=2", "mapa:topology=blob", "sensitive=yes", "gpus=2", "mapa:x",
+             "#", " # ", " ", "\t", "\n", "n1=0 policy=p", "x", "=", "mapa:topology=ring\tgpus=2", "\xe9", "mapa:gpus=2 gpus=3"]
+    texts += ["".join(rnd.choice(words) for _ in range(rnd.randint(0, 60))) for _ in range(2000)]
+    started = time.monotonic()
+    results = _run_admin(tmp_path, [("admin", None, text) for text in texts])
+    elapsed = time.monotonic() - started
+    for text, (rc, admin) in zip(texts, results):
+        assert (rc, admin) == (0, _python_admin_text(text)), text[:200]
+    assert results[0][1] == texts[0].strip() and results[1][1] == "x" * (scan - 2)
+    assert results[8][1] == " ".join(["mapa:", "mapa:topology=ring", "MAPA:gpus=2"] * 1000)[: -len(" MAPA:gpus=2")]
+    assert results[13][1] == "ops:" and results[14][1] == texts[14].strip()
+    assert elapsed < 10, f"the plugin took {elapsed:.1f} s"

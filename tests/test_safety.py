@@ -79,7 +79,7 @@ def test_a_safe_choice_is_recorded_before_the_prolog_asks_slurm_anything(tmp_pat
     slurm.admin["12"] = "mapa:topology=ring sensitive=yes"
     decision = run_prolog(env_for("12", "0,1"), config, slurm, logs.append)
     job_file, ledger = seen_at_first_call[0]
-    assert job_file == "MAPA_GPUS=2,3\n" and ledger.holdings["12"].policy == "provisional"
+    assert job_file == "MAPA_GPUS=2,3\nSLURM_GPUS=0,1\nPAIRED_GPUS=2,3\n" and ledger.holdings["12"].policy == "provisional"
     assert ledger.holdings["11"].gpus == (0, 1)
     assert not {0, 1} & set(decision.gpus) and job_gpus(config, "12") == decision.gpus
 

@@ -583,3 +583,73 @@ def test_job_submit_lua_and_python_agree_on_the_admins_text(tmp_path, texts):
     for text, result in zip(texts, results):
         kept = split_admin_comment(text)[0]
         assert result == (f"{kept} " if kept else "") + "mapa:topology=tree sensitive=no", text
+
+
+# --- issue 24: the right record for every array task and het component ------------------------------
+def _n(number, is_set=True):
+    return {"set": is_set, "infinite": False, "number": number}
+
+
+# As Slurm 24.11.5 prints them (scontrol --json show job 22 / 20, data_parser v0.0.42, trimmed to the
+# fields read): `show job 22` lists every task of array 22, the last started first (its own id is 22);
+# `show job 20` both components of het job 20.
+ARRAY_22 = {"jobs": [
+    {"job_id": 22, "array_job_id": _n(22), "array_task_id": _n(2), "het_job_id": _n(0), "het_job_offset": _n(0), "admin_comment": "c"},
+    {"job_id": 25, "array_job_id": _n(22), "array_task_id": _n(1), "het_job_id": _n(0), "het_job_offset": _n(0), "admin_comment": "b"},
+    {"job_id": 24, "array_job_id": _n(22), "array_task_id": _n(0), "het_job_id": _n(0), "het_job_offset": _n(0), "admin_comment": "a"},
+]}
+HET_20 = {"jobs": [
+    {"job_id": 20, "array_job_id": _n(0), "array_task_id": _n(0, False), "het_job_id": _n(20), "het_job_offset": _n(0)},
+    {"job_id": 21, "array_job_id": _n(0), "array_task_id": _n(0, False), "het_job_id": _n(20), "het_job_offset": _n(1)},
+]}
+
+
+def test_each_array_task_and_het_component_is_read_and_updated_alone():
+    """Issue 24: `scontrol update job=22` changes every task of array 22 (task 2's own id is 22),
+    and job=20 both components of het job 20; so records are picked by their own id and written
+    to ARRAY_TASK or HETJOB+OFFSET."""
+    import json
+
+    from slurm_mapa.slurm.commands import CommandFailed, admin_comment_argv, parse_job_json, update_target
+
+    for job_id, target, admin in (("22", "22_2", "c"), ("25", "22_1", "b"), ("24", "22_0", "a")):
+        record = parse_job_json(json.dumps(ARRAY_22), job_id)
+        assert (update_target(record, job_id), record["admin_comment"]) == (target, admin)
+    for job_id, target in (("20", "20+0"), ("21", "20+1")):
+        assert update_target(parse_job_json(json.dumps(HET_20), job_id), job_id) == target
+    plain = {"job_id": 7, "array_job_id": _n(0), "array_task_id": _n(0, False), "het_job_id": _n(0), "het_job_offset": _n(0)}
+    assert update_target(plain, "7") == "7"
+    assert update_target({"job_id": 7, "array_job_id": 3, "array_task_id": 4}, "7") == "3_4"  # plain numbers (older parsers)
+    with pytest.raises(CommandFailed, match="no record of job 99"):
+        parse_job_json(json.dumps(ARRAY_22), "99")
+    assert admin_comment_argv("scontrol", "22_2", "x") == ["scontrol", "update", "job=22_2", "AdminComment=x"]
+    assert admin_comment_argv("scontrol", "20+1", "x")[2] == "job=20+1"
+    for bad in ("22_", "20+", "1 2", "../x", "22_2_3"):
+        with pytest.raises(ValueError, match="not a job id"):
+            admin_comment_argv("scontrol", bad, "x")
+
+
+def test_the_prolog_of_an_array_task_writes_its_own_record_only(tmp_path):
+    """The Prolog of array task 22_2 (own id 22) once wrote `job=22`: every task got its record."""
+    import json
+
+    from slurm_mapa.slurm.config import HookConfig
+    from slurm_mapa.slurm.hooks import run_prolog
+
+    config = HookConfig(ledger=tmp_path / "l.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),))
+    calls = []
+
+    def slurm(argv):
+        calls.append(list(argv))
+        if argv[1:4] == ["--json", "show", "job"]:
+            return json.dumps(ARRAY_22)
+        if argv[1] == "update":
+            return ""
+        if argv[0].endswith("squeue"):  # the in-process Prolog's reconcile pass
+            return "22\n25\n24\n"
+        raise AssertionError(argv)
+
+    run_prolog({"SLURM_JOB_ID": "22", "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": "0",
+                "SLURM_JOB_COMMENT": "mapa:topology=ring sensitive=no"}, config, slurm, [].append)
+    updates = [call for call in calls if call[1] == "update"]
+    assert len(updates) == 1 and updates[0][2] == "job=22_2" and "# dgx1=" in updates[0][3]

@@ -113,7 +113,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise InputError(f"{args.job!r} is not a job id (digits only)")
     config = _config(args.config)
     try:
-        job = parse_job_json(Runner(timeout=config.command_timeout)(show_job_argv(config.scontrol, args.job)))
+        job = parse_job_json(Runner(timeout=config.command_timeout)(show_job_argv(config.scontrol, args.job)), args.job)
     except CommandFailed as error:
         raise InputError(f"cannot read job {args.job}: {error}") from None
     admin = str(job.get("admin_comment") or "")

@@ -226,7 +226,7 @@ class Agent:
             return "done off"
         job_id = None
         try:
-            outcome = self.isolator.isolate(pid, uid, env, job_devices_for(config, self.node))
+            outcome = self.isolator.isolate(pid, uid, env, job_devices_for(config, self.node), config.isolation_scope)
         except IsolationError as error:
             reason, job_id = str(error), error.job_id
             if error.unknown_job and self.background is not None:

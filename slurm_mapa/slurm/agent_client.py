@@ -52,7 +52,9 @@ FALL_BACK = 3
 ISOLATE_SOCKET = "/run/slurm-mapa-isolate/isolate.sock"
 ISOLATE = "isolate"
 # The job id is only checked against the task's cgroup; the step's GPUs narrow within the job.
-ISOLATE_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_GPUS")
+# MAPA_STEP_ENV=1: sent by the SPANK plugin (root) with the step's SLURM_STEP_GPUS, or without it
+# for a step of no GPUs; believed only from root.
+ISOLATE_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_GPUS", "MAPA_STEP_ENV")
 ISOLATE_TIMEOUT_S = 10.0  # the task waits this long at most, retries included; isolation takes milliseconds
 BUSY = "error busy"
 # Busy is asked again after a pause that doubles from the first to the most (as in the SPANK plugin).
@@ -150,9 +152,15 @@ def isolate(path, env=os.environ, *, timeout=None):
         backoff = min(backoff * 2, MAX_BUSY_BACKOFF_S)
     if answer is None:
         return FALL_BACK, None
-    words = answer.split(" ", 2)
+    words = answer.split(" ", 3)
     if words[0] == "done" and len(words) > 1 and words[1] in ("cgroup-v1", "cgroup-v2", "off", "failed-open"):
-        return 0, "export MAPA_ISOLATION=" + words[1]
+        line = "export MAPA_ISOLATION=" + words[1]
+        # What the task may open (MAPA's indices), so that the TaskProlog numbers its GPUs as CUDA does.
+        if words[1].startswith("cgroup-") and len(words) > 2 and words[2].startswith("gpus="):
+            opened = words[2][len("gpus="):]
+            if opened == "none" or all(part.isdigit() and len(part) <= 4 for part in opened.split(",")):
+                line += "\nexport MAPA_ISOLATED_GPUS=" + ("" if opened == "none" else opened)
+        return 0, line
     # Slurm reads the TaskProlog's stdout and stderr together; a "print" line reaches the task's output.
     return REFUSED, "print mapa: GPU isolation failed, the task does not start: " + answer[:500]
 

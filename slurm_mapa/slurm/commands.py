@@ -148,24 +148,54 @@ def is_job_id(text: object) -> bool:
     return isinstance(text, str) and _JOB_ID.fullmatch(text) is not None
 
 
-def parse_job_json(text: str) -> dict:
-    """The first job of `scontrol --json show job ID`.
+def parse_job_json(text: str, job_id: str | None = None) -> dict:
+    """Job ``job_id``'s record in `scontrol --json show job ID` (without ``job_id``: the first).
 
-    Raises CommandFailed, and only that, for anything else: too long, not JSON, nested too deeply
-    for the parser (RecursionError), or no job record.
+    `scontrol show job N` lists every task of an array whose array job id is N (the last task to
+    start has N for its own id) and every component of a het job led by N, so the record is
+    picked by its own ``job_id``. Raises CommandFailed, and only that, for anything else: too
+    long, not JSON, nested too deeply for the parser (RecursionError), or no such job record.
     """
     if len(text) > MAX_OUTPUT_BYTES:
         raise CommandFailed(f"scontrol --json show job printed {len(text)} characters (accepted: at most {MAX_OUTPUT_BYTES})")
     try:
         data = json.loads(text)
         jobs = data["jobs"]
-        if not isinstance(jobs, list) or not jobs or not isinstance(jobs[0], dict):
+        if not isinstance(jobs, list) or not jobs or not all(isinstance(job, dict) for job in jobs[:MAX_RECORDS_SHOWN]):
             raise KeyError("jobs")
-        return jobs[0]
     except RecursionError:
         raise CommandFailed("scontrol --json show job printed JSON nested too deeply to read (accepted: a job record)") from None
     except (ValueError, KeyError, TypeError, IndexError):  # ValueError covers JSONDecodeError
         raise CommandFailed(f"scontrol --json show job printed no job (got {text[:60]!r})") from None
+    if job_id is None:
+        return jobs[0]
+    for job in jobs[:MAX_RECORDS_SHOWN]:
+        if str(job.get("job_id")) == job_id:
+            return job
+    raise CommandFailed(f"scontrol --json show job {job_id} printed no record of job {job_id}")
+
+
+MAX_RECORDS_SHOWN = 100_000  # an array's tasks (MaxArraySize is at most 4,000,001; read this many)
+
+
+def _number(value: object) -> int | None:
+    """A Slurm JSON number: a plain int, or (data_parser v0.0.40+) {"set": true, "number": N}."""
+    if isinstance(value, dict):
+        value = value.get("number") if value.get("set") is True and not value.get("infinite") else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def update_target(job: dict, job_id: str) -> str:
+    """How `scontrol update` must name job ``job_id`` (its record ``job``) to change it alone: an
+    array task as ARRAY_TASK (its own id may be the array's, which names every task), a het
+    component as HETJOB+OFFSET (the leader's id names every component); else its id."""
+    array, task = _number(job.get("array_job_id")), _number(job.get("array_task_id"))
+    het, offset = _number(job.get("het_job_id")), _number(job.get("het_job_offset"))
+    if array and task is not None and task >= 0:
+        return f"{array}_{task}"
+    if het and offset is not None and offset >= 0:
+        return f"{het}+{offset}"
+    return job_id
 
 
 def parse_job_ids(text: str) -> set[str]:
@@ -233,6 +263,9 @@ def running_jobs_argv(squeue: str, node: str) -> list[str]:
 
 
 def admin_comment_argv(scontrol: str, job_id: str, text: str) -> list[str]:
+    """``job_id``: an id, ARRAY_TASK or HETJOB+OFFSET (update_target)."""
+    if not re.fullmatch(r"[0-9]{1,12}(?:_[0-9]{1,10}|\+[0-9]{1,6})?", job_id):
+        raise ValueError(f"job {job_id!r}: not a job id, ARRAY_TASK or HETJOB+OFFSET")
     return [scontrol, "update", f"job={job_id}", f"AdminComment={text}"]
 
 

@@ -13,6 +13,7 @@
     health = "auto"                            # "off": do not ask NVML which GPUs are sick
     isolation = "auto"                         # | "off" | "fail-open" | "fail-closed": tasks open only their GPUs;
                                                # auto: fail-open where the topology names the device files (docs/isolation.md)
+    isolation_scope = "step"                   # | "task": what the tasks of one step may open (docs/isolation.md)
     dcgm_job_mapping_dir = "/run/dcgm-job-mapping"   # none by default: which job uses each GPU, for dcgm-exporter
 
     [preserve_ahead]                           # only for policy = "preserve-ahead"
@@ -47,7 +48,7 @@ from . import paths
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
          "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate", "features",
-         "affinity", "isolation", "dcgm_job_mapping_dir"}
+         "affinity", "isolation", "isolation_scope", "dcgm_job_mapping_dir"}
 # The agent answers within the budget and its client gives up after 25 s; the wrapper then runs
 # the Prolog in-process with the same budget: 25 + 20 s stays inside the 60 s PrologEpilogTimeout
 # Slurm's docs suggest.
@@ -71,6 +72,9 @@ class HookConfig:
     # Device isolation of tasks by mapa-agent (slurm/isolation.py): "auto" is fail-open on nodes
     # whose topology file names each GPU's device minor, off elsewhere (isolation.effective_mode).
     isolation: str = "auto"
+    # "step": every task of a step may open all of the step's GPUs (ranks need CUDA/ROCm IPC to each
+    # other's); "task": each task only its own (a site's choice; it breaks such IPC).
+    isolation_scope: str = "step"
     nodes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     ahead_sizes: tuple[tuple[int, float], ...] = ()  # empty: preserve-ahead's default (uniform 1..5)
     ahead_tolerance: float = 0.0
@@ -131,7 +135,7 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
     if unknown:
         raise InputError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} (accepted: {', '.join(sorted(_KEYS))})")
     values: dict[str, Any] = {}
-    for key in ("policy", "default_directive", "scontrol", "squeue", "model", "health", "isolation"):
+    for key in ("policy", "default_directive", "scontrol", "squeue", "model", "health", "isolation", "isolation_scope"):
         if key in data:
             if not isinstance(data[key], str):
                 raise InputError(f"{source}: {key} must be a string, got {data[key]!r}")
@@ -142,6 +146,9 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
         raise InputError(f"{source}: isolation must be \"auto\" (fail-open where the topology names the GPUs' device files), "
                          f"\"off\", \"fail-open\" (a task runs, logged, when its GPUs cannot be isolated) or \"fail-closed\" "
                          f"(the task fails then), got {values['isolation']!r}")
+    if values.get("isolation_scope", "step") not in ("step", "task"):
+        raise InputError(f"{source}: isolation_scope must be \"step\" (the tasks of a step may open all of the step's GPUs) "
+                         f"or \"task\" (each task only its own), got {values['isolation_scope']!r}")
     if validate:
         _validate_with_engine(values, source)
     for key in ("ledger", "jobs_dir", "log", "journal_dir", "dcgm_job_mapping_dir"):

@@ -48,6 +48,7 @@ from .commands import (
     running_jobs_argv,
     show_job_argv,
     slurm_gpus_on_only_node,
+    update_target,
 )
 from .config import HookConfig, hook_logger, load_hook_config
 from .decision import ISOLATION_STATES, Decision, affinity_token, parse_decisions, with_decision
@@ -323,7 +324,18 @@ class ClaimTaken(Exception):
     """A GPU the Prolog chose was claimed meanwhile by a Prolog that runs without the lock."""
 
 
-def commit(config: HookConfig, ledger_file: LedgerFile, ledger: Ledger, job_id: str, holding: Holding, log: Log) -> None:
+def paired_order(graph: "HardwareGraph | None", gpus: tuple[int, ...]) -> tuple[int, ...]:
+    """MAPA's GPUs in the order they are paired with Slurm's ascending indices (core/order.py):
+    what Slurm hands a step or a task first is what MAPA links best."""
+    if graph is None:
+        return gpus
+    from ..core.order import prefix_order
+
+    return prefix_order(graph, gpus)
+
+
+def commit(config: HookConfig, ledger_file: LedgerFile, ledger: Ledger, job_id: str, holding: Holding, log: Log,
+           slurm_gpus: tuple[int, ...] = (), paired: tuple[int, ...] | None = None) -> None:
     """Record ``holding`` for ``job_id`` (under the lock): its GPUs claimed, then the job file (what
     the job uses), then the ledger. ClaimTaken, with nothing written, if a GPU was claimed by a
     Prolog without the lock after ``ledger`` was read: the caller reads the files and chooses again."""
@@ -337,7 +349,7 @@ def commit(config: HookConfig, ledger_file: LedgerFile, ledger: Ledger, job_id: 
     except ValueError:
         log(f"job {job_id}: too few GPUs are free; it SHARES GPUs {','.join(map(str, shared))} with other jobs")
         new = ledger.with_usage(job_id, holding)
-    jobfiles.write_job_file(config.jobs_dir, job_id, holding.gpus)
+    jobfiles.write_job_file(config.jobs_dir, job_id, holding.gpus, slurm_gpus, paired)
     ledger_file.write(new)
     jobfiles.release_claims(config.jobs_dir, job_id, keep=holding.gpus)  # those of an earlier choice
 
@@ -386,7 +398,8 @@ def record_provisional(
                                                   unknown=unknown)
                 decision = fallback_decision(ctx, ledger, size, "provisional")
                 try:
-                    commit(config, ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log)
+                    commit(config, ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log,
+                           ctx.slurm_gpus)
                 except ClaimTaken:
                     continue  # the claim is in the files now: read them again
                 forget_ended(config, ended, [], None, log, ctx.job_id)
@@ -423,8 +436,13 @@ def record_provisional(
                    ", some of them claimed by jobs that ended (their files go when a Prolog next holds the lock)"))
         gpus = tuple(sorted(gpus))
         if mark is not None and not owns_job(config, ctx.job_id, mark):
+            if not os.path.lexists(jobfiles.mark_path(config.jobs_dir, ctx.job_id)):
+                # Its Epilog has been meanwhile: the claims made above would outlive the job,
+                # holding GPUs no live job uses until a reconcile pass. (A newer run of its
+                # Prolog, whose mark is there, may hold the same claims: they stay.)
+                jobfiles.release_claims(config.jobs_dir, ctx.job_id)
             return None
-        jobfiles.write_job_file(config.jobs_dir, ctx.job_id, gpus)
+        jobfiles.write_job_file(config.jobs_dir, ctx.job_id, gpus, ctx.slurm_gpus)
         log(f"job {ctx.job_id}: LEDGER LOCK TIMEOUT ({config.ledger}.lock held by a stuck process?); "
             f"gave it GPUs {','.join(map(str, gpus))} that no job file names, without the lock")
         return gpus
@@ -547,7 +565,8 @@ def _decide_and_commit(
                     continue  # another job took or freed GPUs meanwhile: search again on the new free set
                 note = f"directive from {source}" + (f"; {problem}" if problem else "")
                 try:
-                    commit(config, ledger_file, fresh, ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note), log)
+                    commit(config, ledger_file, fresh, ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note), log,
+                           ctx.slurm_gpus, paired_order(graph, decision.gpus))
                 except ClaimTaken as taken:
                     claim_races += 1
                     if claim_races <= MAX_CLAIM_RACES:
@@ -612,7 +631,8 @@ def flush_note(config: HookConfig, job_id: str, entry: journal.Entry, run: RunCo
         log(f"job {job_id}: journal note {entry.record[:80]!r} is not an isolation note; dropped")
         return True
     try:
-        admin = parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or ""
+        job = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
+        admin = job.get("admin_comment") or ""
     except ValueError as error:
         log(f"job {job_id}: could not read the AdminComment for the isolation note ({error}); not recorded")
         return True
@@ -692,7 +712,7 @@ def adopt_jobs(who: str, jobs: Sequence[str], size: int, config: HookConfig, run
     marked it meanwhile; a job that has ended is left to reaping."""
     for job_id in jobs:
         try:
-            record = parse_job_json(run(show_job_argv(config.scontrol, job_id)))
+            record = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
             gpus = slurm_gpus_on_only_node(record)
         except (CommandFailed, ValueError) as error:
             log(f"{who}: cannot read job {job_id}, which runs here without a mark ({error})")
@@ -794,13 +814,15 @@ def record_decision(
         try:
             if attempt:
                 time.sleep(0.05 * attempt + random.random() * 0.1)
-            admin = parse_job_json(run(show_job_argv(config.scontrol, job_id))).get("admin_comment") or ""
+            job = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
+            admin = job.get("admin_comment") or ""
             admin = admin if isinstance(admin, str) else ""
             recorded = parse_decisions(admin).get(decision.node)
             if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy) and (
                     recorded.isolation == decision.isolation or not decision.isolation):
                 return True
-            run(admin_comment_argv(config.scontrol, job_id, with_decision(admin, directive, decision)))
+            # An array task or het component by a name that changes it alone (update_target).
+            run(admin_comment_argv(config.scontrol, update_target(job, job_id), with_decision(admin, directive, decision)))
             if ctx.nodes_in_job <= 1:
                 return True
         except ValueError as error:  # the record would not fit, or the answer is not a job record

@@ -157,15 +157,37 @@ def cgroup_mounts(mountinfo: str) -> tuple[str | None, str | None]:
     return devices, unified
 
 
-def step_gpus(job_gpus: Sequence[int], slurm_step_gpus: str | None) -> tuple[int, ...]:
-    """The GPUs a step uses: the job's first k (pattern order) when SLURM_STEP_GPUS names fewer
-    (k entries) than the job has; the job's otherwise. The same rule as the TaskProlog's, which
-    exports them, so what a task sees and what it may open agree."""
+def slurm_gpu_list(text: str | None) -> tuple[int, ...] | None:
+    """Slurm's ``SLURM_STEP_GPUS`` value (node-global indices, ``0,2`` or ``0-3``), None if it is
+    not one. Slurm 26.05's ``Flags=env_uuid`` puts UUIDs in CUDA_VISIBLE_DEVICES, never here."""
+    if text is None or not re.fullmatch(r"[0-9]{1,4}(?:-[0-9]{1,4})?(?:,[0-9]{1,4}(?:-[0-9]{1,4})?){0,255}", text):
+        return None
+    gpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        gpus += range(int(first), int(last or first) + 1)
+    return tuple(sorted(set(gpus))) if len(gpus) <= 256 else None
+
+
+def is_numbered_step(step: str) -> bool:
+    """An srun step (0, 1, ..., or N+M of a het step), not the batch, interactive or extern one."""
+    return re.fullmatch(r"[0-9]+(?:\+[0-9]+)?", step) is not None
+
+
+def gpus_of_step(job_gpus: Sequence[int], mapping, step: str, slurm_step_gpus: str | None) -> tuple[int, ...]:
+    """MAPA's GPUs for the GPUs Slurm gave a step (or a task: Slurm narrows SLURM_STEP_GPUS to the
+    task's own under a GPU binding), through the job file's pairing (jobfiles.JobMapping). The
+    batch and interactive steps have the job's GPUs; an srun step without SLURM_STEP_GPUS has none
+    (Slurm unsets it for a step of no GPUs, src/plugins/gres/common/gres_common.c). Without a pairing
+    (a job file of an earlier release) or with GPUs Slurm did not give the job here: the job's."""
     job = tuple(job_gpus)
-    if not slurm_step_gpus or not re.fullmatch(r"[0-9,-]+", slurm_step_gpus):
+    if not is_numbered_step(step):
         return job
-    wanted = sum(1 for part in slurm_step_gpus.split(",") if part)
-    return job[:wanted] if 0 < wanted < len(job) else job
+    if slurm_step_gpus is None:
+        return ()
+    wanted = slurm_gpu_list(slurm_step_gpus)
+    mapped = mapping.mapa_gpus_for(wanted) if mapping is not None and wanted is not None else None
+    return job if mapped is None else mapped
 
 
 @dataclass(frozen=True)
@@ -490,13 +512,21 @@ def v1_directories(devices_root: Path, job_id: str, step: str | None, base: str 
 
 def apply_v1(devices_root: Path, job_id: str, job_rules: Sequence[DenyRange], step: str | None,
              step_rules: Sequence[DenyRange] | None, pid: int, base: str = "mapa",
-             configured: set[tuple[str, int]] | None = None) -> Path:
+             configured: set[tuple[str, int]] | None = None, task: str | None = None,
+             task_rules: Sequence[DenyRange] | None = None) -> Path:
     """Move ``pid`` into ``<devices_root>/<base>/job_J`` (or its ``step_S`` when the step has
-    ``step_rules`` of its own), creating and configuring the cgroups first; the cgroup it is in.
-    ``configured``: cgroups written already (_identity), not written again."""
-    job_dir, step_dir = v1_directories(devices_root, job_id, step if step_rules is not None else None, base)
+    ``step_rules`` of its own, or ``step_S/task_T`` with ``task_rules``), creating and configuring
+    the cgroups first; the cgroup it is in. ``configured``: cgroups written already (_identity),
+    not written again."""
+    job_dir, step_dir = v1_directories(devices_root, job_id, step if step_rules is not None or task_rules is not None else None, base)
+    task_dir = None
+    if task_rules is not None and step_dir is not None:
+        if task is None or not task.isdigit():
+            raise IsolationError(f"task {task!r}: not a Slurm task id")
+        task_dir = step_dir / f"task_{task}"
     target = job_dir
-    for directory, rules in ((job_dir, job_rules), (step_dir, step_rules)):
+    for directory, rules in ((job_dir, job_rules), (step_dir, step_rules if step_rules is not None else job_rules),
+                             (task_dir, task_rules)):
         if directory is None or rules is None:
             continue
         try:
@@ -518,18 +548,21 @@ def apply_v1(devices_root: Path, job_id: str, job_rules: Sequence[DenyRange], st
 
 def apply_v2(cgroup2_root: Path, cgroup: SlurmCgroup, job_rules: Sequence[DenyRange], step_rules: Sequence[DenyRange] | None,
              attach: Callable[[Path, bytes], None] = attach_device_program,
-             attached: set[tuple[str, int]] | None = None) -> list[Path]:
+             attached: set[tuple[str, int]] | None = None, task_rules: Sequence[DenyRange] | None = None) -> list[Path]:
     """Attach the job's program to Slurm's ``job_J`` cgroup and, with ``step_rules``, the step's to
-    ``step_S/user``; once each (``attached``: cgroups done already, by _identity). The cgroups
-    where a program was attached now."""
+    ``step_S/user`` (with ``task_rules``, the task's to ``step_S/user/task_T``); once each
+    (``attached``: cgroups done already, by _identity). The cgroups where a program was attached now."""
     match = _V2_PATH.fullmatch(cgroup.path)
     if cgroup.version != 2 or match is None or ".." in cgroup.path.split("/"):
         raise IsolationError(f"{cgroup.path!r} is not a Slurm cgroup v2 task path")
     job_dir = cgroup2_root / match["job_dir"].lstrip("/")
     step_user = job_dir / f"step_{match['step']}" / "user"
+    if task_rules is not None and (match["task"] is None or not match["task"].isdigit()):
+        raise IsolationError(f"{cgroup.path!r} names no task cgroup: no per-task isolation")
+    task_dir = step_user / f"task_{match['task']}" if task_rules is not None else None
     done = []
-    for directory, rules in ((job_dir, job_rules), (step_user, step_rules)):
-        if rules is None:
+    for directory, rules in ((job_dir, job_rules), (step_user, step_rules), (task_dir, task_rules)):
+        if rules is None or directory is None:
             continue
         try:
             key = _identity(directory)
@@ -595,6 +628,10 @@ class JobDevices:
     vendor: str
     job_gpus: tuple[int, ...]
     minors: Callable[[int], int]
+    mapping: "object | None" = None  # jobfiles.JobMapping: Slurm's GPUs paired with MAPA's
+
+
+SCOPES = ("step", "task")
 
 
 class Isolator:
@@ -611,11 +648,16 @@ class Isolator:
         self.binary_problem = binary_problem  # tests' fake /proc links to a slurmstepd this host lacks
         self.lock = threading.Lock()
         self.configured: set[tuple[str, int]] = set()  # cgroups written or attached to
+        # (job, step) -> the step's GPUs, as the SPANK plugin's request (root, before Slurm narrows
+        # the environment to each task) said: a TaskProlog's request then knows the whole step's.
+        self.steps: dict[tuple[str, str], tuple[int, ...]] = {}
 
     def isolate(self, peer_pid: int, peer_uid: int, request: Mapping[str, str],
-                job_devices: Callable[[str], JobDevices]) -> Outcome:
-        """Isolate the task of the TaskProlog ``peer_pid``; IsolationError says why it could not.
-        ``job_devices``: the job's GPUs and their device numbers, for a job id."""
+                job_devices: Callable[[str], JobDevices], scope: str = "step") -> Outcome:
+        """Isolate the task of the TaskProlog (or SPANK plugin, uid 0) ``peer_pid``; IsolationError
+        says why it could not. ``job_devices``: the job's GPUs and their device numbers, for a job
+        id. ``scope``: "step" (every task of a step opens all of the step's GPUs, as CUDA/ROCm IPC
+        between ranks needs) or "task" (each task its own, from its TaskProlog's request)."""
         task, cgroup = find_task_process(self.proc, peer_pid, peer_uid, self.binary_problem)
         try:
             mounts = cgroup_mounts(self.mountinfo.read_text())
@@ -624,35 +666,60 @@ class Isolator:
         if cgroup.version == 2 and mounts[1] is not None:
             check_v2_job_cgroup_owner(Path(mounts[1]), cgroup)
         try:
-            return self._isolate_task(task, cgroup, request, job_devices, mounts)
+            return self._isolate_task(task, cgroup, request, job_devices, mounts, scope, from_root=peer_uid == 0)
         except IsolationError as error:
             error.job_id = cgroup.job_id  # known from here on: the agent records the failure in the job's AdminComment
             raise
 
     def _isolate_task(self, task: ProcessInfo, cgroup: SlurmCgroup, request: Mapping[str, str],
-                      job_devices: Callable[[str], JobDevices], mounts: tuple[str | None, str | None]) -> Outcome:
+                      job_devices: Callable[[str], JobDevices], mounts: tuple[str | None, str | None],
+                      scope: str, from_root: bool) -> Outcome:
         claimed = request.get("SLURM_JOB_ID")
         if claimed is not None and claimed != cgroup.job_id:
             raise IsolationError(f"the request says job {claimed!r}, but task {task.pid} is in job {cgroup.job_id}'s cgroup")
         devices = job_devices(cgroup.job_id)
-        step = step_gpus(devices.job_gpus, request.get("SLURM_STEP_GPUS"))
-        job_rules = device_rules(devices.vendor, map(devices.minors, devices.job_gpus))
-        step_rules = device_rules(devices.vendor, map(devices.minors, step)) if step != devices.job_gpus else None
-        gpus = ",".join(map(str, step)) or "none"
+        key = (cgroup.job_id, cgroup.step)
+        asked = gpus_of_step(devices.job_gpus, devices.mapping, cgroup.step, request.get("SLURM_STEP_GPUS"))
         with self.lock:
+            if from_root and request.get("MAPA_STEP_ENV") == "1":
+                # The SPANK plugin: the step's environment, before Slurm narrows it per task.
+                if len(self.steps) > 100000:
+                    self.steps.clear()
+                self.steps[key] = asked
+                step, task_gpus = asked, None
+            elif from_root:  # a plugin of an earlier release sends nothing of the step: the job's
+                step, task_gpus = devices.job_gpus, None
+            else:  # a TaskProlog: its task's GPUs, under a binding; the step's from the plugin when it asked
+                step = self.steps.get(key)
+                if step is None:
+                    # No plugin: the step's GPUs are unknown (each task sees its own); the job's
+                    # cgroup holds, and a step of no GPUs (the task has none either) none.
+                    step = asked if not asked else devices.job_gpus
+                elif not set(asked) <= set(step):
+                    asked = step  # the task's variables say more than its step has: the step's
+                task_gpus = asked if scope == "task" and asked != step else None
+            levels = [(None, devices.job_gpus), ("step", step if step != devices.job_gpus else None),
+                      ("task", task_gpus)]
+            rules = {level: device_rules(devices.vendor, map(devices.minors, gpus)) for level, gpus in levels
+                     if gpus is not None}
+            openable = task_gpus if task_gpus is not None else step
+            gpus = ",".join(map(str, openable)) or "none"
             if len(self.configured) > 100000:  # months of jobs: forget; a cgroup is only written again
                 self.configured.clear()
             if cgroup.version == 1:
                 if mounts[0] is None:
                     raise IsolationError("Slurm uses cgroup v1 here, but no v1 devices hierarchy is mounted")
-                where = apply_v1(Path(mounts[0]), cgroup.job_id, job_rules, cgroup.step, step_rules, task.pid,
-                                 configured=self.configured)
+                if "task" in rules and cgroup.task is None:
+                    raise IsolationError(f"task {task.pid}'s v1 cgroups name no task level: no per-task isolation")
+                where = apply_v1(Path(mounts[0]), cgroup.job_id, rules[None], cgroup.step, rules.get("step"), task.pid,
+                                 configured=self.configured, task=cgroup.task, task_rules=rules.get("task"))
                 return Outcome("cgroup-v1", cgroup.job_id, cgroup.step,
-                               f"job {cgroup.job_id} step {cgroup.step} task pid {task.pid}: GPUs {gpus} in {where}")
+                               f"gpus={gpus} job {cgroup.job_id} step {cgroup.step} task pid {task.pid}: GPUs {gpus} in {where}")
             if mounts[1] is None:
                 raise IsolationError("Slurm uses cgroup v2 here, but no cgroup2 file system is mounted")
-            done = apply_v2(Path(mounts[1]), cgroup, job_rules, step_rules, self.attach, self.configured)
-            return Outcome("cgroup-v2", cgroup.job_id, cgroup.step, f"job {cgroup.job_id} step {cgroup.step}: GPUs {gpus}"
+            done = apply_v2(Path(mounts[1]), cgroup, rules[None], rules.get("step"), self.attach, self.configured,
+                            task_rules=rules.get("task"))
+            return Outcome("cgroup-v2", cgroup.job_id, cgroup.step, f"gpus={gpus} job {cgroup.job_id} step {cgroup.step}: GPUs {gpus}"
                            + (f" (programs attached to {', '.join(map(str, done))})" if done else ""))
 
 
@@ -687,8 +754,10 @@ def job_devices_for(config, node: str, dev: Path = Path("/dev")) -> Callable[[st
 
     def lookup(job_id: str) -> JobDevices:
         gpus: tuple[int, ...] | None = None
+        mapping = None
         try:
-            gpus = jobfiles.parse_job_file(jobfiles.job_file_path(config.jobs_dir, job_id).read_bytes())
+            mapping = jobfiles.parse_job_mapping(jobfiles.job_file_path(config.jobs_dir, job_id).read_bytes())
+            gpus = mapping.gpus
         except (OSError, ValueError):
             try:
                 gpus = jobfiles.parse_mark(jobfiles.mark_path(config.jobs_dir, job_id).read_bytes()).slurm_gpus
@@ -701,13 +770,13 @@ def job_devices_for(config, node: str, dev: Path = Path("/dev")) -> Callable[[st
         if spec is None:
             vendor = "amd" if (dev / "kfd").exists() else "nvidia"
             base = RENDER_MINORS[0] if vendor == "amd" else 0
-            return JobDevices(vendor, gpus, lambda gpu: base + gpu)
+            return JobDevices(vendor, gpus, lambda gpu: base + gpu, mapping)
         try:
             topology = load_topology_file(spec)
         except (OSError, MapaError) as error:
             raise IsolationError(f"cannot read node {node}'s topology {spec}: {error}") from None
         if any(gpu >= topology.graph.size for gpu in gpus):
             raise IsolationError(f"job {job_id}'s GPUs {list(gpus)} are not all among the {topology.graph.size} of {spec}")
-        return JobDevices(topology.gpu_vendor, gpus, topology.minor)
+        return JobDevices(topology.gpu_vendor, gpus, topology.minor, mapping)
 
     return lookup

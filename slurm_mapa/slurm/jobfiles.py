@@ -2,8 +2,13 @@
 
 Two small files per job, both written whole or not at all (paths.replace_file):
 
-* ``JOBID``: ``MAPA_GPUS=4,5,7`` - the GPUs the job uses (the TaskProlog exports them). The
-  Prolog writes a safe provisional choice first and its final choice later.
+* ``JOBID``: ``MAPA_GPUS=4,5,7`` - the GPUs the job uses (the TaskProlog exports them); then
+  ``SLURM_GPUS=0,1,2`` - the GPUs Slurm gave the job on this node, ascending - and
+  ``PAIRED_GPUS=7,4,5`` - MAPA's GPUs in the order of core/order.py. The i-th of Slurm's is the
+  i-th of the paired: a step or task Slurm gives GPUs 0 and 2 uses MAPA's 7 and 5, so steps that
+  Slurm keeps apart stay apart, and what Slurm hands out first is what MAPA links best. (A file
+  with the first line only pairs nothing: its steps get the job's GPUs.) The Prolog writes a
+  safe provisional choice first and its final choice later.
 * ``.prolog-JOBID``: ``pid=812 start=99123 slurm=0,1`` - the mark every Prolog (CPU-only jobs
   too) writes before anything else: which process runs the Prolog (its pid and start time, so a
   reused pid is not mistaken for it) and which GPUs Slurm gave the job. It stays until the Epilog.
@@ -35,7 +40,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from . import paths
 from .commands import is_job_id, parse_gpu_indices
@@ -68,19 +73,58 @@ class JobRecords:
     mark_unreadable: bool = False  # a mark is there but is not one mark_text writes (an earlier release's)
 
 
-def job_file_text(gpus: tuple[int, ...] | list[int]) -> str:
-    return f"MAPA_GPUS={','.join(map(str, gpus))}\n"
+def job_file_text(gpus: Sequence[int], slurm_gpus: Sequence[int] = (), paired: Sequence[int] | None = None) -> str:
+    """The job file: MAPA's GPUs; with Slurm's GPUs of the same count, the pairing (``paired``: MAPA's
+    GPUs in pairing order, default their own order)."""
+    text = f"MAPA_GPUS={','.join(map(str, gpus))}\n"
+    paired = tuple(gpus) if paired is None else tuple(paired)
+    if slurm_gpus and len(set(slurm_gpus)) == len(gpus) and sorted(paired) == sorted(gpus):
+        text += f"SLURM_GPUS={','.join(map(str, sorted(set(slurm_gpus))))}\nPAIRED_GPUS={','.join(map(str, paired))}\n"
+    return text
+
+
+@dataclass(frozen=True)
+class JobMapping:
+    """A job file: MAPA's GPUs, and (empty when the file pairs none) Slurm's ascending with MAPA's paired."""
+
+    gpus: tuple[int, ...]
+    slurm: tuple[int, ...] = ()
+    paired: tuple[int, ...] = ()
+
+    def mapa_gpus_for(self, slurm_list: Sequence[int]) -> tuple[int, ...] | None:
+        """MAPA's GPUs for GPUs Slurm named (a step's or a task's), in pairing order; None when the
+        file pairs nothing or Slurm named a GPU it did not give the job here."""
+        if not self.slurm:
+            return None
+        position = {gpu: i for i, gpu in enumerate(self.slurm)}
+        if any(gpu not in position for gpu in slurm_list):
+            return None
+        return tuple(self.paired[i] for i in sorted({position[gpu] for gpu in slurm_list}))
+
+
+def parse_job_mapping(data: bytes) -> JobMapping:
+    """A job file; ValueError unless it is exactly what job_file_text writes."""
+    text = data.decode("ascii")
+    lines = text.split("\n")
+    if len(data) > JOB_FILE_MAX_BYTES or not text.endswith("\n") or len(lines) not in (2, 4) or not lines[0].startswith("MAPA_GPUS="):
+        raise ValueError(f"not a job file: {data[:60]!r}")
+    gpus = parse_gpu_indices(lines[0][len("MAPA_GPUS="):])
+    if not gpus or len(set(gpus)) != len(gpus):
+        raise ValueError(f"not a job file: {data[:60]!r}")
+    if len(lines) == 2:
+        return JobMapping(gpus)
+    if not lines[1].startswith("SLURM_GPUS=") or not lines[2].startswith("PAIRED_GPUS="):
+        raise ValueError(f"not a job file: {data[:60]!r}")
+    slurm = parse_gpu_indices(lines[1][len("SLURM_GPUS="):])
+    paired = parse_gpu_indices(lines[2][len("PAIRED_GPUS="):])
+    if list(slurm) != sorted(set(slurm)) or len(slurm) != len(gpus) or sorted(paired) != sorted(gpus):
+        raise ValueError(f"not a job file (its pairing does not match its GPUs): {data[:80]!r}")
+    return JobMapping(gpus, slurm, paired)
 
 
 def parse_job_file(data: bytes) -> tuple[int, ...]:
     """The GPUs of a job file; ValueError unless it is exactly what job_file_text writes."""
-    text = data.decode("ascii")
-    if len(data) > JOB_FILE_MAX_BYTES or not text.startswith("MAPA_GPUS=") or not text.endswith("\n") or text.count("\n") != 1:
-        raise ValueError(f"not a job file: {data[:60]!r}")
-    gpus = parse_gpu_indices(text[len("MAPA_GPUS="):-1])
-    if not gpus or len(set(gpus)) != len(gpus):
-        raise ValueError(f"not a job file: {data[:60]!r}")
-    return gpus
+    return parse_job_mapping(data).gpus
 
 
 def mark_text(mark: Mark) -> str:
@@ -144,8 +188,10 @@ def mark_path(jobs_dir: Path, job_id: str) -> Path:
     return Path(jobs_dir) / f"{MARK_PREFIX}{job_id}"
 
 
-def write_job_file(jobs_dir: Path, job_id: str, gpus: tuple[int, ...]) -> None:
-    paths.replace_file(job_file_path(jobs_dir, job_id), job_file_text(gpus).encode())  # 644: the TaskProlog reads it as the user
+def write_job_file(jobs_dir: Path, job_id: str, gpus: tuple[int, ...], slurm_gpus: tuple[int, ...] = (),
+                   paired: tuple[int, ...] | None = None) -> None:
+    # 644: the TaskProlog reads it as the user
+    paths.replace_file(job_file_path(jobs_dir, job_id), job_file_text(gpus, slurm_gpus, paired).encode())
 
 
 def ended_path(jobs_dir: Path, job_id: str) -> Path:

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
+from slurm_mapa.core.order import prefix_order
 from slurm_mapa.hardware.nvidia_smi import fake_uuid
+from slurm_mapa.hardware.presets import preset
 from slurm_mapa.slurm.decision import parse_decisions
 
 pytestmark = pytest.mark.cluster
@@ -57,11 +59,12 @@ def _write_hooks(cluster, node: str) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _isolation_on(cluster):
-    """isolation = "fail-open" on the DGX nodes for this module; the shipped config afterwards."""
+    """isolation = "fail-open" on the DGX nodes for this module (what the shipped "auto" comes to
+    there, said explicitly); the shipped config afterwards."""
     for node in ("dgx1", "dgx2"):
         base = cluster.exec(node, ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
-        assert 'isolation = "off"\n' in base
-        cluster.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=base.replace('isolation = "off"\n', 'isolation = "fail-open"\n'))
+        assert 'isolation = "auto"\n' in base
+        cluster.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=base.replace('isolation = "auto"\n', 'isolation = "fail-open"\n'))
         _write_hooks(cluster, node)
     yield
     for node in ("dgx1", "dgx2"):
@@ -169,7 +172,7 @@ def test_a_job_runs_unisolated_and_says_why_when_the_cgroups_cannot_be_written(c
 
 def test_the_spank_plugin_isolates_a_task_whose_taskprolog_never_asks(cluster):
     """The root-side trigger: with the TaskProlog's socket out of the job's reach (as when a user
-    makes the TaskProlog skip its request), every task still opens only its job's GPUs, because
+    makes the TaskProlog skip its request), every task still opens only its step's GPUs, because
     spank_mapa_isolate.so asked mapa-agent as root before the task dropped to the user."""
     node = "dgx1"
     cluster.exec(node, ["chmod", "700", "/run/slurm-mapa-isolate"])  # the job's user cannot connect any more
@@ -181,9 +184,13 @@ def test_the_spank_plugin_isolates_a_task_whose_taskprolog_never_asks(cluster):
         assert opens == {gpu: ("ENXIO" if gpu in gpus else "EPERM") for gpu in range(8)}, out
         assert [uuids[int(rank)] for rank in cvd.split(",")] == [fake_uuid("dgx1-v100", gpu) for gpu in gpus], out
         cluster.run("touch", f"{cluster.job_dir}/go-{jobid}")
-        # The 1-GPU step is held to the job's GPUs (narrowing it to one is the TaskProlog's request).
+        # The 1-GPU step is held to its own GPU: the plugin sent the step's SLURM_STEP_GPUS (Slurm's
+        # lowest of the job's), and the agent isolated the step to MAPA's GPU paired with it, the
+        # first of the job's in core/order.py's order.
         step_opens, _, step_cvd, step_uuids, _ = _seen(_wait_output(cluster, jobid, "step smi"), "step")
-        assert step_opens == opens and step_uuids[int(step_cvd)] == fake_uuid("dgx1-v100", gpus[0])
+        paired = prefix_order(preset("dgx1-v100"), gpus)[0]
+        assert step_opens == {gpu: ("ENXIO" if gpu == paired else "EPERM") for gpu in range(8)}, out
+        assert step_cvd == "0" and step_uuids[0] == fake_uuid("dgx1-v100", paired)
         cluster.wait_state(jobid, "COMPLETED", timeout=60)
     finally:
         cluster.exec(node, ["chmod", "755", "/run/slurm-mapa-isolate"], check=False)

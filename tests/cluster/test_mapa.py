@@ -19,26 +19,28 @@ from slurm_mapa.slurm.decision import parse_decisions
 
 pytestmark = pytest.mark.cluster
 
-# Prints what the job sees, then waits (bounded) until the test releases it.
+# Prints what the job sees, then waits (bounded) until the test releases it. MAPA_GPUS names MAPA's
+# GPUs by node index; CUDA_VISIBLE_DEVICES would not: isolation is on in the mini cluster, so it
+# holds their ranks among the GPUs the task may open (docs/isolation.md, "What the job sees").
 HOLDING_JOB = """#!/bin/bash
 #SBATCH --gres=gpu:{gpus}
 #MAPA topology=ring sensitive={sensitive}
-echo "cvd=$CUDA_VISIBLE_DEVICES"
+echo "gpus=${{MAPA_GPUS-$SLURM_JOB_GPUS}}"
 echo "slurm=$SLURM_JOB_GPUS"
 for _ in $(seq 1500); do [ -e /shared/jobs/release-$SLURM_JOB_ID ] && exit 0; sleep 0.2; done
 exit 3
 """
 
 
-def _cvd(cluster, jobid: int, timeout: float = 60) -> tuple[int, ...]:
+def _gpus(cluster, jobid: int, timeout: float = 60) -> tuple[int, ...]:
     deadline = time.monotonic() + timeout
     while True:
         out = cluster.exec("slurmctld", ["cat", f"{cluster.job_dir}/{jobid}.out"], check=False).stdout
-        match = re.search(r"^cvd=([0-9,]*)$", out, re.M)
+        match = re.search(r"^gpus=([0-9,]*)$", out, re.M)
         if match:
             return tuple(int(g) for g in match.group(1).split(",") if g)
         if time.monotonic() > deadline:
-            raise cluster.Error(f"job {jobid} printed no CUDA_VISIBLE_DEVICES: {out!r}")
+            raise cluster.Error(f"job {jobid} printed no MAPA_GPUS: {out!r}")
         time.sleep(0.3)
 
 
@@ -90,7 +92,7 @@ def _run_job_sequence(cluster, policy: str, steps) -> tuple[dict[str, int], int]
         jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1")
         ids[name] = jobid
         cluster.wait_state(jobid, "RUNNING", timeout=60)
-        seen = _cvd(cluster, jobid)
+        seen = _gpus(cluster, jobid)
         expected, decision = _expected_choice(cluster, jobid, "dgx1", policy, graph, free, request, running)
         without_running, _ = select_with_affinity(policy, graph, free, request, cpus_of_slurms_gpus(graph, decision.slurm_gpus),
                                                   "prefer", max_loss=0.1)
@@ -145,8 +147,8 @@ def test_a_bad_directive_is_rejected_at_submit_time(cluster):
 
 def test_srun_with_a_comment_directive_gets_mapa_gpus(cluster):
     proc = cluster.exec("slurmctld", ["srun", "-w", "dgx1", "--gres=gpu:2", "--comment=mapa:topology=ring sensitive=yes",
-                                      "bash", "-c", "echo cvd=$CUDA_VISIBLE_DEVICES"], user="alice", timeout=90)
-    gpus = tuple(int(g) for g in re.search(r"cvd=([0-9,]+)", proc.stdout).group(1).split(","))
+                                      "bash", "-c", "echo gpus=$MAPA_GPUS"], user="alice", timeout=90)
+    gpus = tuple(int(g) for g in re.search(r"gpus=([0-9,]+)", proc.stdout).group(1).split(","))
     dgx = preset("dgx1-v100")
     assert dgx.link(*gpus).token == "NV2"  # a sensitive pair on an idle DGX-1 gets a double NVLink
 
@@ -154,7 +156,7 @@ def test_srun_with_a_comment_directive_gets_mapa_gpus(cluster):
 CONCURRENT_JOB = """#!/bin/bash
 #SBATCH --gres=gpu:{gpus}
 #MAPA topology=ring sensitive={sensitive}
-echo "start $(date +%s%N) $CUDA_VISIBLE_DEVICES"
+echo "start $(date +%s%N) $MAPA_GPUS"
 sleep 1
 echo "end $(date +%s%N)"
 """
@@ -185,11 +187,11 @@ def test_forty_jobs_at_once_never_share_a_gpu(cluster):
 def test_a_corrupt_ledger_is_rebuilt_without_double_assignment(cluster):
     first = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", "summit1")
     cluster.wait_state(first, "RUNNING")
-    first_gpus = _cvd(cluster, first)
+    first_gpus = _gpus(cluster, first)
     cluster.exec("summit1", ["sh", "-c", "printf '{ torn' > /var/lib/slurm-mapa/ledger.json"])
     second = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", "summit1")
     cluster.wait_state(second, "RUNNING")
-    second_gpus = _cvd(cluster, second)
+    second_gpus = _gpus(cluster, second)
     assert len(second_gpus) == 2 and not set(first_gpus) & set(second_gpus)
     log = cluster.exec("summit1", ["cat", "/var/log/slurm-mapa.log"]).stdout
     # Read first by the second job's Prolog or by mapa-agent's reconcile pass, whichever came first.
@@ -205,7 +207,7 @@ def test_a_node_without_topology_falls_back_to_slurms_gpus(cluster):
     try:
         jobid = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
         cluster.wait_state(jobid, "RUNNING")
-        seen = _cvd(cluster, jobid)
+        seen = _gpus(cluster, jobid)
         slurm = re.search(r"^slurm=([0-9,]+)$", cluster.output(jobid), re.M).group(1)
         assert seen == tuple(int(g) for g in slurm.split(","))
         decision = parse_decisions(_admin_comment(cluster, jobid))[node]
@@ -220,14 +222,14 @@ def test_a_node_without_topology_falls_back_to_slurms_gpus(cluster):
 MULTI_NODE_JOB = """#!/bin/bash
 #SBATCH --gres=gpu:2
 #MAPA topology=ring sensitive=yes
-srun --ntasks-per-node=1 bash -c 'echo "node=$(hostname) cvd=$CUDA_VISIBLE_DEVICES"'
+srun --ntasks-per-node=1 bash -c 'echo "node=$(hostname) gpus=$MAPA_GPUS"'
 """
 
 
 def test_a_multi_node_job_gets_a_mapa_choice_on_each_node(cluster):
     jobid = cluster.sbatch(MULTI_NODE_JOB, "-N", "2", "-w", "dgx1,summit1")
     cluster.wait_state(jobid, "COMPLETED", timeout=90)
-    seen = dict(re.findall(r"^node=(\S+) cvd=([0-9,]+)$", cluster.output(jobid), re.M))
+    seen = dict(re.findall(r"^node=(\S+) gpus=([0-9,]+)$", cluster.output(jobid), re.M))
     decisions = parse_decisions(cluster.wait_sacct(jobid, ("AdminComment",), AdminComment=lambda v: v.count(" # ") == 2)["AdminComment"])
     assert set(decisions) == {"dgx1", "summit1"}
     for node, decision in decisions.items():
@@ -258,11 +260,11 @@ def test_the_clusters_sacct_log_replays_and_preserve_matches_the_recorded_decisi
     for gpus, sensitive in [(2, True), (1, False), (3, True)]:
         ids.append(cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive="yes" if sensitive else "no"), "-w", "dgx1"))
         cluster.wait_state(ids[-1], "RUNNING")
-        _cvd(cluster, ids[-1])
+        _gpus(cluster, ids[-1])
     _release(cluster, ids[1])
     ids.append(cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", "dgx1"))
     cluster.wait_state(ids[-1], "RUNNING")
-    _cvd(cluster, ids[-1])
+    _gpus(cluster, ids[-1])
     for jobid in (ids[0], ids[2], ids[3]):
         _release(cluster, jobid)
     for jobid in ids:
@@ -342,13 +344,13 @@ def test_a_prolog_killed_midway_loses_no_gpu(cluster):
     finally:
         _restore_node_config(cluster, node)
     cluster.wait_state(first, "RUNNING")
-    first_gpus = _cvd(cluster, first)
+    first_gpus = _gpus(cluster, first)
     assert len(first_gpus) == 2 and _live_usage(cluster, node)[first][0] == frozenset(first_gpus)
     _assert_node_in_service(cluster, node)
     _ensure_agent(cluster, node)  # a socket file left by the killed agent does not mean it is back
     second = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes"), "-w", node)
     cluster.wait_state(second, "RUNNING")
-    second_gpus = _cvd(cluster, second)
+    second_gpus = _gpus(cluster, second)
     assert not set(first_gpus) & set(second_gpus)
     usage = _live_usage(cluster, node)
     assert not _shared(usage), usage
@@ -418,7 +420,7 @@ def _slurm_gpus(cluster, jobid: int) -> frozenset[int]:
 def _job_file(cluster, node: str, jobid: int) -> frozenset[int] | None:
     """The GPUs of the job's per-job file on ``node`` (what the TaskProlog binds), None without one."""
     text = cluster.exec(node, ["cat", f"{JOBS_DIR}/{jobid}"], check=False).stdout
-    match = re.fullmatch(r"MAPA_GPUS=([0-9]+(?:,[0-9]+)*)\n?", text)
+    match = re.match(r"MAPA_GPUS=([0-9]+(?:,[0-9]+)*)\n", text)  # then Slurm's GPUs and the pairing
     return frozenset(map(int, match.group(1).split(","))) if match else None
 
 
@@ -485,15 +487,15 @@ def test_non_utf8_batch_script_and_job_name_get_gpus_no_other_job_uses(cluster, 
     for gpus, sensitive in [(1, "no"), (4, "yes")]:
         jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive=sensitive), "-w", node)
         cluster.wait_state(jobid, "RUNNING")
-        mapa_jobs[jobid] = frozenset(_cvd(cluster, jobid))
+        mapa_jobs[jobid] = frozenset(_gpus(cluster, jobid))
     script_job = _sbatch_raw(cluster, LATIN1_JOB, "-w", node)
     cluster.wait_state(script_job, "RUNNING")
-    _cvd(cluster, script_job)
+    _gpus(cluster, script_job)
     # sbatch takes a job name with non-UTF-8 bytes as it is, and `scontrol --json show job` prints
     # those bytes raw inside its JSON (checked on Slurm 24.11.5).
     name_job = _sbatch_raw(cluster, NAMED_JOB, "-w", node, job_name=LATIN1_NAME)
     cluster.wait_state(name_job, "RUNNING")
-    _cvd(cluster, name_job)
+    _gpus(cluster, name_job)
     shown = subprocess.run(["docker", "exec", cluster.container("slurmctld"), "scontrol", "--json", "show", "job", str(name_job)],
                            capture_output=True, timeout=60).stdout
     assert b'"name": "' + LATIN1_NAME + b'"' in shown  # the premise: the bytes reach the Prolog's scontrol
@@ -506,7 +508,7 @@ def test_non_utf8_batch_script_and_job_name_get_gpus_no_other_job_uses(cluster, 
     assert set(usage) == {*mapa_jobs, *odd_jobs}, usage
     assert not _shared(usage), f"live jobs share GPUs {_shared(usage)}; usage {usage}"
     for jobid in (*mapa_jobs, *odd_jobs):
-        seen = frozenset(_cvd(cluster, jobid))
+        seen = frozenset(_gpus(cluster, jobid))
         assert usage[jobid] == (seen, "file"), (jobid, seen, usage[jobid])
         decision = parse_decisions(_admin_comment(cluster, jobid)).get(node)
         assert decision is not None and frozenset(decision.gpus) == seen, (jobid, _admin_comment(cluster, jobid))
@@ -589,7 +591,7 @@ def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(clu
     for gpus, sensitive in [(1, "no"), (4, "yes")]:  # Slurm: 0 and 4-7; MAPA: 0 and (1, 2, 5, 6)
         jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive=sensitive), "-w", node)
         cluster.wait_state(jobid, "RUNNING")
-        mapa_jobs[jobid] = frozenset(_cvd(cluster, jobid))
+        mapa_jobs[jobid] = frozenset(_gpus(cluster, jobid))
     pid_file = f"/tmp/ledger-lock-holder-{time.time_ns()}"
     subprocess.run(["docker", "exec", "-d", cluster.container(node), "python3", "-c", HOLD_LOCK, LEDGER_LOCK, pid_file],
                    check=True, timeout=60)
@@ -606,7 +608,7 @@ def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(clu
     cluster.wait_state(killed, "RUNNING")
     slurm = _slurm_gpus(cluster, killed)
     assert _job_file(cluster, node, killed) is None, f"job {killed} got a decision after all; killed:\n{kills}"
-    assert frozenset(_cvd(cluster, killed)) == slurm, kills
+    assert frozenset(_gpus(cluster, killed)) == slurm, kills
     partner = next((j for j, gpus in mapa_jobs.items() if gpus & slurm), None)
     assert partner is not None, (slurm, mapa_jobs)  # the premise: the killed job runs on a MAPA job's GPU
     shared = mapa_jobs[partner] & slurm
@@ -622,7 +624,7 @@ def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(clu
     # A job started while both run does not get the shared GPU.
     third = cluster.sbatch(HOLDING_JOB.format(gpus=1, sensitive="no"), "-w", node)
     cluster.wait_state(third, "RUNNING")
-    _cvd(cluster, third)
+    _gpus(cluster, third)
     usage = _live_usage(cluster, node)
     assert set(usage) == {*mapa_jobs, killed, third}, usage
     assert_only_the_killed_pair_shares(usage)
@@ -641,7 +643,7 @@ def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(clu
     slurm_free = 8 - sum(len(_slurm_gpus(cluster, j)) for j in _live_usage(cluster, node))
     last = cluster.sbatch(HOLDING_JOB.format(gpus=slurm_free, sensitive="no"), "-w", node)
     cluster.wait_state(last, "RUNNING")
-    _cvd(cluster, last)
+    _gpus(cluster, last)
     usage = _live_usage(cluster, node)
     assert partner not in usage and last in usage, usage
     assert not _shared(usage), f"live jobs share GPUs {_shared(usage)}; usage {usage}"
@@ -655,7 +657,7 @@ def test_slurmd_restarted_during_a_job(cluster):
     node = "torus1"
     first = cluster.sbatch(HOLDING_JOB.format(gpus=4, sensitive="yes"), "-w", node)
     cluster.wait_state(first, "RUNNING")
-    first_gpus = _cvd(cluster, first)
+    first_gpus = _gpus(cluster, first)
     old_pid = cluster.exec(node, ["pgrep", "-x", "slurmd"]).stdout.split()
     cluster.exec(node, ["pkill", "-x", "slurmd"])
     deadline = time.monotonic() + 60
@@ -671,7 +673,7 @@ def test_slurmd_restarted_during_a_job(cluster):
     assert cluster.state(first) == "RUNNING"
     second = cluster.sbatch(HOLDING_JOB.format(gpus=4, sensitive="yes"), "-w", node)
     cluster.wait_state(second, "RUNNING")
-    second_gpus = _cvd(cluster, second)
+    second_gpus = _gpus(cluster, second)
     assert len(second_gpus) == 4 and not set(first_gpus) & set(second_gpus)
     _release(cluster, first)
     _release(cluster, second)
@@ -681,18 +683,24 @@ def test_slurmd_restarted_during_a_job(cluster):
 STEP_JOB = """#!/bin/bash
 #SBATCH --gres=gpu:4
 #MAPA topology=ring sensitive=yes
-echo "job=$MAPA_GPUS"
-srun -n1 --gres=gpu:2 bash -c 'echo "step=$CUDA_VISIBLE_DEVICES"'
+echo "job=$MAPA_GPUS slurm=$MAPA_SLURM_JOB_GPUS"
+srun -n1 --gres=gpu:2 bash -c 'echo "step=$SLURM_STEP_GPUS slurm=$MAPA_SLURM_STEP_GPUS"'
 """
 
 
-def test_a_step_asking_for_fewer_gpus_gets_the_first_in_pattern_order(cluster):
+def test_a_step_asking_for_fewer_gpus_gets_those_paired_with_slurms(cluster):
+    """Slurm hands the step its lowest two; MAPA's paired with them are the best-linked pair of the
+    job's four (core/order.py): a double NVLink on a DGX-1 ring of four."""
+    from slurm_mapa.core.order import prefix_order
+
     jobid = cluster.sbatch(STEP_JOB, "-w", "dgx1")
     cluster.wait_state(jobid, "COMPLETED", timeout=90)
     out = cluster.output(jobid)
-    job = re.search(r"^job=([0-9,]+)$", out, re.M).group(1).split(",")
-    step = re.search(r"^step=([0-9,]+)$", out, re.M).group(1).split(",")
-    assert len(job) == 4 and step == job[:2], out
+    job, job_slurm = re.search(r"^job=([0-9,]+) slurm=([0-9,]+)$", out, re.M).groups()
+    step, step_slurm = re.search(r"^step=([0-9,]+) slurm=([0-9,]+)$", out, re.M).groups()
+    pairing = dict(zip(sorted(map(int, job_slurm.split(","))), prefix_order(preset("dgx1-v100"), tuple(map(int, job.split(","))))))
+    assert sorted(pairing[int(g)] for g in step_slurm.split(",")) == sorted(map(int, step.split(","))), out
+    assert preset("dgx1-v100").link(*map(int, step.split(","))).token == "NV2", out
 
 
 # -- the AMD node: MI250X GCDs, render nodes, ROCm's variables (issue 16) ---------------------
@@ -705,6 +713,7 @@ echo "rocr=$ROCR_VISIBLE_DEVICES"
 echo "hip=$HIP_VISIBLE_DEVICES"
 echo "cvd=$CUDA_VISIBLE_DEVICES"
 echo "ordinal=$GPU_DEVICE_ORDINAL"
+echo "gpus=$MAPA_GPUS"
 for _ in $(seq 1500); do [ -e /shared/jobs/release-$SLURM_JOB_ID ] && exit 0; sleep 0.2; done
 exit 3
 """
@@ -715,8 +724,8 @@ def _rocm_vars(cluster, jobid: int, timeout: float = 60) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while True:
         out = cluster.exec("slurmctld", ["cat", f"{cluster.job_dir}/{jobid}.out"], check=False).stdout
-        found = dict(re.findall(r"^(rocr|hip|cvd|ordinal)=([0-9,]*)$", out, re.M))
-        if len(found) == 4:
+        found = dict(re.findall(r"^(rocr|hip|cvd|ordinal|gpus)=([0-9,]*)$", out, re.M))
+        if len(found) == 5:
             return found
         if time.monotonic() > deadline:
             raise cluster.Error(f"job {jobid} printed no ROCm variables: {out!r}")
@@ -741,13 +750,16 @@ def test_the_amd_node_gives_sensitive_pairs_one_mi250x_package_and_rocr_variable
             seen = _rocm_vars(cluster, jobid)
             expected, decision = _expected_choice(cluster, jobid, AMD_NODE, "preserve", graph, free,
                                                   Request(make_pattern("ring", gpus), sensitive), running)
-            rocr = tuple(int(g) for g in seen["rocr"].split(","))
-            assert rocr == decision.gpus == expected.gpus, (free, running, seen, expected.gpus)
+            chosen = tuple(int(g) for g in seen["gpus"].split(","))
+            assert chosen == decision.gpus == expected.gpus, (free, running, seen, expected.gpus)
+            # Isolated (the node's default), ROCr numbers the GPUs the task may open, the job's,
+            # in bus order: ROCR_VISIBLE_DEVICES holds each chosen GCD's rank among them.
+            assert seen["rocr"] == ",".join(str(sorted(chosen).index(g)) for g in chosen)
             local = ",".join(str(i) for i in range(gpus))
             assert seen["hip"] == seen["cvd"] == seen["ordinal"] == local
             if sensitive and gpus == 2:
-                assert set(rocr) in IN_PACKAGE and graph.link(*rocr).token == "XGMI4"
-            held.append(rocr)
+                assert set(chosen) in IN_PACKAGE and graph.link(*chosen).token == "XGMI4"
+            held.append(chosen)
     finally:
         for jobid in ids:
             cluster.run("touch", f"{cluster.job_dir}/release-{jobid}")

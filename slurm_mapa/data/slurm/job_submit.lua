@@ -20,11 +20,12 @@ What it does (docs/directives.md describes the grammar for users):
   then reads the batch script). It is also stored in normalised form as job_desc.admin_comment =
   "mapa:<normalised>", which sacct keeps. Jobs without a directive are left untouched. Text already in
   admin_comment (an admin's, or another plugin's) is kept in front of MAPA's record, with the rule
-  of slurm_mapa/slurm/decision.py: MAPA's record starts at the first "mapa:" that begins the text
-  or follows whitespace and whose text up to the next '#' parses as a directive; an older MAPA
-  record found that way is replaced, with what follows it. When the result would pass
-  _MAX_ADMIN_COMMENT_CHARS, admin_comment is left as it was (the Prolog reads the directive from
-  the comment or the script then).
+  of slurm_mapa/slurm/decision.py (find_record): MAPA's record starts at the first "mapa:" that
+  begins the text or follows whitespace, starts within the first _MAX_RECORD_SCAN_CHARS bytes and
+  whose text up to the next '#' parses as a directive, however many other "mapa:" words come
+  before it; an older MAPA record found that way is replaced, with what follows it. When the
+  result would pass _MAX_ADMIN_COMMENT_CHARS, admin_comment is left as it was (the Prolog reads
+  the directive from the comment or the script then).
 * Slurm 24.11 ACCEPTS a job when the Lua function raises a runtime error, so everything runs under
   pcall: an internal error rejects the job with a message that says so (ESLURM_INTERNAL, or
   slurm.ERROR).
@@ -54,7 +55,10 @@ local _MAX_TOKENS = 64 -- key=value tokens in one directive (all lines together)
 local _MAX_LIST_ITEMS = 2048 -- items in edges= or weights=
 local _MAX_WEIGHT_DIGITS = 6 -- digits before and after the decimal point of a weight
 local _MAX_ADMIN_COMMENT_CHARS = 16384 -- as decision.py's MAX_ADMIN_COMMENT_CHARS
-local _MAX_RECORD_CANDIDATES = 32 -- as decision.py's MAX_RECORD_CANDIDATES
+-- As decision.py's MAX_RECORD_SCAN_CHARS: only a "mapa:" starting in the first 64 Ki bytes can be
+-- MAPA's record (here bytes; admin_comment is only read when it holds at most
+-- _MAX_ADMIN_COMMENT_CHARS bytes, so the bound never cuts what the plugin reads).
+local _MAX_RECORD_SCAN_CHARS = 65536
 -- Node choice (docs/admin.md, "Choosing the node"): the GPU counts mapa-agent publishes node
 -- features for, as mapa.toml's [features] sizes, e.g. { 2, 4, 8 }. Empty: no preference is added.
 -- `mapa job-submit-lua PATH` writes this file with both lines set from mapa.toml.
@@ -572,25 +576,57 @@ local function _comment_with_directive(comment, directive)
     return text
 end
 
--- The admin's text in an existing admin_comment: what precedes MAPA's record (decision.py's
--- find_record), or all of it, without outer whitespace.
-local function _admin_text(existing)
-    local lowered, position, tried, cut = _lower(existing), 1, 0, #existing + 1
-    while tried < _MAX_RECORD_CANDIDATES do
-        local found = string.find(lowered, "mapa:", position, true)
+-- Whether existing[start, stop) ("mapa:" up to the next '#', or the end) parses as a directive
+-- (decision.py's _is_record). A text too long, or with a byte no directive has, is refused
+-- before it is copied or parsed.
+local function _is_record(existing, start, stop)
+    if stop - start > _MAX_LINE_CHARS then
+        return false
+    end
+    local text = string.sub(existing, start, stop - 1)
+    if string.find(text, "[^\t -~]") then
+        return false
+    end
+    return (pcall(_parse_comment, text))
+end
+
+-- Where MAPA's record starts in an admin_comment, or nil (decision.py's find_record): the first
+-- "mapa:" (any case) that begins the text or follows whitespace, starts within the first
+-- _MAX_RECORD_SCAN_CHARS bytes and whose text up to the next '#' parses, however many other
+-- "mapa:" words come before it. Linear in the text: of the candidates before one '#' only the last
+-- is parsed. An earlier one's text up to that '#' holds the later "mapa:" word after a blank, and
+-- no directive has a token starting with "mapa:" (its key would hold a ':'), so it could not
+-- parse; the texts parsed are disjoint, and each at most _MAX_LINE_CHARS long.
+local function _record_start(existing)
+    local limit = _MAX_RECORD_SCAN_CHARS + #_COMMENT_PREFIX - 1 -- a "mapa:" starting there still fits
+    local lowered = _lower(string.sub(existing, 1, limit))
+    local position, segment_end, pending = 1, 0, nil -- segment_end: the current segment's '#', or #existing + 1
+    while true do
+        local found = string.find(lowered, _COMMENT_PREFIX, position, true)
         if not found then
             break
         end
         if found == 1 or string.find(string.sub(existing, found - 1, found - 1), "^[ \t\r\n\f\v]$") then
-            tried = tried + 1
-            local hash = string.find(existing, "#", found, true)
-            if pcall(_parse_comment, string.sub(existing, found, (hash or #existing + 1) - 1)) then
-                cut = found
-                break
+            if found > segment_end then -- a new segment: the pending candidate is the last of its own
+                if pending and _is_record(existing, pending, segment_end) then
+                    return pending
+                end
+                segment_end = string.find(existing, "#", found, true) or #existing + 1
             end
+            pending = found
         end
-        position = found + 1
+        position = found + #_COMMENT_PREFIX
     end
+    if pending and _is_record(existing, pending, segment_end) then
+        return pending
+    end
+    return nil
+end
+
+-- The admin's text in an existing admin_comment: what precedes MAPA's record (_record_start), or
+-- all of it, without outer whitespace.
+local function _admin_text(existing)
+    local cut = _record_start(existing) or #existing + 1
     local first, last = string.find(existing, "[^ \t\r\n\f\v]"), cut - 1
     while last > 0 and string.find(string.sub(existing, last, last), "^[ \t\r\n\f\v]$") do
         last = last - 1

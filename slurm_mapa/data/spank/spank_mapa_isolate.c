@@ -6,13 +6,18 @@
  * before the TaskProlog and before the user's program. This hook asks the node's mapa-agent, on
  * its root-only socket, to isolate the asking process: the agent takes the pid from the socket
  * (SO_PEERCRED), checks that it is a task process of a Slurm step and reads the job from the
- * kernel's cgroup path, as for the TaskProlog's request. Nothing the user controls is sent, and
- * the user cannot skip this hook, so the job's GPUs are enforced whatever the job's environment.
- * The TaskProlog still asks too (as the user): that narrows a smaller step to its GPUs and
- * exports the ranks CUDA needs; the agent applies each cgroup once. The state the agent answers
- * (cgroup-v1, cgroup-v2, off, failed-open) goes into the task's MAPA_SPANK_ISOLATION, which the
- * TaskProlog reads (when its own request gets no answer) and unsets, so that a job submitted from
- * the task does not inherit it.
+ * kernel's cgroup path, as for the TaskProlog's request. The request carries the step's
+ * SLURM_STEP_GPUS as Slurm set it for the step (src/slurmd/slurmstepd/slurmstepd.c,
+ * gres_g_step_set_env), read here before Slurm narrows it to each task's own GPUs (task.c,
+ * gres_g_task_set_env, after this hook), and MAPA_STEP_ENV=1 saying so (without SLURM_STEP_GPUS:
+ * a step of no GPUs). The agent isolates the step to MAPA's GPUs for those, and remembers them
+ * for the TaskPrologs of the step's tasks. The user cannot skip this hook, so the step's GPUs are
+ * enforced whatever the job's environment; a user's own SLURM_STEP_GPUS can at most name GPUs of
+ * the same job. The TaskProlog still asks too (as the user) and exports what each task uses; the
+ * agent applies each cgroup once. The state the agent answers (cgroup-v1, cgroup-v2, off,
+ * failed-open) goes into the task's MAPA_SPANK_ISOLATION, and the GPUs the task may open into
+ * MAPA_SPANK_GPUS, which the TaskProlog reads (when its own request gets no answer) and unsets,
+ * so that a job submitted from the task does not inherit them.
  *
  * plugstack.conf:
  *     optional /usr/local/lib/slurm-mapa/spank_mapa_isolate.so [fail-open|fail-closed] [socket=PATH] [timeout_ms=N]
@@ -57,7 +62,7 @@
 SPANK_PLUGIN(mapa_isolate, 1);
 
 #define DEFAULT_SOCKET "/run/slurm-mapa-agent/agent.sock"
-#define REQUEST "MAPA1 isolate 0\n" /* the agent's protocol (agent_client.py); no payload */
+#define MAX_REQUEST 1200 /* "MAPA1 isolate N\n" + MAPA_STEP_ENV=1 + SLURM_STEP_GPUS of up to 1024 bytes */
 #define BUSY_ANSWER "error busy"
 #define ANSWER_TIMEOUT_MS 10000     /* isolation takes milliseconds; the task waits this long at most */
 #define MIN_TIMEOUT_MS 100
@@ -159,13 +164,38 @@ static enum asked give_up(int fd, enum asked asked)
 	return asked;
 }
 
+/* The request (agent_client.py's protocol): the kind, then NUL-separated KEY=VALUE pairs, the
+ * step's SLURM_STEP_GPUS when Slurm set it and it is a plain list of indices. Its length. */
+static size_t build_request(spank_t sp, char *request, size_t size)
+{
+	char gpus[1025] = "";
+	char payload[1100];
+	int length;
+
+	if (spank_getenv(sp, "SLURM_STEP_GPUS", gpus, sizeof(gpus)) != ESPANK_SUCCESS ||
+	    strspn(gpus, "0123456789,-") != strlen(gpus))
+		gpus[0] = '\0';
+	if (gpus[0])
+		length = snprintf(payload, sizeof(payload), "MAPA_STEP_ENV=1%cSLURM_STEP_GPUS=%s", '\0', gpus);
+	else
+		length = snprintf(payload, sizeof(payload), "MAPA_STEP_ENV=1");
+	if (length < 0 || (size_t)length >= sizeof(payload))
+		length = 0;
+	int head = snprintf(request, size, "MAPA1 isolate %d\n", length);
+	if (head < 0 || (size_t)(head + length) >= size)
+		return 0;
+	memcpy(request + head, payload, (size_t)length);
+	return (size_t)(head + length);
+}
+
 /* One request, all of it before deadline; the answer line (without its newline) in answer, or
  * why there is none. */
-static enum asked ask(const struct settings *settings, long long deadline, char *answer, size_t size)
+static enum asked ask(const struct settings *settings, const char *request, size_t length, long long deadline,
+		      char *answer, size_t size)
 {
 	struct sockaddr_un address = { .sun_family = AF_UNIX };
 	const char *path = settings->socket_path;
-	size_t sent = 0, used = 0, length = strlen(REQUEST);
+	size_t sent = 0, used = 0;
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	int ready;
 	char *newline;
@@ -202,7 +232,7 @@ static enum asked ask(const struct settings *settings, long long deadline, char 
 		ready = wait_for(fd, POLLOUT, deadline);
 		if (ready <= 0)
 			goto waited;
-		put = send(fd, REQUEST + sent, length - sent, MSG_NOSIGNAL); /* no SIGPIPE in the task */
+		put = send(fd, request + sent, length - sent, MSG_NOSIGNAL); /* no SIGPIPE in the task */
 		if (put < 0 && (errno == EINTR || errno == EAGAIN))
 			continue;
 		if (put < 0) {
@@ -252,6 +282,8 @@ int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
 {
 	struct settings settings;
 	char answer[1024];
+	char request[MAX_REQUEST];
+	size_t length;
 	enum asked asked;
 	long long deadline;
 	long backoff = FIRST_BACKOFF_MS;
@@ -260,16 +292,39 @@ int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
 		return 0;
 	if (parse_args(ac, av, &settings) < 0)
 		return -1;
+	length = build_request(sp, request, sizeof(request));
+	if (length == 0) {
+		slurm_error("mapa_isolate: could not build the request");
+		return settings.fail_closed ? -1 : 0;
+	}
 	deadline = now_ms() + settings.timeout_ms;
 	/* Busy: ask again while the deadline allows. */
-	while ((asked = ask(&settings, deadline, answer, sizeof(answer))) == BUSY && pause_before(backoff, deadline))
+	while ((asked = ask(&settings, request, length, deadline, answer, sizeof(answer))) == BUSY &&
+	       pause_before(backoff, deadline))
 		backoff = backoff * 2 > MAX_BACKOFF_MS ? MAX_BACKOFF_MS : backoff * 2;
 	if (asked == ANSWERED && strncmp(answer, "done ", 5) == 0) {
-		/* isolated, off, or failed open: the agent logged which; the task's environment says it */
+		/* isolated, off, or failed open: the agent logged which; the task's environment says it,
+		 * and (isolated) which GPUs the task may open: "done <state> gpus=<list|none> ..." */
 		char *state = answer + 5;
-		state[strcspn(state, " ")] = '\0';
+		char *rest = state + strcspn(state, " ");
+		char *gpus = NULL;
+
+		if (*rest == ' ') {
+			*rest++ = '\0';
+			if (strncmp(rest, "gpus=", 5) == 0) {
+				gpus = rest + 5;
+				gpus[strcspn(gpus, " ")] = '\0';
+				if (strcmp(gpus, "none") == 0)
+					gpus[0] = '\0';
+				else if (strspn(gpus, "0123456789,") != strlen(gpus))
+					gpus = NULL;
+			}
+		}
 		if (spank_setenv(sp, "MAPA_SPANK_ISOLATION", state, 1) != ESPANK_SUCCESS)
 			slurm_error("mapa_isolate: could not set MAPA_SPANK_ISOLATION=%s", state);
+		if (gpus != NULL && strncmp(state, "cgroup-", 7) == 0 &&
+		    spank_setenv(sp, "MAPA_SPANK_GPUS", gpus, 1) != ESPANK_SUCCESS)
+			slurm_error("mapa_isolate: could not set MAPA_SPANK_GPUS=%s", gpus);
 		return 0;
 	}
 	if (asked == ANSWERED) {
