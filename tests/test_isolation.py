@@ -1102,3 +1102,44 @@ def test_taskprolog_of_a_job_without_a_job_file_ranks_slurms_gpus_when_isolated(
     assert done.stdout.splitlines()[-2:] == ["export CUDA_VISIBLE_DEVICES=1", "export GPU_DEVICE_ORDINAL=1"]
     off = run_taskprolog(tmp_path, "fail-open", "done off", job_file=None, SLURM_STEP_GPUS="5", SLURM_STEP_ID="0")
     assert off.stdout.splitlines() == ["export MAPA_ISOLATION=off"]
+
+
+# --- Slurm 26.05: cgroup v2 job directories named by the SLUID ----------------------------------------
+# As Slurm 26.05 lays them out (src/plugins/cgroup/v2/cgroup_v2.c; the SLUID is "s" and 13 Crockford
+# base32 characters, src/common/sluid.c): no job_J in the path.
+V2_SLUID = "0::/system.slice/slurmstepd.scope/sEKNKTV3WPV500/step_0/user/task_2\n"
+
+
+def test_a_sluid_job_directory_is_a_slurm_task_path_whose_job_a_mark_names(node):
+    from slurm_mapa.slurm.jobfiles import Mark, job_of_sluid, mark_text, parse_mark, write_mark
+
+    cgroup = parse_proc_cgroup(V2_SLUID)
+    assert (cgroup.version, cgroup.job_id, cgroup.sluid, cgroup.step, cgroup.task) == (2, "", "sEKNKTV3WPV500", "0", "2")
+    assert parse_proc_cgroup(V2_SLUID.replace("sEKNKTV3WPV500", "sEKNKTV3WPV5I0")) is None  # I is no Crockford digit
+    assert parse_mark(mark_text(Mark(5, 6, (1, 2), "sEKNKTV3WPV500")).encode()) == Mark(5, 6, (1, 2), "sEKNKTV3WPV500")
+    assert parse_mark(b"pid=5 start=6 slurm=1,2\n") == Mark(5, 6, (1, 2), "")  # 24.11: no SLUID
+    agent, proc, cgroupfs, attached, _, tmp_path = node
+    write_mark(tmp_path / "jobs", "12", Mark(0, 0, (4, 5), "sEKNKTV3WPV500"))
+    assert job_of_sluid(tmp_path / "jobs", "sEKNKTV3WPV500") == "12" and job_of_sluid(tmp_path / "jobs", "s00000000000000") is None
+    proc.add(5000, "slurmstepd", 4000, USER, V2_SLUID, exe=STEPD)
+    (cgroupfs / "unified" / V2_SLUID[4:-1]).mkdir(parents=True)
+    answer = agent.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": "0,1"})
+    assert answer.startswith("done cgroup-v2 gpus=4,5 job 12 step 0"), answer
+    assert attached[0][0] == cgroupfs / "unified" / "system.slice" / "slurmstepd.scope" / "sEKNKTV3WPV500"
+    # A SLUID no mark names: no job to isolate to, and none noted.
+    proc.add(5000, "slurmstepd", 4000, USER, V2_SLUID.replace("sEKNKTV3WPV500", "s1111111111111"), exe=STEPD)
+    (cgroupfs / "unified" / "system.slice" / "slurmstepd.scope" / "s1111111111111" / "step_0" / "user" / "task_2").mkdir(parents=True)
+    assert "no Prolog mark here names SLUID s1111111111111" in agent.isolate(os.getpid(), USER, {})
+
+
+def test_the_prolog_and_its_wrapper_keep_the_jobs_sluid_in_the_mark(tmp_path):
+    from slurm_mapa.slurm.config import HookConfig
+    from slurm_mapa.slurm.hooks import run_prolog
+    from slurm_mapa.slurm.jobfiles import mark_path, parse_mark
+
+    config = HookConfig(ledger=tmp_path / "l.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),))
+    env = {"SLURM_JOB_ID": "31", "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": "", "SLURM_JOB_SLUID": "sEKNKTV3WPV500"}
+    run_prolog(env, config, lambda argv: "", [].append)  # a CPU-only job: its mark is all it leaves
+    assert parse_mark(mark_path(config.jobs_dir, "31").read_bytes()).sluid == "sEKNKTV3WPV500"
+    run_prolog(env | {"SLURM_JOB_ID": "32", "SLURM_JOB_SLUID": "s;rm -rf /"}, config, lambda argv: "", [].append)
+    assert parse_mark(mark_path(config.jobs_dir, "32").read_bytes()).sluid == ""

@@ -116,7 +116,8 @@ def test_many_unknown_jobs_and_a_slow_slurm_stay_within_the_reconcile_budget(tmp
     # 40 jobs run here that no Prolog marked (they started before MAPA was enabled); Slurm answers in 2 s.
     ids = " ".join(str(100 + i) for i in range(40))
     squeue = fake_command(tmp_path, "squeue", f"for j in {ids} 7; do echo $j; done\n")
-    scontrol = fake_command(tmp_path, "scontrol", "sleep 2\necho '{\"jobs\": [{\"job_id\": 1, \"gres_detail\": [], \"job_state\": [\"RUNNING\"]}]}'\n")
+    # `scontrol --json show job ID`: the record of job ID ($4), as Slurm prints it.
+    scontrol = fake_command(tmp_path, "scontrol", "sleep 2\necho '{\"jobs\": [{\"job_id\": '\"$4\"', \"gres_detail\": [], \"job_state\": [\"RUNNING\"]}]}'\n")
     config = make_config(tmp_path, scontrol=scontrol, squeue=squeue, command_timeout=5, prolog_budget=8, job_submit_lua=True)
     logs: list[str] = []
     started = time.monotonic()
@@ -704,3 +705,16 @@ def test_searches_left_behind_cannot_pile_up():
     with pytest.raises(ZeroDivisionError):
         search_within(0.5, lambda: 1 / 0, slots)  # an error in the search reaches the Prolog, and frees the slot
     assert search_within(0.5, lambda: 7, slots) == 7 and search_within(0.5, lambda: 8, slots) == 8
+
+
+def test_the_prolog_wrappers_shell_mark_keeps_a_sluid_and_only_a_sluid(tmp_path):
+    """Slurm 25.11+ hands the Prolog SLURM_JOB_SLUID; 26.05 names the job's cgroup v2 directory by
+    it. The first mark keeps it (mapa-agent finds the job of a task by it); anything else is left out."""
+    from slurm_mapa.slurm.install import _MARK_JOB
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir(mode=0o755)
+    for job, sluid, kept in (("51", "sEKNKTV3WPV500", "sEKNKTV3WPV500"), ("52", "sEKNKTV3WPV5I0", ""), ("53", "s$(id)", "")):
+        subprocess.run(["sh", "-c", f"JOBS_DIR={jobs}\n{_MARK_JOB}"], env={"SLURM_JOB_ID": job, "SLURM_JOB_GPUS": "1",
+                                                                         "SLURM_JOB_SLUID": sluid}, check=True)
+        assert jobfiles.parse_mark((jobs / f".prolog-{job}").read_bytes()).sluid == kept

@@ -46,6 +46,7 @@ from .commands import Runner, is_job_id
 from .config import HookConfig, hook_logger, load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
+from . import jobfiles
 from .isolation import Isolator, IsolationError, effective_mode, job_devices_for
 
 # One deadline for reading the whole request: a client that trickles a byte every few seconds
@@ -226,7 +227,8 @@ class Agent:
             return "done off"
         job_id = None
         try:
-            outcome = self.isolator.isolate(pid, uid, env, job_devices_for(config, self.node), config.isolation_scope)
+            outcome = self.isolator.isolate(pid, uid, env, job_devices_for(config, self.node), config.isolation_scope,
+                                            lambda sluid: jobfiles.job_of_sluid(config.jobs_dir, sluid))
         except IsolationError as error:
             reason, job_id = str(error), error.job_id
             if error.unknown_job and self.background is not None:
@@ -295,7 +297,7 @@ class Agent:
                 cgroup = parse_proc_cgroup(handle.read(65536).decode("utf-8", "replace"))
         except OSError:
             return None
-        return cgroup.job_id if cgroup is not None else None
+        return (cgroup.job_id or cgroup.sluid) if cgroup is not None else None
 
     @staticmethod
     def _isolation_failed(mode: str, log: Callable[[str], None], reason: str, pid: int, uid: int) -> str:

@@ -37,7 +37,7 @@ import _socket
 DEFAULT_SOCKET = "/run/slurm-mapa-agent/agent.sock"
 KINDS = ("prolog", "epilog")
 # Only what the hooks read from slurmd's environment travels; everything else stays out.
-KEYS = ("SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_JOB_GPUS", "SLURM_JOB_COMMENT", "SLURM_JOB_NUM_NODES")
+KEYS = ("SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_JOB_GPUS", "SLURM_JOB_COMMENT", "SLURM_JOB_NUM_NODES", "SLURM_JOB_SLUID")
 MAX_VALUE_BYTES = 8192
 MAX_REQUEST_BYTES = len(KEYS) * (MAX_VALUE_BYTES + 64)
 MAX_HEADER_BYTES = 64

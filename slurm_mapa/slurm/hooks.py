@@ -156,6 +156,7 @@ class PrologContext:
     env_comment: str
     nodes_in_job: int = 1
     job_cpus: frozenset[int] | None = None  # from the job's cpuset cgroup when the Prolog runs in it (jobcpus.py)
+    sluid: str = ""  # SLURM_JOB_SLUID (Slurm 25.11+): names the job's cgroup v2 directory from 26.05
 
 
 def context_from_env(env: Mapping[str, str]) -> PrologContext:
@@ -172,6 +173,7 @@ def context_from_env(env: Mapping[str, str]) -> PrologContext:
         slurm_gpus=gpus,
         env_comment=env.get("SLURM_JOB_COMMENT", "")[:8192],
         nodes_in_job=int(nodes) if nodes.isdigit() and len(nodes) < 7 else 2,
+        sluid=env.get("SLURM_JOB_SLUID", "") if jobfiles.is_sluid(env.get("SLURM_JOB_SLUID", "")) else "",
     )
 
 
@@ -471,7 +473,7 @@ def run_prolog(
     budget = budget or Budget(config.prolog_budget)
     ctx = context_from_env(env)
     paths.ensure_trusted_dir(config.jobs_dir)
-    mark = jobfiles.mark_for(requester_pid or os.getpid(), ctx.slurm_gpus)
+    mark = jobfiles.mark_for(requester_pid or os.getpid(), ctx.slurm_gpus, ctx.sluid)
     jobfiles.write_mark(config.jobs_dir, ctx.job_id, mark)
     jobfiles.clear_ended(config.jobs_dir, ctx.job_id)  # a requeued job runs again under its id
     if not ctx.slurm_gpus:

@@ -46,7 +46,9 @@ _MARK_JOB = r"""mark_job() {
     read -r _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ start _ < /proc/$$/stat || return 0
     /bin/rm -f "$JOBS_DIR/.ended-$SLURM_JOB_ID"
     tmp="$JOBS_DIR/.prolog-$SLURM_JOB_ID.$$.tmp"
-    if (set -C; umask 077; printf 'pid=%s start=%s slurm=%s\n' "$$" "$start" "$SLURM_JOB_GPUS" > "$tmp") 2>/dev/null; then
+    sluid=
+    case "$SLURM_JOB_SLUID" in s[0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z]) sluid=" sluid=$SLURM_JOB_SLUID" ;; esac
+    if (set -C; umask 077; printf 'pid=%s start=%s slurm=%s%s\n' "$$" "$start" "$SLURM_JOB_GPUS" "$sluid" > "$tmp") 2>/dev/null; then
         /bin/mv -f "$tmp" "$JOBS_DIR/.prolog-$SLURM_JOB_ID" 2>/dev/null || /bin/rm -f "$tmp"
     fi
     return 0

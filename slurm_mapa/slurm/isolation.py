@@ -38,6 +38,7 @@ import re
 import stat
 import struct
 import threading
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -66,8 +67,10 @@ _V1_PATH = re.compile(r"(?P<base>(?:.*/)?slurm(?:_[^/]+)?/uid_[0-9]+/job_(?P<job
                       + r")(?:/task_(?P<task>[0-9]+))?")
 # v2, also <scope>/job_J/step_S/slurm: slurmstepd's own cgroup, where a forked task still is when
 # the SPANK plugin asks (before the parent places it, mgr.c:2414-2439).
-_V2_PATH = re.compile(r"(?P<job_dir>(?:.*/)?(?:[^/]+_)?slurmstepd\.scope/job_(?P<job>[0-9]+))/step_" + _STEP
-                      + r"/(?:user/task_(?P<task>[0-9]+|special)|slurm)")
+# From Slurm 26.05 the v2 job directory is the job's SLUID (cgroup_v2.c; cgroup.conf
+# CgroupJobIdPaths=yes, 26.05.2+, brings job_J back): the job is then found by its mark.
+_V2_PATH = re.compile(r"(?P<job_dir>(?:.*/)?(?:[^/]+_)?slurmstepd\.scope/(?:job_(?P<job>[0-9]+)|(?P<sluid>s[0-9A-HJKMNP-TV-Z]{13})))"
+                      r"/step_" + _STEP + r"/(?:user/task_(?P<task>[0-9]+|special)|slurm)")
 
 
 class IsolationError(MapaError):
@@ -88,6 +91,7 @@ class SlurmCgroup:
     step: str  # "0", "batch", "0+1", ...
     task: str | None  # "3", "special" (v2), None (v1 with only step-level cgroups, e.g. freezer)
     path: str  # v2: the task's cgroup, relative to the cgroup2 mount; v1: the step's
+    sluid: str = ""  # v2 on Slurm 26.05: the job directory's SLUID (job_id is "" until a mark names it)
 
 
 def parse_proc_cgroup(text: str) -> SlurmCgroup | None:
@@ -107,7 +111,7 @@ def parse_proc_cgroup(text: str) -> SlurmCgroup | None:
         if hierarchy == "0" and controllers == "":
             match = _V2_PATH.fullmatch(path)
             if match:
-                v2 = SlurmCgroup(2, match["job"], match["step"], match["task"], path)
+                v2 = SlurmCgroup(2, match["job"] or "", match["step"], match["task"], path, match["sluid"] or "")
             continue
         match = _V1_PATH.fullmatch(path)
         if match:
@@ -653,7 +657,8 @@ class Isolator:
         self.steps: dict[tuple[str, str], tuple[int, ...]] = {}
 
     def isolate(self, peer_pid: int, peer_uid: int, request: Mapping[str, str],
-                job_devices: Callable[[str], JobDevices], scope: str = "step") -> Outcome:
+                job_devices: Callable[[str], JobDevices], scope: str = "step",
+                job_of_sluid: Callable[[str], str | None] = lambda sluid: None) -> Outcome:
         """Isolate the task of the TaskProlog (or SPANK plugin, uid 0) ``peer_pid``; IsolationError
         says why it could not. ``job_devices``: the job's GPUs and their device numbers, for a job
         id. ``scope``: "step" (every task of a step opens all of the step's GPUs, as CUDA/ROCm IPC
@@ -665,6 +670,12 @@ class Isolator:
             raise IsolationError(f"cannot read {self.mountinfo}: {error}") from None
         if cgroup.version == 2 and mounts[1] is not None:
             check_v2_job_cgroup_owner(Path(mounts[1]), cgroup)
+        if cgroup.sluid:  # Slurm 26.05: the kernel names the job by its SLUID; the Prolog's mark maps it
+            job_id = job_of_sluid(cgroup.sluid)
+            if job_id is None:
+                raise IsolationError(f"no Prolog mark here names SLUID {cgroup.sluid}, the job of task {task.pid} "
+                                     "(its Prolog did not run on this node, or Slurm gave it no SLURM_JOB_SLUID)")
+            cgroup = dataclasses.replace(cgroup, job_id=job_id)
         try:
             return self._isolate_task(task, cgroup, request, job_devices, mounts, scope, from_root=peer_uid == 0)
         except IsolationError as error:

@@ -48,7 +48,11 @@ from .commands import is_job_id, parse_gpu_indices
 JOB_FILE_MAX_BYTES = 4096
 MARK_MAX_BYTES = 8192
 MAX_ENTRIES = 20000  # a node never runs this many jobs; past it the scan stops reading
-_MARK = re.compile(r"pid=([0-9]{1,10}) start=([0-9]{1,20}) slurm=([0-9,]*)")
+# Slurm 25.11+ gives every job a SLUID ("s" and 13 Crockford base32 characters, src/common/sluid.c),
+# and from 26.05 names the job's cgroup v2 directory by it: the mark keeps it, from the Prolog's
+# SLURM_JOB_SLUID, so the agent can tell a task's job from its cgroup path.
+SLUID = r"s[0-9A-HJKMNP-TV-Z]{13}"
+_MARK = re.compile(r"pid=([0-9]{1,10}) start=([0-9]{1,20}) slurm=([0-9,]*)(?: sluid=(" + SLUID + r"))?")
 MARK_PREFIX = ".prolog-"
 CLAIM_PREFIX = ".claim-"
 ENDED_PREFIX = ".ended-"
@@ -59,6 +63,7 @@ class Mark:
     pid: int  # 0: written for the job by another process (adoption); never live
     start: int  # the process's start time in clock ticks since boot (/proc/PID/stat field 22)
     slurm_gpus: tuple[int, ...]
+    sluid: str = ""  # the job's SLUID (Slurm 25.11+), "" when Slurm gave none
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,12 @@ def parse_job_file(data: bytes) -> tuple[int, ...]:
 
 
 def mark_text(mark: Mark) -> str:
-    return f"pid={mark.pid} start={mark.start} slurm={','.join(map(str, mark.slurm_gpus))}\n"
+    sluid = f" sluid={mark.sluid}" if mark.sluid else ""
+    return f"pid={mark.pid} start={mark.start} slurm={','.join(map(str, mark.slurm_gpus))}{sluid}\n"
+
+
+def is_sluid(text: object) -> bool:
+    return isinstance(text, str) and re.fullmatch(SLUID, text) is not None
 
 
 def parse_mark(data: bytes) -> Mark:
@@ -136,7 +146,7 @@ def parse_mark(data: bytes) -> Mark:
     match = _MARK.fullmatch(text[:-1]) if len(data) <= MARK_MAX_BYTES and text.endswith("\n") else None
     if match is None:
         raise ValueError(f"not a Prolog mark: {data[:60]!r}")
-    return Mark(int(match.group(1)), int(match.group(2)), parse_gpu_indices(match.group(3)))
+    return Mark(int(match.group(1)), int(match.group(2)), parse_gpu_indices(match.group(3)), match.group(4) or "")
 
 
 def process_start_time(pid: int) -> int | None:
@@ -171,8 +181,27 @@ def device_count(dev: Path = Path("/dev")) -> int:
         return 0
 
 
-def mark_for(pid: int, slurm_gpus: tuple[int, ...]) -> Mark:
-    return Mark(pid, process_start_time(pid) or 0, slurm_gpus)
+def mark_for(pid: int, slurm_gpus: tuple[int, ...], sluid: str = "") -> Mark:
+    return Mark(pid, process_start_time(pid) or 0, slurm_gpus, sluid if is_sluid(sluid) else "")
+
+
+def job_of_sluid(jobs_dir: Path, sluid: str) -> str | None:
+    """The job whose mark names SLUID ``sluid`` (a task's cgroup v2 directory on Slurm 26.05), None
+    when no mark here does. Reads the marks only (root's, 600): a task cannot name another job."""
+    if not is_sluid(sluid):
+        return None
+    try:
+        names = [name for name in os.listdir(jobs_dir) if name.startswith(MARK_PREFIX) and is_job_id(name[len(MARK_PREFIX):])]
+    except OSError:
+        return None
+    for name in names[:MAX_ENTRIES]:
+        try:
+            mark = parse_mark(paths.read_bytes(Path(jobs_dir) / name, MARK_MAX_BYTES))
+        except (OSError, ValueError):
+            continue
+        if mark.sluid == sluid:
+            return name[len(MARK_PREFIX):]
+    return None
 
 
 def mark_is_live(mark: Mark) -> bool:
