@@ -376,7 +376,7 @@ def _assert_ledger_empties(cluster, node: str, timeout: float = 20) -> None:
 JOBS_DIR = "/run/slurm-mapa/jobs"
 LIVE_STATES = "RUNNING,CONFIGURING,COMPLETING,SUSPENDED"
 # HOLDING_JOB's body, after its directive lines.
-HOLDING_BODY = HOLDING_JOB.split("#MAPA topology=ring sensitive={sensitive}\n", 1)[1]
+HOLDING_BODY = HOLDING_JOB.split("#MAPA topology=ring sensitive={sensitive}\n", 1)[1].replace("{{", "{").replace("}}", "}")
 # No #MAPA line, and a comment saved as Latin-1 (0xE9, 0xF4): not UTF-8.
 LATIN1_JOB = b"#!/bin/bash\n#SBATCH --gres=gpu:1\n# Auteur: J\xe9r\xf4me\n" + HOLDING_BODY.encode()
 LATIN1_NAME = b"J\xe9r\xf4me"
