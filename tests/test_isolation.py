@@ -1143,3 +1143,15 @@ def test_the_prolog_and_its_wrapper_keep_the_jobs_sluid_in_the_mark(tmp_path):
     assert parse_mark(mark_path(config.jobs_dir, "31").read_bytes()).sluid == "sEKNKTV3WPV500"
     run_prolog(env | {"SLURM_JOB_ID": "32", "SLURM_JOB_SLUID": "s;rm -rf /"}, config, lambda argv: "", [].append)
     assert parse_mark(mark_path(config.jobs_dir, "32").read_bytes()).sluid == ""
+
+
+def test_taskprolog_gives_a_task_whose_list_names_no_gpu_of_its_step_the_steps(tmp_path):
+    """--gres-flags=allow-task-sharing: Slurm numbers each task's list from 0 within the step, so
+    "0" of a step Slurm gave 2 and 3 names no GPU of the step; the task gets its step's GPUs."""
+    job = "MAPA_GPUS=6,2,3,1\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=2,3,6,1\n"
+    shared = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1",
+                            MAPA_SPANK_GPUS="1,6", SLURM_STEP_GPUS="0", SLURM_STEP_ID="2", job_file=job)
+    assert "export SLURM_STEP_GPUS=1,6" in shared.stdout.splitlines() and "export CUDA_VISIBLE_DEVICES=0,1" in shared.stdout
+    bound = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1",
+                           MAPA_SPANK_GPUS="1,6", SLURM_STEP_GPUS="3", SLURM_STEP_ID="2", job_file=job)
+    assert "export SLURM_STEP_GPUS=1" in bound.stdout.splitlines() and "export CUDA_VISIBLE_DEVICES=0" in bound.stdout
