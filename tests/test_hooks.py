@@ -684,3 +684,12 @@ def test_a_prolog_asks_about_a_job_with_an_unreadable_mark_before_choosing(setup
     slurm.calls.clear()
     run_prolog(env_for("43", "7", "mapa:"), config, slurm, logs.append)  # converted: never asked again
     assert not {call[4] for call in slurm.calls if call[1:4] == ["--json", "show", "job"]} & {"40", "42"}
+
+
+def test_taskprolog_reads_slurms_indices_even_when_slurm_writes_uuids(tmp_path):
+    """Slurm 26.05's gres.conf Flags=env_uuid puts GPU UUIDs in CUDA_VISIBLE_DEVICES; its
+    SLURM_STEP_GPUS stays node indices (src/plugins/gres/common/gres_common.c), which is what the
+    TaskProlog reads."""
+    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_GPUS": "1", "CUDA_VISIBLE_DEVICES": "GPU-6f5a7e2b-0c1d-4e3f-9a8b-7c6d5e4f3a2b"}
+    out = run_taskprolog(tmp_path, "61", PAIRED_JOB, env).splitlines()
+    assert "export CUDA_VISIBLE_DEVICES=6" in out and "export SLURM_STEP_GPUS=6" in out

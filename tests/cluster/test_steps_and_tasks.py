@@ -58,6 +58,10 @@ srun -O -n2 --gpus=4 --gpu-bind=map_gpu:3,1 $P map-gpu
 srun -O -n3 --ntasks-per-gpu=1 --gpus=3 $P ntasks-per-gpu
 srun -O -n2 --gpus=2 --gpu-bind=single:1 $P single
 srun -O -n2 --gpus=2 --gpu-bind=none $P bind-none
+srun -O -n2 --tres-per-task=gres/gpu:1 $P tres-per-task
+srun -O -n2 --gpus=4 --gpu-bind=mask_gpu:0x3,0xc $P mask-gpu
+srun -O -n2 --gpus=2 --gpu-bind=closest $P closest
+srun -O -n2 --gpus-per-task=1 --gpu-bind=per_task:1 $P per-task-1
 srun -O --exact -n1 --gres=gpu:2 $P concurrent-a 3 &
 srun -O --exact -n1 --gres=gpu:2 $P concurrent-b 3 &
 wait
@@ -115,12 +119,15 @@ def test_each_step_and_task_gets_and_may_open_the_mapa_gpus_paired_with_slurms(c
     batch = next(line for line in lines if line["tag"] == "batch")
     job_mapa, job_slurm = _ints(batch["job_mapa"]), _ints(batch["job_slurm"])
     assert sorted(job_mapa) == sorted(decision.gpus) and job_slurm == sorted(decision.slurm_gpus), (batch, decision)
+    # The premise of map_gpu/mask_gpu below (their values are node indices with ConstrainDevices=no):
+    # on an idle dgx1 Slurm gives a 4-GPU job its GPUs 0-3.
+    assert job_slurm == [0, 1, 2, 3], (batch, "dgx1 was not idle when the job started")
     pairing = _pairing(job_slurm, job_mapa)
     by_tag: dict[str, list[dict]] = {}
     for line in lines:
         by_tag.setdefault(line["tag"], []).append(line)
-    assert set(by_tag) == {"batch", "per-task", "map-gpu", "ntasks-per-gpu", "single", "bind-none", "concurrent-a",
-                           "concurrent-b", "no-gpus", "holding", "overlap"}, cluster.output(jobid)
+    assert set(by_tag) == {"batch", "per-task", "map-gpu", "ntasks-per-gpu", "single", "bind-none", "tres-per-task", "mask-gpu",
+                           "closest", "per-task-1", "concurrent-a", "concurrent-b", "no-gpus", "holding", "overlap"}, cluster.output(jobid)
     # The batch step: the whole job, isolated to it.
     assert _ints(batch["open"]) == sorted(job_mapa) and sorted(_ints(batch["mine"])) == sorted(job_mapa)
     # --gpus-per-task=1: local rank r gets Slurm's r-th GPU's pair, each task its own; the tasks of
@@ -133,11 +140,17 @@ def test_each_step_and_task_gets_and_may_open_the_mapa_gpus_paired_with_slurms(c
     # Consecutive ranks are link neighbours where the job's GPUs allow (the pairing's order).
     order = prefix_order(DGX, job_mapa)
     assert [gpus[0] for gpus in own] == list(order[:3]), (own, order)
-    for tag, count, each in (("map-gpu", 2, 1), ("ntasks-per-gpu", 3, 1), ("single", 2, 1), ("bind-none", 2, 2)):
+    for tag, count, each in (("map-gpu", 2, 1), ("ntasks-per-gpu", 3, 1), ("single", 2, 1), ("bind-none", 2, 2),
+                             ("tres-per-task", 2, 1), ("mask-gpu", 2, 2), ("per-task-1", 2, 1)):
         tasks = by_tag[tag]
         assert len(tasks) == count, tasks
         gpus = [_check_task(line, pairing) for line in tasks]
         assert all(len(g) == each for g in gpus), tasks
+    # closest: the GPUs near each task's CPUs (the mock node has one core per socket); each its pairs.
+    assert all(_check_task(line, pairing) for line in by_tag["closest"])
+    # mask_gpu:0x3,0xc: rank 0 Slurm's first two of the step, rank 1 the other two; apart.
+    mask = sorted(by_tag["mask-gpu"], key=lambda line: int(line["rank"]))
+    assert [_expand(line["slurm"]) for line in mask] == [job_slurm[:2], job_slurm[2:]], mask
     # map_gpu:3,1: the tasks get the pairs of Slurm's 3 and 1 in rank order.
     map_gpu = sorted(by_tag["map-gpu"], key=lambda line: int(line["rank"]))
     assert [_expand(line["slurm"]) for line in map_gpu] == [[job_slurm[3]], [job_slurm[1]]], map_gpu
