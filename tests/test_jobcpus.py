@@ -76,3 +76,13 @@ def test_read_job_cpus_reads_the_jobs_cpuset(tmp_path):
     (job / "cpuset.cpus").symlink_to(tmp_path / "elsewhere")  # never followed
     (tmp_path / "elsewhere").write_text("0\n")
     assert read_job_cpus(812, "44", proc, mountinfo) is None
+
+
+def test_on_slurm_26_05_the_jobs_v2_directory_is_found_by_its_sluid():
+    """26.05 names the job's cgroup v2 directory by its SLUID; the Prolog knows it from
+    SLURM_JOB_SLUID. Another job's SLUID, or none, finds nothing."""
+    in_job = "0::/system.slice/slurmstepd.scope/sEKNKTV3WPV500/step_extern/slurm\n"
+    assert cpuset_file(in_job, MOUNTS_V2, "9", "sEKNKTV3WPV500") == Path(
+        "/sys/fs/cgroup/system.slice/slurmstepd.scope/sEKNKTV3WPV500/cpuset.cpus.effective")
+    assert cpuset_file(in_job, MOUNTS_V2, "9", "s00000000000000") is None
+    assert cpuset_file(in_job, MOUNTS_V2, "9") is None

@@ -481,7 +481,7 @@ def run_prolog(
     if config.affinity_mode != "ignore":  # exact with PrologFlags=RunInJob; else Slurm's GPUs' CPUs stand in
         from .jobcpus import read_job_cpus
 
-        ctx.job_cpus = read_job_cpus(requester_pid or os.getpid(), ctx.job_id)
+        ctx.job_cpus = read_job_cpus(requester_pid or os.getpid(), ctx.job_id, sluid=ctx.sluid)
     problem = config_problem
     graph: HardwareGraph | None = None
     if not problem:

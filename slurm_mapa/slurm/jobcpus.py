@@ -26,7 +26,8 @@ MAX_PROC_BYTES = 65536
 MAX_MOUNTINFO_BYTES = 1 << 20
 MAX_CPUSET_BYTES = 65536
 _V1_JOB = re.compile(r"(?P<job_dir>.*/uid_[0-9]+/job_(?P<job>[0-9]+))(?:/step_[^/]+(?:/.*)?)?")
-_V2_JOB = re.compile(r"(?P<job_dir>.*/job_(?P<job>[0-9]+))(?:/step_[^/]+(?:/.*)?)?")
+# Slurm 26.05 names the v2 job directory by the job's SLUID (src/plugins/cgroup/v2/cgroup_v2.c).
+_V2_JOB = re.compile(r"(?P<job_dir>.*/(?:job_(?P<job>[0-9]+)|(?P<sluid>s[0-9A-HJKMNP-TV-Z]{13})))(?:/step_[^/]+(?:/.*)?)?")
 _ESCAPE = re.compile(r"\\([0-7]{3})")  # mountinfo writes a blank in a path as \040
 
 
@@ -46,7 +47,7 @@ def _mount(mountinfo: str, version: int) -> tuple[str, str] | None:
     return None
 
 
-def cpuset_file(proc_cgroup: str, mountinfo: str, job_id: str) -> Path | None:
+def cpuset_file(proc_cgroup: str, mountinfo: str, job_id: str, sluid: str = "") -> Path | None:
     """The file holding job ``job_id``'s CPUs for a process whose /proc/PID/cgroup is
     ``proc_cgroup``: v1 ``<cpuset mount>/.../job_J/cpuset.cpus``, v2 ``.../job_J/cpuset.cpus.effective``;
     None when the process is in no cgroup of that job (the Prolog does not run in the job)."""
@@ -63,7 +64,7 @@ def cpuset_file(proc_cgroup: str, mountinfo: str, job_id: str) -> Path | None:
                 break  # a hybrid host: Slurm's v1 cpuset wins over systemd's v2 line
         elif hierarchy == "0" and controllers == "" and found is None:
             match = _V2_JOB.fullmatch(path)
-            if match and match["job"] == job_id:
+            if match and ((match["job"] or "") == job_id or (sluid and match["sluid"] == sluid)):
                 found = (2, match["job_dir"])
     if found is None or ".." in found[1].split("/"):
         return None
@@ -80,15 +81,16 @@ def cpuset_file(proc_cgroup: str, mountinfo: str, job_id: str) -> Path | None:
 
 
 def read_job_cpus(pid: int, job_id: str, proc: Path = Path("/proc"),
-                  mountinfo: Path = Path("/proc/self/mountinfo")) -> frozenset[int] | None:
-    """The CPUs of job ``job_id`` on this node when process ``pid`` (the Prolog, or the agent's
-    client of it) runs in the job's cgroup; None otherwise, or when anything cannot be read."""
+                  mountinfo: Path = Path("/proc/self/mountinfo"), sluid: str = "") -> frozenset[int] | None:
+    """The CPUs of job ``job_id`` (SLUID ``sluid``, Slurm 25.11+) on this node when process ``pid``
+    (the Prolog, or the agent's client of it) runs in the job's cgroup; None otherwise, or when
+    anything cannot be read."""
     from ..core.affinity import parse_cpu_ids  # the engine: loaded for the decision anyway
 
     try:
         text = paths.read_bytes(proc / str(pid) / "cgroup", MAX_PROC_BYTES).decode("utf-8", "replace")
         table = paths.read_bytes(mountinfo, MAX_MOUNTINFO_BYTES).decode("utf-8", "replace")
-        where = cpuset_file(text, table, job_id)
+        where = cpuset_file(text, table, job_id, sluid)
         if where is None:
             return None
         cpus = parse_cpu_ids(paths.read_bytes(where, MAX_CPUSET_BYTES).decode("ascii").strip())
