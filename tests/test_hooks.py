@@ -693,3 +693,15 @@ def test_taskprolog_reads_slurms_indices_even_when_slurm_writes_uuids(tmp_path):
     env = {"SLURM_STEP_ID": "0", "SLURM_STEP_GPUS": "1", "CUDA_VISIBLE_DEVICES": "GPU-6f5a7e2b-0c1d-4e3f-9a8b-7c6d5e4f3a2b"}
     out = run_taskprolog(tmp_path, "61", PAIRED_JOB, env).splitlines()
     assert "export CUDA_VISIBLE_DEVICES=6" in out and "export SLURM_STEP_GPUS=6" in out
+
+
+def test_taskprolog_of_a_het_component_reads_its_own_job_file(tmp_path):
+    """A het job's tasks get the leader's id in SLURM_JOB_ID. Where the cgroup path names no job_J
+    (here, and Slurm 26.05's SLUID directories), the one component with a job file on this node is
+    the task's; the mini cluster's het test covers the cgroup path."""
+    (tmp_path / "71").write_text(PAIRED_JOB)
+    env = {"SLURM_HET_SIZE": "2", "SLURM_JOB_ID_HET_GROUP_0": "70", "SLURM_JOB_ID_HET_GROUP_1": "71"}
+    out = run_taskprolog(tmp_path, "70", None, env).splitlines()
+    assert "export MAPA_GPUS=4,7,6,5" in out
+    (tmp_path / "70").write_text("MAPA_GPUS=1\n")  # both components on this node: the leader's id stays
+    assert "export MAPA_GPUS=1" in run_taskprolog(tmp_path, "70", None, env).splitlines()
