@@ -136,7 +136,9 @@ def test_each_task_opens_only_its_gpus_and_two_jobs_never_each_others(cluster):
         cluster.run("touch", f"{cluster.job_dir}/go-{jobid}")
     for jobid in (first, second):
         out = _wait_output(cluster, jobid, "step smi")
-        _check_isolated(out, "step", mapa[jobid][:1])  # a 1-GPU step: the first GPU in pattern order
+        # A 1-GPU step: Slurm gives it the job's lowest GPU, whose pair is the first of MAPA's in
+        # core/order.py's order (docs/users.md, "What each rank sees").
+        _check_isolated(out, "step", prefix_order(preset("dgx1-v100"), mapa[jobid])[:1])
         cluster.wait_state(jobid, "COMPLETED", timeout=60)
     # The Epilog removed the jobs' device cgroups.
     left = cluster.exec("dgx1", ["sh", "-c", "ls /sys/fs/cgroup/devices/mapa 2>/dev/null"], check=False).stdout.split()
