@@ -591,7 +591,7 @@ def test_the_prolog_asks_for_the_jobs_cpus_with_the_pid_that_asked(setup, monkey
     config, slurm, logs = setup
     slurm.running = {"91"}
     asked = []
-    monkeypatch.setattr(jobcpus, "read_job_cpus", lambda pid, job: asked.append((pid, job)) or frozenset({25}))
+    monkeypatch.setattr(jobcpus, "read_job_cpus", lambda pid, job, sluid="": asked.append((pid, job)) or frozenset({25}))
     decision = run_prolog(env_for("91", "0,1", "mapa:topology=ring sensitive=yes"), config, slurm, logs.append, requester_pid=4242)
     assert asked == [(4242, "91")]
     assert decision.job_cpus == "25" and "cpus=25 affinity=prefer:0.1" in slurm.admin["91"]
