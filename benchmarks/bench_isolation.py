@@ -44,9 +44,9 @@ def docker(container: str, *argv: str, input: str | None = None) -> str:
 
 def set_isolation(mode: str) -> None:
     base = docker(NODE, "cat", "/etc/slurm-mapa/config/mapa.toml")
-    if 'isolation = "off"\n' not in base:
-        raise SystemExit("the shipped mapa.toml has no line isolation = \"off\"")
-    docker(NODE, "sh", "-c", "cat > /etc/slurm/mapa.toml", input=base.replace('isolation = "off"\n', f'isolation = "{mode}"\n'))
+    if 'isolation = "auto"\n' not in base:
+        raise SystemExit("the shipped mapa.toml has no line isolation = \"auto\"")
+    docker(NODE, "sh", "-c", "cat > /etc/slurm/mapa.toml", input=base.replace('isolation = "auto"\n', f'isolation = "{mode}"\n'))
     docker(NODE, "/usr/bin/python3", "-I", "-X", "pycache_prefix=/var/cache/slurm-mapa/pycache", "-c", HOOKS, "hooks",
            "/usr/local/sbin", "--python", "/usr/bin/python3", "--config", "/etc/slurm/mapa.toml",
            "--pycache-prefix", "/var/cache/slurm-mapa/pycache")
