@@ -7,9 +7,7 @@ job_submit.lua tests run the plugin under Lua 5.1 (skipped with MAPA_SKIP_LUA=1 
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import time
 import tracemalloc
@@ -495,58 +493,14 @@ def test_reading_any_admin_comment_never_raises(text):
 
 # --- job_submit.lua keeps an admin_comment already set ----------------------------------------
 
-LUA_DRIVER = r"""
-slurm = { SUCCESS = 0, ERROR = -1, ESLURM_INVALID_GRES = 2072, ESLURM_INTERNAL = 2090 }
-for _, name in ipairs({ "log_user", "log_info", "log_debug", "log_error" }) do
-    slurm[name] = function(fmt, ...) string.format(fmt, ...) end
-end
-assert(loadfile(arg[1]))()
-local file = assert(io.open(arg[2], "rb"))
-local data = file:read("*a")
-file:close()
-local position, out = 1, {}
-while position <= #data do
-    local stop = assert(string.find(data, "\n", position, true))
-    local script_len, admin_len = string.match(string.sub(data, position, stop - 1), "^(%d+) (%-?%d+)$")
-    position = stop + 1
-    local script = string.sub(data, position, position + tonumber(script_len) - 1)
-    position = position + tonumber(script_len)
-    local admin = nil
-    if tonumber(admin_len) >= 0 then
-        admin = string.sub(data, position, position + tonumber(admin_len) - 1)
-        position = position + tonumber(admin_len)
-    end
-    local job_desc = { script = script, admin_comment = admin }
-    local rc = slurm_job_submit(job_desc, {}, 1000)
-    local result = rawget(job_desc, "admin_comment") or ""
-    out[#out + 1] = string.format("%d %d\n", rc, #result) .. result
-end
-io.write(table.concat(out))
-"""
-
-
 def run_lua_submit(tmp_path: Path, cases: list[tuple[str, str | None]]) -> list[str]:
-    lua = shutil.which("lua5.1")
-    if lua is None:
-        if os.environ.get("MAPA_SKIP_LUA") == "1":
-            pytest.skip("lua5.1 not found and MAPA_SKIP_LUA=1 is set")
-        pytest.fail("lua5.1 not found: apt-get install -y lua5.1 (or set MAPA_SKIP_LUA=1)")
-    blob = bytearray()
-    for body, admin in cases:
-        raw, admin_raw = body.encode("latin-1"), None if admin is None else admin.encode("latin-1")
-        blob += f"{len(raw)} {-1 if admin_raw is None else len(admin_raw)}\n".encode() + raw + (admin_raw or b"")
-    (tmp_path / "driver.lua").write_text(LUA_DRIVER)
-    (tmp_path / "cases.bin").write_bytes(bytes(blob))
-    done = subprocess.run([lua, str(tmp_path / "driver.lua"), str(PLUGIN), str(tmp_path / "cases.bin")], capture_output=True, timeout=120)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")
-    data, pos, results = done.stdout, 0, []
-    for _ in cases:
-        end = data.index(b"\n", pos)
-        rc, length = map(int, data[pos:end].split())
-        assert rc == 0
-        results.append(data[end + 1 : end + 1 + length].decode("latin-1"))
-        pos = end + 1 + length
-    return results
+    """(batch script, admin_comment) cases through slurm_job_submit: the admin_comment after each,
+    by tests/test_job_submit_lua.py's driver of the plugin."""
+    from test_job_submit_lua import _run_admin
+
+    results = _run_admin(tmp_path, [("submit", body, admin) for body, admin in cases])
+    assert all(rc == 0 for rc, _ in results), results
+    return [admin for _, admin in results]
 
 
 def test_job_submit_lua_keeps_the_admins_text(tmp_path):

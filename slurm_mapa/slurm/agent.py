@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..errors import InputError, MapaError
+from . import jobfiles
 from .agent_client import (DEFAULT_SOCKET, ISOLATE, ISOLATE_KEYS, ISOLATE_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES,
                            MAX_REQUEST_BYTES, MAX_VALUE_BYTES)
 from .commands import Runner, is_job_id
 from .config import HookConfig, hook_logger, load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
-from . import jobfiles
 from .isolation import Isolator, IsolationError, effective_mode, job_devices_for
 
 # One deadline for reading the whole request: a client that trickles a byte every few seconds
@@ -178,6 +178,12 @@ class LogLimiter:
             self.tokens[key] = (tokens - 1.0, now, 0)
         return text + (f" ({held} more like it not logged)" if held else "")
 
+    def say(self, key: object, text: str, log: Callable[[str], None]) -> None:
+        """``log`` the line for ``text`` now, unless it is held back (see line)."""
+        line = self.line(key, text)
+        if line is not None:
+            log(line)
+
 
 class Agent:
     """Runs hooks for requests; the config is read again for each, so an edit applies at once."""
@@ -281,20 +287,15 @@ class Agent:
         return self._isolation_failed(mode, self._limited(hook_logger(config.log), uid), reason, pid, uid)
 
     def _limited(self, log: Callable[[str], None], uid: int) -> Callable[[str], None]:
-        def limited(text: str) -> None:
-            line = self.public_log.line(uid, text)
-            if line is not None:
-                log(line)
-        return limited
+        return lambda text: self.public_log.say(uid, text, log)
 
     def job_of(self, pid: int) -> str | None:
         """The Slurm job whose task cgroup process ``pid`` is in, None if none: the public socket's
         cheap first check (one small /proc read), before a thread or a log line is spent on it."""
-        from .isolation import parse_proc_cgroup
+        from .isolation import parse_proc_cgroup, read_proc_cgroup
 
         try:
-            with open(self.isolator.proc / str(pid) / "cgroup", "rb") as handle:
-                cgroup = parse_proc_cgroup(handle.read(65536).decode("utf-8", "replace"))
+            cgroup = parse_proc_cgroup(read_proc_cgroup(self.isolator.proc, pid))
         except OSError:
             return None
         return (cgroup.job_id or cgroup.sluid) if cgroup is not None else None
@@ -579,8 +580,8 @@ class PublicAdmission:
 
     def finish(self, uid: int, job: str) -> tuple[str, object] | None:
         """One request of ``uid``/``job`` is done; the next waiting request of the uid that fits (it
-        is counted as active and is the caller's to handle), or None. Requests that waited past
-        their client's deadline are dropped (returned through ``expired``)."""
+        is counted as active and is the caller's to handle), or None. (Requests that waited past
+        their client's deadline are taken out by ``expired``.)"""
         with self.lock:
             for counts, key in ((self.active_uid, uid), (self.active_job, job)):
                 counts[key] -= 1
@@ -641,9 +642,8 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
     def _turn_away(self, request: socket.socket, uid: int, why: str) -> None:
         self.turned_away += 1
-        line = self.agent.public_log.line(("turned away", uid), f"mapa-agent: isolate socket: closed a request of uid {uid}: {why}")
-        if line is not None:
-            self.agent.log_errors(line)
+        self.agent.public_log.say(("turned away", uid), f"mapa-agent: isolate socket: closed a request of uid {uid}: {why}",
+                                  self.agent.log_errors)
         self.shutdown_request(request)
 
     def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
@@ -680,9 +680,8 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                     self._finished(request)
                     raise
                 return
-            line = self.agent.public_log.line("busy", "mapa-agent: too many requests at once; told one client to run its hook itself")
-            if line is not None:
-                self.agent.log_errors(line)
+            self.agent.public_log.say("busy", "mapa-agent: too many requests at once; told one client to run its hook itself",
+                                      self.agent.log_errors)
             self._refuse_busy(request)
             request = self._finished(request)
 

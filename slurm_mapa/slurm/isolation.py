@@ -32,13 +32,13 @@ devices hierarchy, the cgroup2 mount) so tests run them on a temporary directory
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import platform
 import re
 import stat
 import struct
 import threading
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -349,6 +349,12 @@ def read_process(proc: Path, pid: int) -> ProcessInfo:
     return parse_status(pid, (proc / str(pid) / "status").read_bytes()[:_PROC_FILE_LIMIT].decode("utf-8", "replace"))
 
 
+def read_proc_cgroup(proc: Path, pid: int) -> str:
+    """Process ``pid``'s /proc/PID/cgroup text (bounded); OSError if it cannot be read."""
+    with open(proc / str(pid) / "cgroup", "rb") as handle:
+        return handle.read(_PROC_FILE_LIMIT).decode("utf-8", "replace")
+
+
 def slurmstepd_binary_problem(exe_link: Path) -> str | None:
     """Why the program behind ``exe_link`` (a /proc/PID/exe) is not Slurm's slurmstepd, or None.
 
@@ -413,7 +419,7 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
         raise IsolationError(f"process {info.pid} is no task process: its parent {info.ppid} is no slurmstepd running as root"
                              + (f" ({problem})" if problem else f" (uids {parent.uids[0]}/{parent.uids[1]})"))
     try:
-        text = (proc / str(info.pid) / "cgroup").read_bytes()[:_PROC_FILE_LIMIT].decode("utf-8", "replace")
+        text = read_proc_cgroup(proc, info.pid)
     except OSError as error:
         raise IsolationError(f"cannot read /proc/{info.pid}/cgroup: {error}") from None
     cgroup = parse_proc_cgroup(text)
@@ -423,14 +429,20 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
     return info, cgroup
 
 
+def _v2_job_dir(cgroup2_root: Path, cgroup: SlurmCgroup) -> tuple[re.Match, Path]:
+    """The task's v2 path matched, and its job's cgroup directory; IsolationError for a path that
+    is no Slurm v2 task path."""
+    match = _V2_PATH.fullmatch(cgroup.path)
+    if cgroup.version != 2 or match is None or ".." in cgroup.path.split("/"):
+        raise IsolationError(f"{cgroup.path!r} is not a Slurm cgroup v2 task path")
+    return match, cgroup2_root / match["job_dir"].lstrip("/")
+
+
 def check_v2_job_cgroup_owner(cgroup2_root: Path, cgroup: SlurmCgroup) -> None:
     """IsolationError unless the task's ``job_J`` cgroup and every cgroup above it belong to root:
     Slurm creates them as root, while a subtree systemd delegates to a user (user@UID.service)
     belongs to that user, who could name cgroups there like Slurm's."""
-    match = _V2_PATH.fullmatch(cgroup.path)
-    if cgroup.version != 2 or match is None or ".." in cgroup.path.split("/"):
-        raise IsolationError(f"{cgroup.path!r} is not a Slurm cgroup v2 task path")
-    directory = cgroup2_root / match["job_dir"].lstrip("/")
+    _, directory = _v2_job_dir(cgroup2_root, cgroup)
     while True:
         try:
             owner = os.lstat(directory).st_uid
@@ -556,10 +568,7 @@ def apply_v2(cgroup2_root: Path, cgroup: SlurmCgroup, job_rules: Sequence[DenyRa
     """Attach the job's program to Slurm's ``job_J`` cgroup and, with ``step_rules``, the step's to
     ``step_S/user`` (with ``task_rules``, the task's to ``step_S/user/task_T``); once each
     (``attached``: cgroups done already, by _identity). The cgroups where a program was attached now."""
-    match = _V2_PATH.fullmatch(cgroup.path)
-    if cgroup.version != 2 or match is None or ".." in cgroup.path.split("/"):
-        raise IsolationError(f"{cgroup.path!r} is not a Slurm cgroup v2 task path")
-    job_dir = cgroup2_root / match["job_dir"].lstrip("/")
+    match, job_dir = _v2_job_dir(cgroup2_root, cgroup)
     step_user = job_dir / f"step_{match['step']}" / "user"
     if task_rules is not None and (match["task"] is None or not match["task"].isdigit()):
         raise IsolationError(f"{cgroup.path!r} names no task cgroup: no per-task isolation")
@@ -633,9 +642,6 @@ class JobDevices:
     job_gpus: tuple[int, ...]
     minors: Callable[[int], int]
     mapping: "object | None" = None  # jobfiles.JobMapping: Slurm's GPUs paired with MAPA's
-
-
-SCOPES = ("step", "task")
 
 
 class Isolator:
