@@ -244,6 +244,11 @@ case $ROLE in
         link_config
         start_munge
         shared_dirs
+        # A controller with no saved state numbers jobs from 1 again: the files of the jobs an
+        # earlier controller numbered (outputs, release markers) must not be taken for new ones'.
+        if [[ ! -e /var/lib/slurm/slurmctld/job_state ]]; then
+            find /shared/jobs -mindepth 1 -delete
+        fi
         # job_submit.lua with mapa.toml's [features], as an admin writes it with `mapa job-submit-lua`.
         mapa job-submit-lua /etc/slurm/job_submit.lua --config /etc/slurm/mapa.toml >/dev/null
         start_releaser

@@ -1,4 +1,4 @@
-"""The peer policies against the examples in peer-allocators.md and slurm-24.11-facts.md."""
+"""The peer policies against their projects' own examples and the picks Slurm 24.11.5 made in the mini cluster."""
 
 from __future__ import annotations
 

@@ -2,12 +2,13 @@
 
 Every peer picks a GPU *set*; like the engine's ``baseline`` and ``topo-aware`` it is then scored on
 the best ring (or other pattern) over that set, as NCCL would build it, so peers are compared
-fairly on the set they choose. Sources are described in ../shared/reference/peer-allocators.md and
-../shared/reference/slurm-24.11-facts.md; no code of those projects is used.
+fairly on the set they choose. Each is written from its project's published source and behaviour
+(cited per policy below and in docs/replay.md); no code of those projects is used.
 
 * ``slurm-native``       - Slurm 24.11 ``select/cons_tres`` for ``--gres=gpu:N`` with ``Links=``:
   ``_pick_gres_topo`` with its ascending sort, i.e. after the first GPU it takes the GPUs with the
-  FEWEST links to the ones already picked (facts 3.5/3.6). Links = bonded NVLink count, 0 for PCIe.
+  FEWEST links to the ones already picked (``_update_and_sort_by_links`` in
+  ``src/plugins/select/cons_tres/gres_select_filter.c``: an ascending sort, the same in 26.05). Links = bonded NVLink count, 0 for PCIe.
 * ``slurm-native-gpus``  - the same Slurm for ``--gpus=N`` (``_set_job_bits1``): all free GPUs, anchor
   on the best-linked pair, drop the weakest-linked to the anchor until N remain.
 * ``nvidia-besteffort``  - go-gpuallocator's best-effort policy as the NVIDIA k8s device plugin uses

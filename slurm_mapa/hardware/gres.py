@@ -31,8 +31,8 @@ from ..errors import InputError
 from .topofile import Topology
 
 LINKS_NOTE = (
-    "Slurm 24.11 uses Links= only when a gres.conf line of the GRES also has Type= or Cores=; "
-    "without them it keeps no per-GPU topology and hands GPUs out first-fit (slurm-24.11-facts 3.4)."
+    "Slurm (24.11 to 26.05) uses Links= only when a gres.conf line of the GRES also has Type= or Cores=; "
+    "without them it keeps no per-GPU topology and hands GPUs out first-fit (src/interfaces/gres.c)."
 )
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..errors import InputError, MapaError
-from . import jobfiles
+from . import jobfiles, spankcheck
 from .agent_client import (DEFAULT_SOCKET, ISOLATE, ISOLATE_KEYS, ISOLATE_SOCKET, KEYS, KINDS, MAX_HEADER_BYTES,
                            MAX_REQUEST_BYTES, MAX_VALUE_BYTES)
 from .commands import Runner, is_job_id
@@ -783,6 +783,20 @@ def serve_isolation(socket_path: str, agent: Agent, max_handlers: int = MAX_HAND
     return server
 
 
+def log_spank_plugin_problems(config_path: str, environ: Mapping[str, str],
+                              running_version_text: Callable[[], str | None] | None = None) -> None:
+    """Once at start, into the agent's log: MAPA's SPANK plugin in plugstack.conf that the running
+    Slurm would not load (built for another release: slurmstepd skips an optional plugin with only a
+    verbose line, and tasks lose their root-side isolation without a word). Never raises."""
+    try:
+        config, _ = load_hook_config({"MAPA_CONFIG": config_path}, validate=False)
+        log = hook_logger(config.log)
+        for problem in spankcheck.check_this_node(environ, running_version_text or spankcheck.running_slurm_version_text):
+            log(f"WARNING: {problem}")
+    except Exception as error:  # noqa: BLE001 - a check that informs must not stop the agent
+        print(f"mapa-agent: could not check the SPANK plugin ({error})", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mapa-agent", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.environ.get("MAPA_CONFIG", "/etc/slurm/mapa.toml"), help="the hooks' config (default %(default)s)")
@@ -813,6 +827,9 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=isolation_server.serve_forever, daemon=True, name="mapa-agent isolation").start()
     agent.background = Background(agent, args.node)
     agent.background.start()
+    # In a thread of its own: Slurm's commands (bounded timeouts) must not hold up the start.
+    threading.Thread(target=log_spank_plugin_problems, args=(args.config, dict(os.environ)), daemon=True,
+                     name="mapa-agent SPANK check").start()
     print(f"mapa-agent: listening on {args.socket} (config {args.config})", file=sys.stderr, flush=True)
     with server:
         server.serve_forever()

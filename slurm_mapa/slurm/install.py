@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
 from . import paths as trusted
+from . import spankcheck
 
 if TYPE_CHECKING:
     from .config import HookConfig
@@ -270,6 +271,13 @@ def cmd_hooks(args: argparse.Namespace) -> int:
         print(f"wrote {target}", file=sys.stderr)
     print(slurm_conf_lines(str(directory)), end="")
     print(feature_conf_lines(config.feature_sizes), end="")
+    # Last on stderr, where it is seen: a SPANK plugin the running Slurm would skip without a word.
+    try:
+        problems = spankcheck.check_this_node(os.environ, spankcheck.running_slurm_version_text)
+    except Exception as error:  # noqa: BLE001 - the hooks are written; the check only informs
+        problems = [f"could not check the SPANK plugin in plugstack.conf: {error}"]
+    for problem in problems:
+        print(f"WARNING: {problem}", file=sys.stderr)
     return 0
 
 
@@ -309,6 +317,31 @@ def plugstack_line(plugin: Path, mode: str) -> str:
     return f"optional {plugin} {mode}\n"
 
 
+def spank_build_report(plugin: bytes, target: Path, running_text: str | None) -> list[str]:
+    """What to tell the admin about a freshly built plugin: the release of the headers it was
+    compiled against and, when a Slurm command answered ``running_text``, whether the running
+    Slurm will load it.
+
+    A mismatch is a WARNING, and the plugin is installed all the same: the command that answered
+    may not be the Slurm slurmstepd runs (two installations, or new packages whose daemons restart
+    later), and refusing would leave the node with whatever plugin it had. ``mapa hooks`` and
+    mapa-agent's start check the installed plugin against the running Slurm again."""
+    built = spankcheck.elf_u32_symbol(plugin, "plugin_version")
+    if built is None:
+        return [f"WARNING: {target} has no plugin_version symbol: Slurm will not load it"]
+    lines = [f"built for Slurm {spankcheck.release_text(built)} (SLURM_VERSION_NUMBER {built:#08x} of the installed headers)"]
+    running = spankcheck.parse_slurm_version(running_text) if running_text else None
+    if running is None:
+        lines.append(f"no slurmd, scontrol or sinfo answered -V: check that this node runs Slurm {spankcheck.release_text(built)}, "
+                     "the only release whose slurmstepd loads it")
+    elif spankcheck.spank_plugin_problem(plugin, str(target), running):
+        lines.append(f"WARNING: the Slurm headers installed are of Slurm {spankcheck.version_text(built)} but this node runs "
+                     f"Slurm {spankcheck.version_text(running)}, whose slurmstepd will not load {target} (it loads only plugins "
+                     f"of its own major.minor): install the matching headers (Debian: libslurm-dev, RHEL: slurm-devel, "
+                     f"of Slurm {spankcheck.release_text(running)}) and run this command again")
+    return lines
+
+
 def cmd_spank_plugin(args: argparse.Namespace) -> int:
     """Compile the SPANK plugin into PATH (replaced whole: slurmstepd loads it at every step) and
     print its plugstack.conf line."""
@@ -337,6 +370,8 @@ def cmd_spank_plugin(args: argparse.Namespace) -> int:
             raise InputError(f"{args.cc} made a plugin of more than {MAX_PLUGIN_BYTES} bytes; not installed")
         trusted.replace_file(target, data, mode=0o644)
     print(f"wrote {target}", file=sys.stderr)
+    for report in spank_build_report(data, target, spankcheck.running_slurm_version_text()):
+        print(report, file=sys.stderr)
     print("# /etc/slurm/plugstack.conf on every compute node (and mapa.toml's isolation on):")
     print(line, end="")
     return 0

@@ -2,7 +2,10 @@
 
 The session fixture ``cluster`` builds the image and starts the cluster with ``scripts/cluster up``
 the first time a test asks for it, and always tears it down at the end of the session
-(``MAPA_KEEP_CLUSTER=1`` leaves it running for debugging). Tests that need it carry
+(``MAPA_KEEP_CLUSTER=1`` leaves it running for debugging). It is parametrized by Slurm release
+(``MAPA_SLURM_RELEASES``, default ``26.05,24.11``): every cluster test runs once on each, and
+each release's cluster has its own containers and subnet, so the two can run at the same time
+(``scripts/test`` runs them in two pytest-xdist workers). Tests that need it carry
 ``@pytest.mark.cluster``. Without a Docker engine they are skipped, unless
 ``MAPA_REQUIRE_CLUSTER=1`` is set: then a missing engine, like a cluster that fails to start, is a
 test failure. When a cluster test fails, the tail of every container's log is attached to its
@@ -54,6 +57,13 @@ TERMINAL_STATES = frozenset(
         "TIMEOUT",
     }
 )
+#: Slurm release -> (compose project / container prefix, subnet prefix). 26.05's cluster has the
+#: names scripts/cluster gives by default (mapa-dgx1, ...).
+RELEASE_CLUSTERS: dict[str, tuple[str, str]] = {
+    "26.05": ("mapa", "10.213.77"),
+    "24.11": ("mapa-24-11", "10.213.78"),
+}
+RELEASES = tuple(r.strip() for r in os.environ.get("MAPA_SLURM_RELEASES", "26.05,24.11").split(",") if r.strip())
 UP_TIMEOUT = float(os.environ.get("MAPA_CLUSTER_UP_TIMEOUT", "2400"))
 _SACCT_DELIMITER = "\x1f"
 
@@ -95,15 +105,25 @@ class Cluster:
     job_dir = JOB_DIR
     Error = ClusterError
 
-    def __init__(self) -> None:
+    def __init__(self, release: str = "26.05") -> None:
+        if release not in RELEASE_CLUSTERS:
+            raise ValueError(f"MAPA_SLURM_RELEASES names {release!r}; the cluster is built for {', '.join(RELEASE_CLUSTERS)}")
+        self.release = release
+        self.name, subnet = RELEASE_CLUSTERS[release]
+        #: The environment scripts/cluster runs with for this release's cluster.
+        self.script_env = {**os.environ, "MAPA_SLURM": release, "MAPA_CLUSTER": self.name, "MAPA_SUBNET_PREFIX": subnet}
+        self.script_env.pop("MAPA_IMAGE", None)
         self.submitted: list[int] = []
         self.startup_seconds: float | None = None
 
     # -- running commands ----------------------------------------------------------------------
 
-    @staticmethod
-    def container(service: str) -> str:
-        return f"mapa-{service}"
+    def container(self, service: str) -> str:
+        return f"{self.name}-{service}"
+
+    def script(self, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        """scripts/cluster for this release's cluster."""
+        return subprocess.run([str(CLUSTER_SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=self.script_env)
 
     def exec(
         self,
@@ -354,13 +374,11 @@ class Cluster:
 
     def dump_logs(self, label: str) -> Path:
         """Write every container's full log under build/cluster-logs/ and return the directory."""
-        target = LOG_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
+        target = LOG_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-slurm-{self.release}-{label}"
         target.mkdir(parents=True, exist_ok=True)
         (target / "containers.log").write_text(self.logs())
         try:
-            status = subprocess.run(
-                [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=120
-            )
+            status = self.script("status", timeout=120)
             (target / "status.txt").write_text(status.stdout + status.stderr)
         except (OSError, subprocess.TimeoutExpired):
             pass
@@ -380,17 +398,17 @@ def _job_summary(job: Mapping | None) -> str:
 
 # -- fixtures and hooks -----------------------------------------------------------------------
 
-_failed_cluster_tests: list[str] = []
+_failed_cluster_tests: dict[str, list[str]] = {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", params=RELEASES)
 def cluster(request: pytest.FixtureRequest) -> Cluster:
-    """The running mini cluster, started once per session and torn down at its end."""
+    """The running mini cluster of one Slurm release, started once per session and torn down at its end."""
     problem = engine_problem()
     if problem:
         _skip_or_fail(problem)
-    handle = Cluster()
-    lock = _exclusive_cluster_lock()
+    handle = Cluster(request.param)
+    lock = _exclusive_cluster_lock(handle.name)
 
     def teardown() -> None:
         try:
@@ -404,31 +422,29 @@ def cluster(request: pytest.FixtureRequest) -> Cluster:
             reporter.write_line(text)
 
     def _teardown() -> None:
-        if _failed_cluster_tests:
+        if _failed_cluster_tests.get(handle.release):
             where = handle.dump_logs("failure")
             say(f"cluster logs of the failed session written to {where}")
         if os.environ.get("MAPA_KEEP_CLUSTER") == "1":
             say("MAPA_KEEP_CLUSTER=1: the cluster keeps running (scripts/cluster down stops it)")
             return
-        subprocess.run([str(CLUSTER_SCRIPT), "down"], capture_output=True, timeout=300)
+        handle.script("down", timeout=300)
 
     request.addfinalizer(teardown)
     start = time.monotonic()
     try:
-        proc = subprocess.run(
-            [str(CLUSTER_SCRIPT), "up"], capture_output=True, text=True, timeout=UP_TIMEOUT
-        )
+        proc = handle.script("up", timeout=UP_TIMEOUT)
     except subprocess.TimeoutExpired:
         where = handle.dump_logs("up-timeout")
         pytest.fail(
-            f"scripts/cluster up did not finish within {UP_TIMEOUT:.0f}s; container logs in {where}", pytrace=False
+            f"scripts/cluster up (Slurm {handle.release}) did not finish within {UP_TIMEOUT:.0f}s; container logs in {where}", pytrace=False
         )
     if proc.returncode != 0:
         # This failure is reported again for every test that wanted the cluster: keep it short
         # and put the container logs in a file.
         where = handle.dump_logs("up-failed")
         pytest.fail(
-            f"scripts/cluster up exited {proc.returncode}; container logs in {where}\n"
+            f"scripts/cluster up (Slurm {handle.release}) exited {proc.returncode}; container logs in {where}\n"
             + "\n".join(proc.stderr.strip().splitlines()[-25:]),
             pytrace=False,
         )
@@ -436,10 +452,10 @@ def cluster(request: pytest.FixtureRequest) -> Cluster:
     return handle
 
 
-def _exclusive_cluster_lock():
-    """Hold a host-wide lock for the session: two test sessions on one Docker engine would
-    otherwise start and tear down the same containers under each other."""
-    path = Path(os.environ.get("MAPA_CLUSTER_LOCK", "/tmp/slurm-mapa-cluster.lock"))
+def _exclusive_cluster_lock(name: str):
+    """Hold a host-wide lock on one cluster for the session: two test sessions on one Docker
+    engine would otherwise start and tear down the same containers under each other."""
+    path = Path(os.environ.get("MAPA_CLUSTER_LOCK_DIR", "/tmp")) / f"slurm-mapa-cluster-{name}.lock"
     handle = path.open("a")
     deadline = time.monotonic() + UP_TIMEOUT
     while True:
@@ -478,9 +494,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     # Only failures of the tests themselves: a failed bring-up already wrote the logs to a file.
     if report.failed and call.when != "setup" and "cluster" in getattr(item, "fixturenames", ()):
-        _failed_cluster_tests.append(item.nodeid)
+        release = item.callspec.params.get("cluster", RELEASES[0]) if hasattr(item, "callspec") else RELEASES[0]
+        _failed_cluster_tests.setdefault(release, []).append(item.nodeid)
         try:
-            tail = Cluster().logs(tail=60)
+            tail = Cluster(release).logs(tail=60)
         except Exception as exc:  # diagnostics must never mask the real failure
             tail = f"(could not read container logs: {exc})"
         report.sections.append(("cluster logs (last 60 lines per container)", tail))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's ``--dist loadgroup``, all tests of one release's cluster run in one
+    worker (the cluster is a session fixture of that worker), and the releases' in parallel."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "cluster" in callspec.params:
+            item.add_marker(pytest.mark.xdist_group(f"slurm-{callspec.params['cluster']}"))

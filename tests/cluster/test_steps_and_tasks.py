@@ -60,9 +60,6 @@ srun -O -n2 --tres-per-task=gres/gpu:1 $P tres-per-task
 srun -O -n2 --gpus=4 --gpu-bind=mask_gpu:0x3,0xc $P mask-gpu
 srun -O -n2 --gpus=2 --gpu-bind=closest $P closest
 srun -O -n2 --gpus-per-task=1 --gpu-bind=per_task:1 $P per-task-1
-srun -O --exact -n1 --gres=gpu:2 $P concurrent-a 3 &
-srun -O --exact -n1 --gres=gpu:2 $P concurrent-b 3 &
-wait
 srun -O -n1 --gres=gpu:0 $P no-gpus
 srun -O -n1 --gres=gpu:4 $P holding 4 &
 sleep 2
@@ -124,7 +121,7 @@ def test_each_step_and_task_gets_and_may_open_the_mapa_gpus_paired_with_slurms(c
     for line in lines:
         by_tag.setdefault(line["tag"], []).append(line)
     assert set(by_tag) == {"batch", "per-task", "map-gpu", "ntasks-per-gpu", "single", "bind-none", "tres-per-task", "mask-gpu",
-                           "closest", "per-task-1", "concurrent-a", "concurrent-b", "no-gpus", "holding", "overlap"}, cluster.output(jobid)
+                           "closest", "per-task-1", "no-gpus", "holding", "overlap"}, cluster.output(jobid)
     # The batch step: the whole job, isolated to it.
     assert _ints(batch["open"]) == sorted(job_mapa) and sorted(_ints(batch["mine"])) == sorted(job_mapa)
     # --gpus-per-task=1: local rank r gets Slurm's r-th GPU's pair, each task its own; the tasks of
@@ -151,11 +148,6 @@ def test_each_step_and_task_gets_and_may_open_the_mapa_gpus_paired_with_slurms(c
     # map_gpu:3,1: the tasks get the pairs of Slurm's 3 and 1 in rank order.
     map_gpu = sorted(by_tag["map-gpu"], key=lambda line: int(line["rank"]))
     assert [_expand(line["slurm"]) for line in map_gpu] == [[job_slurm[3]], [job_slurm[1]]], map_gpu
-    # Two concurrent steps Slurm kept apart: apart on MAPA's GPUs too, and neither can open the other's.
-    a, b = by_tag["concurrent-a"][0], by_tag["concurrent-b"][0]
-    ga, gb = _check_task(a, pairing), _check_task(b, pairing)
-    assert len(ga) == len(gb) == 2 and not set(ga) & set(gb), (a, b)
-    assert not set(_ints(a["open"])) & set(_ints(b["open"])), (a, b)
     # A step of no GPUs sees none and can open none.
     none = by_tag["no-gpus"][0]
     assert (none["mine"], none["cvd"], none["open"]) == ("", "", ""), none
@@ -163,6 +155,33 @@ def test_each_step_and_task_gets_and_may_open_the_mapa_gpus_paired_with_slurms(c
     holding, overlap = by_tag["holding"][0], by_tag["overlap"][0]
     assert set(_check_task(overlap, pairing)) <= set(_check_task(holding, pairing)), (holding, overlap)
 
+
+
+# Two CPUs (the mock node's all): Slurm 26.05 runs two `--exact` steps of one CPU each side by side
+# only when the job has a CPU for each (24.11 let `-O` steps share the job's one CPU).
+CONCURRENT_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:4 -N1 -n2
+#MAPA topology=ring sensitive=yes
+""" + WITH_PROBE + """$P batch
+srun --exact -n1 --gres=gpu:2 $P concurrent-a 3 &
+srun --exact -n1 --gres=gpu:2 $P concurrent-b 3 &
+wait
+"""
+
+
+def test_two_concurrent_steps_kept_apart_by_slurm_are_apart_on_mapas_gpus(cluster):
+    jobid = cluster.sbatch(CONCURRENT_JOB, "-w", "dgx1")
+    cluster.wait_state(jobid, "COMPLETED", timeout=120)
+    by_tag = {line["tag"]: line for line in _lines(cluster.output(jobid))}
+    assert set(by_tag) == {"batch", "concurrent-a", "concurrent-b"}, cluster.output(jobid)
+    batch = by_tag["batch"]
+    pairing = _pairing(_ints(batch["job_slurm"]), _ints(batch["job_mapa"]))
+    a, b = by_tag["concurrent-a"], by_tag["concurrent-b"]
+    ga, gb = _check_task(a, pairing), _check_task(b, pairing)
+    # Side by side (each ran while the other slept), so Slurm gave them different GPUs.
+    assert a["step"] != b["step"] and not set(_expand(a["slurm"])) & set(_expand(b["slurm"])), (a, b)
+    assert len(ga) == len(gb) == 2 and not set(ga) & set(gb), (a, b)
+    assert not set(_ints(a["open"])) & set(_ints(b["open"])), (a, b)
 
 ARRAY_JOB = """#!/bin/bash
 #SBATCH --gres=gpu:1 -p dgx -n1 --array=0-3
