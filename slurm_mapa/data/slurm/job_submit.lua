@@ -2,7 +2,7 @@
 slurm-mapa job_submit plugin: validates MAPA directives when a job is submitted.
 
 Install as /etc/slurm/job_submit.lua (next to slurm.conf) with JobSubmitPlugins=lua. Written for
-Lua 5.1, the version Debian's slurm-wlm-basic-plugins links (Slurm 24.11).
+Lua 5.1, the version Debian's slurm-wlm-basic-plugins links (Slurm 24.11 and 26.05).
 
 What it does (docs/directives.md describes the grammar for users):
 
@@ -26,9 +26,9 @@ What it does (docs/directives.md describes the grammar for users):
   before it; an older MAPA record found that way is replaced, with what follows it. When the
   result would pass _MAX_ADMIN_COMMENT_CHARS, admin_comment is left as it was (the Prolog reads
   the directive from the comment or the script then).
-* Slurm 24.11 ACCEPTS a job when the Lua function raises a runtime error, so everything runs under
-  pcall: an internal error rejects the job with a message that says so (ESLURM_INTERNAL, or
-  slurm.ERROR).
+* Slurm 24.11 ACCEPTS a job when the Lua function raises a runtime error (26.05 rejects it with the
+  raw Lua error), so everything runs under pcall: an internal error rejects the job with a message
+  that says so (ESLURM_INTERNAL, or slurm.ERROR), on either release.
 * slurm_job_modify validates a changed comment's directive (`mapa:` or " [mapa:...]") the same
   way (the Prolog reads the job comment first) and rejects a bad one; it never rewrites admin_comment, because a user may not
   set it on modify. Other modifications, the Prolog's own AdminComment updates included, pass.
@@ -771,7 +771,7 @@ end
 -- without a directive, the others (mapa_noring<k>). placement=any adds nothing. The user's own
 -- --prefer or nodes (-w) win; a --constraint of plain feature names joined by '&' is kept and the
 -- MAPA feature added to the preference with it; any other --constraint is left alone. Never a
--- constraint: Slurm 24.11 fails a job whose constraint no node has active (BadConstraints), and
+-- constraint: Slurm (24.11, 26.05) fails a job whose constraint no node has active (BadConstraints), and
 -- MAPA's features come and go.
 -- placement=require also delays the job's start by wait= minutes (its begin time, which Slurm
 -- itself enforces); `mapa release` on the controller starts it earlier, as soon as a node of its
