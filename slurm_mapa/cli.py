@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from . import __version__
+from . import version_text
 from .core.effbw import EffectiveBandwidthModel, load_model_file, paper_model
 from .core.explain import alternatives, reported_allocation
 from .core.hardware import HardwareGraph
@@ -178,7 +178,7 @@ def _affinity_text(why: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mapa", description="Topology-aware GPU allocation for Slurm (MAPA).")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=version_text("mapa"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     topo = commands.add_parser("topo", help="show or discover GPU server topologies")
@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin_commands(commands)
     from .slurm.install import add_commands as add_hook_commands
     add_hook_commands(commands)
+    from .slurm.doctor import add_commands as add_doctor_commands
+    add_doctor_commands(commands)
     from .slurm.release import add_commands as add_release_commands
     add_release_commands(commands)
     from .calibrate.commands import add_commands as add_calibrate_commands

@@ -314,11 +314,13 @@ def test_mapa_hooks_follows_interpreter_symlinks_and_judges_each(tmp_path):
 
 def test_mapa_hooks_refuses_a_config_the_hooks_would_refuse(tmp_path):
     config = _write_config(tmp_path / "mapa.toml", tmp_path)
-    assert check_config(str(config)) is None
+    assert check_config(str(config)).jobs_dir == tmp_path / "run" / "mapa" / "jobs"
     os.chmod(config, 0o666)
     with pytest.raises(InputError, match="the hooks would refuse it and fall back for every job: .*mode 666"):
         check_config(str(config))
-    assert "does not exist yet" in check_config(str(tmp_path / "later.toml"))
+    # Without a config the hooks fall back for every job: written then, they would never use MAPA.
+    with pytest.raises(InputError, match=f"--config {tmp_path / 'later.toml'}: no such file; accepted: "):
+        check_config(str(tmp_path / "later.toml"))
 
 
 def test_mapa_hooks_replaces_a_planted_symlink_instead_of_following_it(tmp_path):

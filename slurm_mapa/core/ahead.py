@@ -269,7 +269,7 @@ def parse_sizes(spec: str | Mapping) -> dict[int, float]:
                 items.append((size.strip(), weight.strip()))
     sizes: dict[int, float] = {}
     for size, weight in items:
-        if not size.isdigit() or int(size) < 1 or int(size) > 64:
+        if not (size.isascii() and size.isdigit()) or int(size) < 1 or int(size) > 64:
             raise InputError(f"preserve-ahead sizes: job size {size!r} must be a whole number of GPUs from 1 to 64")
         try:
             value = float(weight) if not isinstance(weight, bool) else float("nan")

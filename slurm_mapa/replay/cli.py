@@ -24,6 +24,7 @@ from importlib import resources
 from typing import Callable, Iterable, Iterator, Sequence
 
 from ..core.effbw import EffectiveBandwidthModel, grounded_model, load_model, paper_model
+from .. import version_text
 from ..errors import InputError, MapaError
 from ..hardware.presets import PRESETS
 from . import report
@@ -505,13 +506,31 @@ def _affinity_line(mode: str, max_loss: float, results: Sequence[RunResult]) -> 
             f"(nodes without CPU affinity count every GPU as local); jobs on GPUs local to their CPUs: {counts}")
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _load_config(path: str | None) -> Config:
+    """--config FILE, or InputError with one line naming the file, what is wrong and what is accepted."""
     if not path:
         return Config()
+    source = f"--config {path}"
+    accepted = "accepted: a UTF-8 TOML file with [nodes], [cluster], [defaults], [[rules]] (docs/replay.md)"
     if not os.path.exists(path):
-        raise InputError(f"config file {path!r} does not exist")
-    with open(path, encoding="utf-8") as handle:
-        config = parse_config(handle.read(), path)
+        raise InputError(f"{source}: no such file; {accepted}")
+    if not os.path.isfile(path):
+        raise InputError(f"{source}: {'is a directory' if os.path.isdir(path) else 'not a regular file'}; {accepted}")
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise InputError(f"{source}: cannot read it: {error.strerror or error}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise InputError(f"{source} is larger than {MAX_CONFIG_BYTES} bytes; {accepted}, up to 1 MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InputError(f"{source}: byte {raw[error.start]:#04x} at offset {error.start} is not UTF-8; {accepted}") from None
+    config = parse_config(text, source)
     config.source_dir = os.path.dirname(os.path.abspath(path))
     return config
 
@@ -656,6 +675,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Replay GPU jobs through MAPA and peer allocation policies.")
+    parser.add_argument("--version", action="version", version=version_text(PROG))
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     demo = sub.add_parser("demo", help="replay the bundled data (the default command)")
     _common(demo)
@@ -697,7 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         parser = build_parser()
-        if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
             argv = ["demo", *argv]
         args = parser.parse_args(argv)
         handler = {"demo": cmd_demo, "run": cmd_run, "generate": cmd_generate, "policies": cmd_policies}[args.command]

@@ -63,7 +63,17 @@ def parse_config(text: str, source: str = "config") -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputError(f"{source}: not valid TOML: {exc}") from None
-    return config_from_dict(data, source)
+    from ..slurm.config import HOOK_KEYS, _line_of_key, config_from_text
+
+    unknown = sorted(set(data) - set(_SECTIONS) - HOOK_KEYS)
+    if unknown:
+        raise InputError(f"{source}: unknown section(s) {', '.join(unknown)}{_line_of_key(text, unknown[0])} "
+                         f"(accepted: {', '.join(_SECTIONS)}, model, and the hooks' keys: "
+                         f"{', '.join(sorted(HOOK_KEYS - set(_SECTIONS) - {'model'}))})")
+    config = config_from_dict(data, source)
+    if set(data) & HOOK_KEYS - {"nodes", "preserve_ahead", "affinity", "model"}:
+        config_from_text(text, source)  # the hooks' mapa.toml: its keys are checked as `mapa hooks` checks them
+    return config
 
 
 def _topology_name(value: Any, where: str) -> str:
@@ -73,28 +83,55 @@ def _topology_name(value: Any, where: str) -> str:
     return value
 
 
+_SECTIONS = ("nodes", "cluster", "defaults", "rules", "preserve_ahead", "affinity")
+
+
+def _table(data: dict, key: str, source: str, accepted: str) -> dict:
+    """``[key]`` of the config, {} when absent; InputError when it is not a table of ``accepted``."""
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise InputError(f"{source}: [{key}] must be a table of {accepted}; got {value!r}")
+    return value
+
+
 def config_from_dict(data: dict, source: str = "config") -> Config:
-    # The same file can configure the Slurm hooks (/etc/slurm/mapa.toml): their keys are theirs.
-    hook_keys = {"policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "health"}
-    unknown = set(data) - {"nodes", "cluster", "defaults", "rules", "preserve_ahead", "affinity"} - hook_keys
+    # The same file can configure the Slurm hooks (/etc/slurm/mapa.toml): their keys are theirs
+    # (checked by `mapa hooks`), and ignored here except model, [preserve_ahead] and [affinity].
+    from ..slurm.config import HOOK_KEYS
+
+    unknown = set(data) - set(_SECTIONS) - HOOK_KEYS
     if unknown:
         raise InputError(f"{source}: unknown section(s) {', '.join(sorted(unknown))} "
-                         "(accepted: nodes, cluster, defaults, rules, preserve_ahead, affinity)")
+                         f"(accepted: {', '.join(_SECTIONS)}, model, and the hooks' keys: "
+                         f"{', '.join(sorted(HOOK_KEYS - set(_SECTIONS) - {'model'}))})")
     config = Config()
-    for pattern, topo in (data.get("nodes") or {}).items():
+    for pattern, topo in _table(data, "nodes", source, 'node-name globs to topologies, e.g. "gpu*" = "pcie-8"').items():
         config.node_topologies.append((pattern, _topology_name(topo, f"{source}: [nodes] {pattern!r}")))
-    for entry in (data.get("cluster") or {}).get("nodes", []):
+    cluster = _table(data, "cluster", source, 'nodes = ["n1:dgx1-v100", ...]')
+    if set(cluster) - {"nodes"} or not isinstance(cluster.get("nodes", []), list):
+        raise InputError(f'{source}: [cluster] takes nodes = ["NAME:PRESET", ...], e.g. ["n1:dgx1-v100"]; got {cluster!r}')
+    for entry in cluster.get("nodes", []):
         config.cluster.append(parse_node_spec(entry, f"{source}: [cluster]"))
-    defaults = data.get("defaults") or {}
+    defaults = _table(data, "defaults", source, "topology = a pattern and sensitive = true or false")
+    if set(defaults) - {"topology", "sensitive"}:
+        raise InputError(f"{source}: [defaults] takes topology ({', '.join(SHAPES)}) and sensitive (true or false), "
+                         f"got {', '.join(sorted(set(defaults) - {'topology', 'sensitive'}))}")
     shape = defaults.get("topology", "ring")
-    if shape not in SHAPES:
+    if not isinstance(shape, str) or shape not in SHAPES:
         raise InputError(f"{source}: [defaults] topology {shape!r} (accepted: {', '.join(SHAPES)})")
     config.default_shape = shape
     sensitive = defaults.get("sensitive", False)
     if not isinstance(sensitive, bool):
         raise InputError(f"{source}: [defaults] sensitive must be true or false, got {sensitive!r}")
     config.default_sensitive = sensitive
-    config.rules = make_rules(data.get("rules") or [])
+    rules = data.get("rules", [])
+    if not isinstance(rules, list) or not all(isinstance(rule, dict) for rule in rules):
+        raise InputError(f'{source}: rules must be [[rules]] tables, each one of name, account, partition or user '
+                         f'(a regular expression) and a directive, e.g. name = "^train-" directive = "topology=ring"')
+    try:
+        config.rules = make_rules(rules)
+    except InputError as error:
+        raise InputError(f"{source}: {error}") from None
     model = data.get("model")
     if model is not None:
         if not isinstance(model, str) or not model.strip():

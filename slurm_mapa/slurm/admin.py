@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-from pathlib import Path
 from typing import Any
 
 from ..core.effbw import paper_model
@@ -18,7 +17,7 @@ from ..core.policies import Allocation, Request
 from ..core.search import Placement, preserved_bandwidth, score_placement
 from ..errors import InputError
 from .commands import CommandFailed, Runner, is_job_id, parse_job_json, show_job_argv
-from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
+from .config import DEFAULT_CONFIG_PATH, HookConfig, load_admin_config
 from .decision import parse_decisions, read_admin_comment, record_directive
 from .directive import to_request
 from .hooks import load_graph
@@ -26,11 +25,13 @@ from .ledger import LedgerCorrupt, LedgerFile
 
 
 def _config(path: str | None) -> HookConfig:
-    config_path = Path(path) if path else DEFAULT_CONFIG_PATH
-    try:
-        return config_from_text(config_path.read_text(), source=str(config_path))
-    except FileNotFoundError:
-        raise InputError(f"no config at {config_path} (give --config FILE)") from None
+    """--config FILE, else /etc/slurm/mapa.toml; refused with one line if it is unusable. These
+    commands only read, so the file need not be root's (the hooks' own check: `mapa hooks`)."""
+    if path:
+        return load_admin_config(path, trusted=False)
+    if not DEFAULT_CONFIG_PATH.exists():
+        raise InputError(f"no config at {DEFAULT_CONFIG_PATH} (give --config FILE)")
+    return load_admin_config(DEFAULT_CONFIG_PATH, option="", trusted=False)
 
 
 def node_status(config: HookConfig, node: str) -> dict[str, Any]:

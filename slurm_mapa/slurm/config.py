@@ -34,6 +34,7 @@ The first matching [nodes] entry wins. Other sections (used by mapa-replay) are 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import tomllib
@@ -49,6 +50,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
          "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate", "features",
          "affinity", "isolation", "isolation_scope", "dcgm_job_mapping_dir"}
+HOOK_KEYS = frozenset(_KEYS)  # the top-level keys of the hooks' config (mapa-replay accepts and ignores them)
 # The agent answers within the budget and its client gives up after 25 s; the wrapper then runs
 # the Prolog in-process with the same budget: 25 + 20 s stays inside the 60 s PrologEpilogTimeout
 # Slurm's docs suggest.
@@ -122,7 +124,39 @@ def _validate_with_engine(values: dict[str, Any], source: str) -> None:
     if values.get("policy", "preserve") not in all_policies():
         raise InputError(f"{source}: unknown policy {values['policy']!r} (accepted: {', '.join(all_policies())})")
     if "default_directive" in values:
-        parse_directive(values["default_directive"])  # a bad default is the admin's error, found at load
+        try:
+            parse_directive(values["default_directive"])  # a bad default is the admin's error, found at load
+        except InputError as error:
+            raise InputError(f"{source}: default_directive {values['default_directive']!r}: {error}") from None
+
+
+def _line_of_key(text: str, key: str) -> str:
+    """`` (line 3: 'polcy = "preserve"')``: where a top-level key is first set or opened as a table."""
+    pattern = re.compile(r'\s*\[*\s*(?:' + re.escape(key) + r'|"' + re.escape(key) + r'"|\'' + re.escape(key) + r"')\s*[=.\]]")
+    for number, line in enumerate(text.splitlines(), 1):
+        if pattern.match(line):
+            return f" (line {number}: {line.strip()[:80]!r})"
+    return ""
+
+
+def _nul_in(value: Any, where: str = "") -> str:
+    """The first key or value holding a NUL character (TOML's \\u0000: no file name can), or ""."""
+    if isinstance(value, str):
+        return where if "\0" in value else ""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{where}.{key}" if where else str(key)
+            if "\0" in str(key):
+                return repr(inner)
+            found = _nul_in(item, inner)
+            if found:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _nul_in(item, f"{where}[{i}]")
+            if found:
+                return found
+    return ""
 
 
 def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = True) -> HookConfig:
@@ -131,14 +165,20 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise InputError(f"{source}: not valid TOML: {error}") from None
-    unknown = set(data) - _KEYS - _OTHER_TOOLS_SECTIONS
+    nul = _nul_in(data)
+    if nul:
+        raise InputError(f"{source}: {nul} contains a NUL character (\\u0000), which no path or name may hold")
+    unknown = sorted(set(data) - _KEYS - _OTHER_TOOLS_SECTIONS)
     if unknown:
-        raise InputError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} (accepted: {', '.join(sorted(_KEYS))})")
+        names = ", ".join(repr(key) for key in unknown)
+        raise InputError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {names}{_line_of_key(text, unknown[0])} "
+                         f"(accepted: {', '.join(sorted(_KEYS))}; mapa-replay's sections {', '.join(sorted(_OTHER_TOOLS_SECTIONS))} "
+                         "are ignored here)")
     values: dict[str, Any] = {}
     for key in ("policy", "default_directive", "scontrol", "squeue", "model", "health", "isolation", "isolation_scope"):
         if key in data:
             if not isinstance(data[key], str):
-                raise InputError(f"{source}: {key} must be a string, got {data[key]!r}")
+                raise InputError(f"{source}: {key} must be a string (in quotes), got {data[key]!r}")
             values[key] = data[key]
     if values.get("health", "auto") not in ("auto", "off"):
         raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {values['health']!r}")
@@ -184,7 +224,8 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
         values["affinity_mode"], values["affinity_max_loss"] = settings_from_table(data["affinity"], source)
     nodes = data.get("nodes", {})
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
-        raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"')
+        raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"; '
+                         f'got {nodes!r}')
     values["nodes"] = tuple(nodes.items())
     if "preserve_ahead" in data:
         from ..core.ahead import settings_from_table
@@ -238,16 +279,28 @@ def load_hook_config(env: Mapping[str, str], *, validate: bool = True) -> tuple[
             return HookConfig(), f"bad-config: {path} does not exist"
         return HookConfig(), f"bad-config: refused the config, as sshd's StrictModes would: {error}"
     try:
-        raw = paths.read_bytes(path, MAX_CONFIG_BYTES)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise InputError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes; accepted: a config up to 1 MiB")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise InputError(f"{path}: byte {raw[error.start]:#04x} at offset {error.start} is not UTF-8; accepted: UTF-8 text") from None
+        text = _config_text(paths.read_bytes(path, MAX_CONFIG_BYTES), str(path))
         config = config_from_text(text, source=str(path), validate=validate)
     except (OSError, MapaError) as error:
         return HookConfig(), f"bad-config: {error}"
+    problem = _untrusted_program(config, f" in {path}")
+    if problem:
+        return HookConfig(), f"bad-config: {problem}"
+    return config, ""
+
+
+def _config_text(raw: bytes, source: str) -> str:
+    """The text of a config read as at most MAX_CONFIG_BYTES + 1 bytes (InputError if it is not)."""
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise InputError(f"{source} is larger than {MAX_CONFIG_BYTES} bytes; accepted: a config up to 1 MiB")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InputError(f"{source}: byte {raw[error.start]:#04x} at offset {error.start} is not UTF-8; accepted: UTF-8 text") from None
+
+
+def _untrusted_program(config: HookConfig, where: str = "") -> str:
+    """Why the hooks refuse the scontrol or squeue a config names (root runs them), or ""."""
     for key, command in (("scontrol", config.scontrol), ("squeue", config.squeue)):
         program = paths.command_path(command)
         if program is None:
@@ -255,8 +308,52 @@ def load_hook_config(env: Mapping[str, str], *, validate: bool = True) -> tuple[
         try:
             paths.resolve_trusted_file(program)
         except paths.UnsafePath as error:
-            return HookConfig(), f"bad-config: refused {key} = {command!r} in {path}, as sshd's StrictModes would: {error}"
-    return config, ""
+            return f"refused {key} = {command!r}{where}, as sshd's StrictModes would: {error}"
+    return ""
+
+
+_ACCEPTED_FILE = "accepted: a UTF-8 TOML file of the keys in docs/admin.md, section 4 (an empty file means every default)"
+
+
+def load_admin_config(path: str | os.PathLike[str], *, option: str = "--config", trusted: bool = True,
+                      validate: bool = True) -> HookConfig:
+    """The config an admin command was given, or InputError: one line naming the file, what is
+    wrong in it and what is accepted (the `mapa` handler prints it and exits with status 2).
+
+    Where the hooks fall back on a config they cannot use (:func:`load_hook_config`: a hook
+    never fails), `mapa hooks`, `mapa job-submit-lua`, `mapa status` and `mapa explain` refuse
+    it, so that a misspelled key is seen when the hooks are written rather than at the first job:
+    a missing file, a directory, bytes that are not UTF-8, bad TOML, an unknown key, a value of
+    the wrong type or range. An empty file is the defaults, as for the hooks. ``trusted``: also
+    refuse what the hooks would refuse for its owner and mode or for the scontrol and squeue it
+    names (sshd's StrictModes); without it (read-only commands) the file is read as it is.
+    """
+    source = f"{option} {os.fspath(path)}" if option else os.fspath(path)
+    where = Path(path)
+    if not os.path.lexists(where):
+        raise InputError(f"{source}: no such file; {_ACCEPTED_FILE}")
+    if os.path.isdir(where):
+        raise InputError(f"{source}: is a directory; {_ACCEPTED_FILE}")
+    try:
+        if trusted:
+            try:
+                paths.check_trusted_file(where)
+            except paths.UnsafePath as error:
+                raise InputError(f"{source}: the hooks would refuse it and fall back for every job: {error}") from None
+            raw = paths.read_bytes(where, MAX_CONFIG_BYTES)
+        else:
+            if not os.path.isfile(where):
+                raise InputError(f"{source}: not a regular file; {_ACCEPTED_FILE}")
+            with open(where, "rb") as handle:
+                raw = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise InputError(f"{source}: cannot read it: {error.strerror or error}") from None
+    config = config_from_text(_config_text(raw, source), source=source, validate=validate)
+    if trusted:
+        problem = _untrusted_program(config)
+        if problem:
+            raise InputError(f"{source}: the hooks would fall back for every job: {problem}")
+    return config
 
 
 def hook_logger(path: Path) -> Callable[[str], None]:

@@ -156,16 +156,13 @@ def check_interpreter(python: str) -> Path:
     return resolved
 
 
-def check_config(config: str) -> str | None:
-    """Refuse (InputError) a config the hooks would refuse; a warning line if it is not there yet."""
-    if not os.path.lexists(config):
-        return (f"warning: --config {config} does not exist yet; the hooks will use it only if it is a regular file "
-                "owned by root, not writable by group or others, in directories only root can change")
-    try:
-        trusted.check_trusted_file(Path(config))
-    except trusted.UnsafePath as error:
-        raise InputError(f"--config {config}: the hooks would refuse it and fall back for every job: {error}") from None
-    return None
+def check_config(config: str) -> HookConfig:
+    """The config as the hooks will read it; InputError for one they would refuse or could not use
+    (they would fall back for every job), missing included: its jobs_dir, isolation and
+    [features] go into the files written."""
+    from .config import load_admin_config
+
+    return load_admin_config(config)
 
 
 def package_warning(package_dir: Path) -> str | None:
@@ -175,15 +172,6 @@ def package_warning(package_dir: Path) -> str | None:
     except trusted.UnsafePath as error:
         return f"warning: root will import slurm-mapa from {package_dir}, which others could change: {error}"
     return None
-
-
-def configured(config: str) -> HookConfig:
-    """The config as the hooks will read it, or the defaults when it is missing or unusable (the
-    hooks then fall back to them too): its jobs_dir, isolation and [features] go into the files."""
-    from .config import HookConfig, load_hook_config
-
-    loaded, problem = load_hook_config({"MAPA_CONFIG": config}, validate=False)
-    return HookConfig() if problem else loaded
 
 
 GPU_VENDORS = ("auto", "nvidia", "amd")
@@ -245,10 +233,10 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     directory = Path(args.directory).resolve()
     python = args.python or sys.executable
     check_interpreter(python)
-    for warning in (check_config(args.config), package_warning(PACKAGE_DIR)):
-        if warning:
-            print(warning, file=sys.stderr)
-    config = configured(args.config)
+    config = check_config(args.config)
+    warning = package_warning(PACKAGE_DIR)
+    if warning:
+        print(warning, file=sys.stderr)
     jobs_dir = str(config.jobs_dir)
     texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix, jobs_dir=jobs_dir)
              for kind in ENTRY}
@@ -283,11 +271,7 @@ def cmd_hooks(args: argparse.Namespace) -> int:
 
 def cmd_job_submit_lua(args: argparse.Namespace) -> int:
     """Write job_submit.lua for the controller with mapa.toml's node-choice settings."""
-    from .config import load_hook_config
-
-    loaded, problem = load_hook_config({"MAPA_CONFIG": args.config}, validate=False)
-    if problem:
-        raise InputError(f"--config {args.config}: {problem}")
+    loaded = check_config(args.config)
     target = Path(args.path)
     try:
         trusted.ensure_trusted_dir(target.resolve().parent)  # slurmctld runs it, as SlurmUser

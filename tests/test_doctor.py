@@ -1,0 +1,437 @@
+"""`mapa doctor` (slurm/doctor.py): the pure checks on literal inputs, the JSON shape, and the
+gatherer where Slurm is missing. The live cluster run is tests/cluster/test_doctor.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_mapa.core.hardware import HardwareGraph
+from slurm_mapa.hardware.gres import CpuLayout, gres_conf_text
+from slurm_mapa.hardware.load import load_topology_file
+from slurm_mapa.hardware.presets import preset
+from slurm_mapa.hardware.topofile import Topology
+from slurm_mapa.slurm import doctor
+from slurm_mapa.slurm.doctor import FAIL, OK, WARN, Inputs, PathFacts, run_checks
+from slurm_mapa.slurm.install import job_submit_text, taskprolog_text, wrapper_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# `scontrol show config` of the mini cluster's Slurm 26.05.5 (an excerpt), as it prints it:
+# "%-23s = %s" (slurm_print_key_pairs, src/api/config_info.c); the cgroup.conf keys follow in a
+# section of their own, sorted. 24.11.5 prints these keys the same way.
+SHOW_CONFIG = """\
+Configuration data as of 2026-11-25T10:00:00
+AccountingStorageTRES   = cpu,mem,energy,node,billing,fs/disk,vmem,pages,gres/gpu
+AuthType                = auth/munge
+ClusterName             = mapa
+Epilog[0]               = /usr/local/sbin/mapa-epilog-wrapper
+EpilogMsgTime           = 2000 usec
+GresTypes               = gpu
+JobSubmitPlugins        = lua
+PluginDir               = /usr/lib/x86_64-linux-gnu/slurm-wlm
+PlugStackConfig         = /etc/slurm/plugstack.conf
+ProctrackType           = proctrack/cgroup
+Prolog[0]               = /usr/local/sbin/mapa-prolog-wrapper
+PrologEpilogTimeout     = 60
+PrologFlags             = Alloc
+SelectType              = select/cons_tres
+SelectTypeParameters    = CR_CORE
+SlurmctldHost[0]        = slurmctld
+SLURM_CONF              = /etc/slurm/slurm.conf
+SLURM_VERSION           = 26.05.5
+TaskPlugin              = task/cgroup,task/affinity
+TaskPluginParam         = (null type)
+TaskProlog              = /usr/local/sbin/mapa-taskprolog
+
+Cgroup Support Configuration:
+AllowedRAMSpace         = 100.0%
+CgroupJobIdPaths        = no
+CgroupMountpoint        = /sys/fs/cgroup
+CgroupPlugin            = cgroup/v1
+ConstrainCores          = yes
+ConstrainDevices        = no
+ConstrainRAMSpace       = yes
+"""
+
+SHOW_NODE = (
+    "NodeName=dgx1 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=0.41 "
+    "AvailableFeatures=mapa_ring2,mapa_noring2,mapa_ring4,mapa_noring4 ActiveFeatures=mapa_ring2,mapa_ring4 "
+    "Gres=gpu:8(S:0-1) NodeAddr=dgx1 NodeHostName=dgx1 Version=26.05.5 OS=Linux 6.8.0 RealMemory=4000 "
+    "AllocMem=0 FreeMem=3000 Sockets=2 Boards=1 State=IDLE ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A "
+    "Partitions=gpu,dgx BootTime=2026-11-25T09:58:01 SlurmdStartTime=2026-11-25T09:58:03\n"
+)
+
+MAPA_TOML = """\
+policy = "preserve"
+job_submit_lua = true
+isolation = "auto"
+[nodes]
+"dgx*" = "/etc/slurm/mapa-topology.toml"
+[features]
+sizes = [2, 4]
+"""
+
+CGROUP_CONF = "CgroupPlugin=cgroup/v1\nConstrainCores=yes\nConstrainRAMSpace=yes\nConstrainDevices=no\n"
+SBIN = "/usr/local/sbin"
+PACKAGE_PARENT = "/usr/lib/python3/dist-packages"
+SPANK = "/usr/local/lib/slurm-mapa/spank_mapa_isolate.so"
+TOPOLOGY = Topology(graph=preset("dgx1-v100"), minor_numbers=tuple(range(8)))
+GRES = gres_conf_text(TOPOLOGY, layout=CpuLayout(cores=40, threads_per_core=2, sockets=2))
+WRAPPERS = {
+    "Prolog": f"{SBIN}/mapa-prolog-wrapper",
+    "Epilog": f"{SBIN}/mapa-epilog-wrapper",
+    "TaskProlog": f"{SBIN}/mapa-taskprolog",
+}
+
+
+def _hook_texts(isolation: str = "fail-open", jobs_dir: str = "/run/slurm-mapa/jobs") -> dict[str, str]:
+    return {
+        WRAPPERS["Prolog"]: wrapper_text("prolog", "/usr/bin/python3", PACKAGE_PARENT, "/etc/slurm/mapa.toml", jobs_dir=jobs_dir),
+        WRAPPERS["Epilog"]: wrapper_text("epilog", "/usr/bin/python3", PACKAGE_PARENT, "/etc/slurm/mapa.toml", jobs_dir=jobs_dir),
+        WRAPPERS["TaskProlog"]: taskprolog_text(jobs_dir, "auto", isolation, "/usr/bin/python3", PACKAGE_PARENT),
+    }
+
+
+def healthy(**changes) -> Inputs:
+    """A compute node (dgx1) where everything is as docs/admin.md asks."""
+    inputs = Inputs(
+        node="dgx1",
+        config_path="/etc/slurm/mapa.toml",
+        processes=frozenset({"slurmd"}),
+        show_config=SHOW_CONFIG,
+        show_node=SHOW_NODE,
+        cgroup_conf=CGROUP_CONF,
+        gres_conf=GRES,
+        devices={f"/dev/nvidia{i}": "char" for i in range(8)},
+        mapa_toml=MAPA_TOML,
+        topology=TOPOLOGY,
+        discovered=Topology(graph=preset("dgx1-v100"), vendor="nvidia"),
+        discovery_tool="nvidia-smi",
+        isolation=("fail-open", "auto: node dgx1's topology /etc/slurm/mapa-topology.toml names each GPU's device file"),
+        hooks={key: PathFacts(path, f"{key} hook", "program", mode=0o755) for key, path in WRAPPERS.items()},
+        hook_texts=_hook_texts(),
+        spank_lines=(("optional", SPANK, "/etc/slurm/plugstack.conf"),),
+        spank_built={SPANK: "26.05"},
+        running_version="slurm 26.05.5",
+        paths=(
+            PathFacts("/etc/slurm/mapa.toml", "mapa.toml"),
+            PathFacts("/usr/bin/scontrol", "mapa.toml's scontrol", "program", mode=0o755),
+            PathFacts("/etc/slurm/mapa-topology.toml", "topology file"),
+            PathFacts("/run/slurm-mapa/jobs", "jobs directory", "dir", mode=0o755),
+            PathFacts("/run/slurm-mapa-agent", "mapa-agent's socket directory", "dir", mode=0o700),
+            PathFacts(SPANK, "SPANK plugin", "program"),
+        ),
+        agent_answer="error unknown hook kind 'doctor' (accepted: prolog, epilog, isolate)",
+        isolate_socket=PathFacts("/run/slurm-mapa-isolate/isolate.sock", "isolation socket", "socket", mode=0o666),
+    )
+    return dataclasses.replace(inputs, **changes)
+
+
+def controller(**changes) -> Inputs:
+    """The controller: slurmctld runs, no node of that name, job_submit.lua as `mapa job-submit-lua` writes it."""
+    settings = dict(
+        node="slurmctld", processes=frozenset({"slurmctld"}), show_node=None,
+        show_node_error="`scontrol --oneliner show node slurmctld` exited 1: Node slurmctld not found",
+        hooks={}, hook_texts={}, topology=None, discovered=None, discovery_tool="", isolation=None,
+        job_submit_lua=job_submit_text((2, 4)), job_submit_expected=job_submit_text((2, 4)))
+    return dataclasses.replace(healthy(), **{**settings, **changes})
+
+
+def by_name(checks) -> dict[str, doctor.Check]:
+    return {check.check: check for check in checks}
+
+
+def test_a_healthy_compute_node_passes_every_check():
+    checks = run_checks(healthy())
+    report = doctor.format_text(checks)
+    assert [check.status for check in checks] == [OK] * len(checks), report
+    assert doctor.exit_status(checks) == 0
+    assert [check.check for check in checks] == [
+        "role", "scontrol", "mapa.toml", "prolog", "epilog", "taskprolog", "hooks-current", "prolog-flags",
+        "prolog-timeout", "job-submit", "select-type", "task-plugin", "constrain-devices", "spank", "topology", "gres",
+        "discovery", "isolation", "agent", "features", "trust"]
+    found = by_name(checks)
+    assert "Prolog = /usr/local/sbin/mapa-prolog-wrapper: root's, mode 755" in found["prolog"].found
+    assert "PrologEpilogTimeout = 60 s (needed: 60 s)" in found["prolog-timeout"].found
+    assert "built for Slurm 26.05" in found["spank"].found
+    assert found["isolation"].found.startswith("fail-open (auto:")
+    assert report.splitlines()[0].startswith("ok    role")
+
+
+def test_docs_admin_shows_the_healthy_output():
+    text = (ROOT / "docs" / "admin.md").read_text()
+    start = text.index("A healthy DGX-1 node (the healthy case of tests/test_doctor.py")
+    block = text[start:].split("\n\n", 2)[1]
+    assert block == "".join("    " + line + "\n" for line in doctor.format_text(run_checks(healthy())).splitlines()).rstrip("\n")
+
+
+def test_the_controller_skips_the_node_checks_and_compares_job_submit_lua():
+    checks = run_checks(controller())
+    assert doctor.exit_status(checks) == 0, doctor.format_text(checks)
+    found = by_name(checks)
+    assert "skipped: not a compute node" in found["role"].found
+    for name in ("spank", "gres", "topology", "agent", "features", "hooks-current"):
+        assert name not in found
+    assert "is what `mapa job-submit-lua` writes" in found["job-submit"].found
+    assert "checked on the compute nodes" in found["prolog"].found
+
+
+def _replace_config(old: str, new: str):
+    assert old in SHOW_CONFIG
+    return {"show_config": SHOW_CONFIG.replace(old, new)}
+
+
+FAULTS = [
+    # (case, changes, check, words in what it found, words in the fix)
+    ("prolog not MAPA's", _replace_config(f"{SBIN}/mapa-prolog-wrapper", "/etc/slurm/prolog.sh"),
+     "prolog", "not MAPA's mapa-prolog-wrapper", "Prolog=DIR/mapa-prolog-wrapper"),
+    ("no prolog", _replace_config(f"Prolog[0]               = {SBIN}/mapa-prolog-wrapper\n", ""),
+     "prolog", "sets no Prolog", "mapa hooks DIR"),
+    ("prolog wrapper group-writable",
+     {"hooks": {**healthy().hooks, "Prolog": PathFacts(WRAPPERS["Prolog"], "Prolog hook", "program", mode=0o775,
+                                                        problem=f"file {WRAPPERS['Prolog']} is writable by group or others (mode 775); "
+                                                                "accepted: not group/world-writable")}},
+     "prolog", "writable by group or others (mode 775)", "chmod 755"),
+    ("epilog wrapper missing", {"hooks": {**healthy().hooks, "Epilog": PathFacts(WRAPPERS["Epilog"], "Epilog hook", "program", exists=False)}},
+     "epilog", "does not exist on this node", "mapa hooks /usr/local/sbin"),
+    ("taskprolog not executable",
+     {"hooks": {**healthy().hooks, "TaskProlog": PathFacts(WRAPPERS["TaskProlog"], "TaskProlog hook", "program", mode=0o644)}},
+     "taskprolog", "is not executable (mode 644)", "chmod 755"),
+    ("prolog wrapper someone else's",
+     {"hooks": {**healthy().hooks, "Prolog": PathFacts(WRAPPERS["Prolog"], "Prolog hook", "program", uid=1000, mode=0o755)}},
+     "prolog", "belongs to uid 1000", "chown root:root"),
+    ("taskprolog of another isolation", {"hook_texts": _hook_texts(isolation="off")},
+     "hooks-current", "has ISOLATION=off, mapa.toml's isolation comes to fail-open", "mapa hooks DIR"),
+    ("hooks of another jobs_dir", {"hook_texts": _hook_texts(jobs_dir="/var/run/mapa-jobs")},
+     "hooks-current", "uses JOBS_DIR=/var/run/mapa-jobs, mapa.toml's jobs_dir is /run/slurm-mapa/jobs", "mapa hooks DIR"),
+    ("no PrologFlags", _replace_config("PrologFlags             = Alloc", "PrologFlags             = (null)"),
+     "prolog-flags", "without Alloc (or RunInJob)", "PrologFlags=Alloc"),
+    ("PrologEpilogTimeout too short", _replace_config("PrologEpilogTimeout     = 60", "PrologEpilogTimeout     = 30"),
+     "prolog-timeout", "PrologEpilogTimeout = 30 s is shorter than 60 s", "PrologEpilogTimeout=60"),
+    # Slurm 26.05 prints the two apart only when they differ (src/api/config_info.c).
+    ("PrologTimeout too short", _replace_config("PrologEpilogTimeout     = 60",
+                                                 "EpilogTimeout           = 60\nPrologTimeout           = 20"),
+     "prolog-timeout", "PrologTimeout = 20 s is shorter than 60 s", "PrologEpilogTimeout=60"),
+    ("no lua plugin", _replace_config("JobSubmitPlugins        = lua", "JobSubmitPlugins        = (null)"),
+     "job-submit", "has no lua, but mapa.toml says job_submit_lua = true", "JobSubmitPlugins=lua"),
+    ("ConstrainDevices=yes", {"cgroup_conf": CGROUP_CONF.replace("ConstrainDevices=no", "ConstrainDevices=yes")},
+     "constrain-devices", "ConstrainDevices = yes", "ConstrainDevices=no"),
+    ("SPANK plugin of another release",
+     {"spank_problems": (f"SPANK plugin {SPANK} was built for Slurm 24.11 (24.11.5) but this node runs Slurm 26.05.5: "
+                         "slurmstepd will not load it",)},
+     "spank", "was built for Slurm 24.11", "mapa spank-plugin PATH"),
+    ("no [nodes] entry", {"mapa_toml": MAPA_TOML.replace('"dgx*"', '"gpu*"')},
+     "topology", "no [nodes] entry of /etc/slurm/mapa.toml matches node dgx1", "under [nodes]"),
+    ("topology unreadable", {"topology": None, "topology_error": "topology file '/etc/slurm/mapa-topology.toml': not valid TOML"},
+     "topology", "cannot be loaded: topology file", "mapa topo discover"),
+    ("a GPU line short", {"gres_conf": GRES.replace("Name=gpu File=/dev/nvidia7", "# Name=gpu File=/dev/nvidia7")},
+     "gres", "7 GPU device files for node dgx1, the topology has 8 GPUs", "mapa gres-conf"),
+    ("GPUs out of order", {"gres_conf": GRES.replace("File=/dev/nvidia0 ", "File=/dev/nvidiaX ")
+                                            .replace("File=/dev/nvidia1 ", "File=/dev/nvidia0 ")
+                                            .replace("File=/dev/nvidiaX ", "File=/dev/nvidia1 ")},
+     "gres", "Slurm's GPU 0 is /dev/nvidia1 but the topology's GPU 0 is /dev/nvidia0", "mapa gres-conf"),
+    ("a device file missing", {"devices": {**{f"/dev/nvidia{i}": "char" for i in range(8)}, "/dev/nvidia3": "missing"}},
+     "gres", "/dev/nvidia3 missing", "restart slurmd"),
+    ("discovery sees fewer GPUs", {"discovered": Topology(graph=HardwareGraph(
+        name="six", links=tuple(row[:6] for row in preset("dgx1-v100").links[:6])))},
+     "discovery", "nvidia-smi sees 6 GPUs, the topology file has 8", "mapa topo discover"),
+    ("mapa.toml misspelled", {"mapa_toml": 'polcy = "greedy"\n' + MAPA_TOML},
+     "mapa.toml", "polcy", "fix /etc/slurm/mapa.toml"),
+    ("mapa.toml group-writable",
+     {"paths": (PathFacts("/etc/slurm/mapa.toml", "mapa.toml", mode=0o664,
+                          problem="file /etc/slurm/mapa.toml is writable by group or others (mode 664); accepted: "
+                                  "not group/world-writable"),)},
+     "trust", "mapa.toml /etc/slurm/mapa.toml: file /etc/slurm/mapa.toml is writable by group", "chmod go-w"),
+    ("topology file someone else's", {"paths": (PathFacts("/etc/slurm/mapa-topology.toml", "topology file", uid=1000),)},
+     "trust", "belongs to uid 1000", "chown root:root /etc/slurm/mapa-topology.toml"),
+    ("agent down", {"agent_answer": None, "agent_error": "No such file or directory: /run/slurm-mapa-agent/agent.sock"},
+     "agent", "mapa-agent did not answer", "systemctl enable --now mapa-agent"),
+    ("isolation socket missing",
+     {"isolate_socket": PathFacts("/run/slurm-mapa-isolate/isolate.sock", "isolation socket", "socket", exists=False)},
+     "agent", "isolation socket /run/slurm-mapa-isolate/isolate.sock is missing", "restart mapa-agent"),
+    ("features not in slurm.conf", {"show_node": SHOW_NODE.replace(",mapa_ring4,mapa_noring4 ActiveFeatures", " ActiveFeatures")},
+     "features", "lacks mapa_ring4,mapa_noring4", "NodeName=dgx1 Features="),
+    ("scontrol missing", {"show_config": None, "show_config_error": "scontrol not found"},
+     "scontrol", "`scontrol show config` failed: scontrol not found", "scontrol ping"),
+]
+
+
+@pytest.mark.parametrize("changes, name, found, fix", [case[1:] for case in FAULTS], ids=[case[0] for case in FAULTS])
+def test_each_fault_fails_its_check_and_says_what_to_do(changes, name, found, fix):
+    checks = run_checks(healthy(**changes))
+    report = doctor.format_text(checks)
+    assert doctor.exit_status(checks) == 1, report
+    failed = [check for check in checks if check.status == FAIL]
+    assert [check.check for check in failed] == [name], report
+    assert found in failed[0].found, report
+    assert fix in failed[0].fix, report
+    assert f"FAIL  {name}" in report
+
+
+def test_the_controller_fails_on_a_stale_job_submit_lua():
+    checks = run_checks(controller(job_submit_lua=job_submit_text(())))
+    failed = [check for check in checks if check.status == FAIL]
+    assert [check.check for check in failed] == ["job-submit"], doctor.format_text(checks)
+    assert "differs from what `mapa job-submit-lua` writes" in failed[0].found
+    assert "mapa job-submit-lua /etc/slurm/job_submit.lua --config /etc/slurm/mapa.toml" in failed[0].fix
+
+
+WARNINGS = [
+    ("unlimited timeout", _replace_config("PrologEpilogTimeout     = 60", "PrologEpilogTimeout     = 65534"),
+     "prolog-timeout", "unlimited (65534)"),
+    ("SPANK plugin of another release, isolation off",
+     {"isolation": ("off", 'isolation = "off" in mapa.toml'), "hook_texts": _hook_texts(isolation="off"),
+      "spank_problems": (f"SPANK plugin {SPANK} was built for Slurm 24.11 (24.11.5) but this node runs Slurm 26.05.5",)},
+     "spank", "was built for Slurm 24.11"),
+    ("no SPANK plugin, isolation on", {"spank_lines": (), "spank_built": {}}, "spank", "no MAPA SPANK plugin"),
+    ("links differ", {"discovered": Topology(graph=preset("pcie-8"), vendor="nvidia")}, "discovery", "GPU pairs differ"),
+    ("no discovery tool", {"discovered": None, "discovery_tool": "", "discovery_error": "nvidia-smi and rocm-smi not on PATH"},
+     "discovery", "no discovery tool here"),
+    ("features not yet published",
+     {"show_node": SHOW_NODE.replace("ActiveFeatures=mapa_ring2,mapa_ring4", "ActiveFeatures=mapa_ring2,mapa_noring2,mapa_ring4,mapa_noring4")},
+     "features", "not one of mapa_ring2/mapa_noring2, mapa_ring4/mapa_noring4"),
+    ("agent down, isolation off",
+     {"isolation": ("off", 'isolation = "off" in mapa.toml'), "hook_texts": _hook_texts(isolation="off"),
+      "agent_answer": None, "agent_error": "Connection refused"},
+     "agent", "every hook runs in-process"),
+    ("package directory others may change",
+     {"paths": (PathFacts("/opt/slurm-mapa/slurm_mapa", "slurm-mapa package directory", "dir", uid=1000, mode=0o755,
+                          required=False),)},
+     "trust", "slurm-mapa package directory /opt/slurm-mapa/slurm_mapa"),
+]
+
+
+@pytest.mark.parametrize("changes, name, found", [case[1:] for case in WARNINGS], ids=[case[0] for case in WARNINGS])
+def test_what_only_warns_keeps_the_exit_status_0(changes, name, found):
+    checks = run_checks(healthy(**changes))
+    report = doctor.format_text(checks)
+    assert doctor.exit_status(checks) == 0, report
+    warned = [check for check in checks if check.status == WARN]
+    assert [check.check for check in warned] == [name], report
+    assert found in warned[0].found, report
+
+
+def test_an_unclear_role_runs_every_node_check_and_says_so():
+    checks = run_checks(healthy(processes=frozenset(), show_node=None, show_node_error="Node dgx1 not found"))
+    found = by_name(checks)
+    assert found["role"].status == WARN and "every node check runs" in found["role"].found
+    assert "give --node NAME" in found["role"].fix
+    assert "gres" in found and "agent" in found
+
+
+def test_json_lists_check_status_found_fix():
+    checks = run_checks(healthy(**FAULTS[0][1]))
+    data = json.loads(doctor.format_json(checks))
+    assert isinstance(data, list) and len(data) == len(checks)
+    assert all(set(entry) == {"check", "status", "found", "fix"} for entry in data)
+    assert {"check": "prolog", "status": "FAIL"}.items() <= data[3].items()
+    assert {entry["status"] for entry in data} <= {OK, WARN, FAIL}
+
+
+def test_the_cli_prints_json_and_exits_1_on_a_fail(monkeypatch, capsys):
+    from slurm_mapa.cli import main
+
+    seen = {}
+
+    def fake_gather(config, node, *args, **kwargs):
+        seen.update(config=config, node=node)
+        return healthy(**FAULTS[0][1])
+
+    monkeypatch.setattr(doctor, "gather", fake_gather)
+    assert main(["doctor", "--json", "--node", "dgx1", "--config", "/etc/slurm/mapa.toml"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert seen == {"config": "/etc/slurm/mapa.toml", "node": "dgx1"}
+    assert [entry["check"] for entry in data if entry["status"] == FAIL] == ["prolog"]
+    monkeypatch.setattr(doctor, "gather", lambda config, node, *a, **k: healthy())
+    assert main(["doctor"]) == 0
+    assert capsys.readouterr().out.startswith("ok    role")
+
+
+# --- parsers --------------------------------------------------------------------------------------
+def test_show_config_parsing_keeps_indexed_hooks_in_order():
+    conf = doctor.parse_show_config(SHOW_CONFIG.replace(
+        "Prolog[0]               = /usr/local/sbin/mapa-prolog-wrapper",
+        "Prolog[0]               = /etc/slurm/site-prolog\nProlog[1]               = /usr/local/sbin/mapa-prolog-wrapper"))
+    assert doctor.slurm_values(conf, "Prolog") == ["/etc/slurm/site-prolog", "/usr/local/sbin/mapa-prolog-wrapper"]
+    assert doctor.slurm_values(conf, "TaskProlog") == ["/usr/local/sbin/mapa-taskprolog"]
+    assert conf["ConstrainDevices"] == "no" and conf["SLURM_VERSION"] == "26.05.5"
+    check = doctor.check_hook("Prolog", "prolog", "mapa-prolog-wrapper", conf, healthy().hooks["Prolog"], True)
+    assert check.status == OK and "(and /etc/slurm/site-prolog)" in check.found
+
+
+def test_host_lists_and_gres_lines_for_one_node():
+    assert doctor.expand_hostlist("dgx[1-3,7],gpu[08-10]") == ["dgx1", "dgx2", "dgx3", "dgx7", "gpu08", "gpu09", "gpu10"]
+    text = ("AutoDetect=off\nNodeName=dgx[1-2] Name=gpu File=/dev/nvidia[0-3] Cores=0-19\n"
+            "NodeName=other Name=gpu File=/dev/nvidia[0-7]\nName=gpu File=/dev/nvidia4,/dev/nvidia5 # both\n")
+    lines, autodetect = doctor.gres_gpu_lines(text, "dgx2")
+    assert [path for line in lines for path in line.files] == [f"/dev/nvidia{i}" for i in range(6)]
+    assert autodetect == ["off"]
+    assert doctor.node_gpu_count("NodeName=x Gres=gpu:v100:4(S:0),gpu:2 State=IDLE") == 6
+    assert doctor.node_gpu_count("NodeName=x Gres=(null) State=IDLE") is None
+
+
+@pytest.mark.parametrize("toml", sorted((ROOT / "gres_conf").glob("*.toml")), ids=lambda path: path.stem)
+def test_every_shipped_gres_conf_agrees_with_its_topology(toml):
+    topology = load_topology_file(str(toml))
+    gres = toml.with_suffix(".gres.conf").read_text()
+    files = [path for line in doctor.gres_gpu_lines(gres, "node1")[0] for path in line.files]
+    inputs = healthy(topology=topology, gres_conf=gres, show_node=None, devices={path: "char" for path in files})
+    check = doctor.check_gres(inputs)
+    assert check.status == OK, check
+
+
+# --- the gatherer -----------------------------------------------------------------------------------
+def test_the_gatherer_without_scontrol_reports_fail_lines(tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    config = tmp_path / "mapa.toml"
+    config.write_text('scontrol = "/nonexistent/scontrol"\nsqueue = "/nonexistent/squeue"\n[nodes]\n"node1" = "dgx1-v100"\n')
+    inputs = doctor.gather(str(config), "node1", {"PATH": str(empty), "SLURM_CONF": str(tmp_path / "slurm.conf")},
+                           agent_socket=str(tmp_path / "agent" / "agent.sock"),
+                           isolate_socket=str(tmp_path / "isolate" / "isolate.sock"), proc=tmp_path / "no-proc")
+    assert inputs.show_config is None and "scontrol not found" in inputs.show_config_error
+    checks = run_checks(inputs)
+    found = by_name(checks)
+    assert found["scontrol"].status == FAIL and "scontrol not found" in found["scontrol"].found
+    assert found["gres"].status == FAIL and "cannot read" in found["gres"].found
+    assert found["mapa.toml"].status == OK
+    assert found["agent"].status in (WARN, FAIL) and "did not answer" in found["agent"].found
+    assert doctor.exit_status(checks) == 1
+
+
+def test_the_command_without_slurm_prints_lines_not_a_traceback(tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    config = tmp_path / "mapa.toml"
+    config.write_text('scontrol = "/nonexistent/scontrol"\n[nodes]\n"node1" = "dgx1-v100"\n')
+    env = {"PATH": str(empty), "SLURM_CONF": str(tmp_path / "slurm.conf"), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", "import sys; from slurm_mapa.cli import main; sys.exit(main(sys.argv[1:]))",
+                           "doctor", "--config", str(config), "--node", "node1"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert done.stderr == ""
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("FAIL  scontrol") for line in lines), done.stdout
+    assert all(line.split()[0] in (OK, WARN, FAIL) for line in lines), done.stdout
+
+
+def test_path_facts_use_the_trust_rules(tmp_path):
+    good = tmp_path / "hook"
+    good.write_text("#!/bin/sh\n")
+    good.chmod(0o755)
+    facts = doctor.path_facts(good, "hook", "program")
+    assert facts.exists and facts.problem == "" and facts.mode == 0o755
+    good.chmod(0o775)
+    facts = doctor.path_facts(good, "hook", "program")
+    assert "writable by group or others" in facts.problem
+    assert not doctor.path_facts(tmp_path / "none", "hook").exists
+    if os.geteuid() != 0:  # paths.py accepts this user's files; the doctor insists on root
+        assert any("belongs to uid" in problem for problem in doctor.path_problems(dataclasses.replace(facts, problem="")))
