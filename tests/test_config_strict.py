@@ -25,7 +25,7 @@ from slurm_mapa.slurm.config import HOOK_KEYS, HookConfig, config_from_text, loa
 
 # name -> (bytes of the file, or None for a directory / nothing, and what the error line says)
 BAD = {
-    "unknown key": (b'polcy = "preserve"\n', "unknown key 'polcy' (line 1: 'polcy = \"preserve\"') (accepted: admin_comment_rate, "),
+    "unknown key": (b'polcy = "preserve"\n', "unknown key 'polcy' (line 1: 'polcy = \"preserve\"') (did you mean 'policy'?) (accepted: admin_comment_rate, "),
     "wrong type": (b"policy = 3\n", "policy must be a string (in quotes), got 3"),
     "unknown policy": (b'policy = "presrve"\n', "unknown policy 'presrve' (accepted: baseline, "),
     "wrong table": (b'nodes = "dgx1-v100"\n', '[nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"; '
@@ -91,7 +91,7 @@ def test_replay_refuses_a_bad_config_in_one_line(tmp_path, capsys, case):
     err = capsys.readouterr().err
     assert err.startswith(f"mapa-replay: error: --config {config}: ") and err.count("\n") == 1 and "Traceback" not in err
     if case == "unknown key":
-        assert "unknown section(s) polcy (line 1: 'polcy = \"preserve\"') (accepted: nodes, cluster, " in err
+        assert "unknown section(s) polcy (line 1: 'polcy = \"preserve\"') (did you mean 'policy'?) (accepted: nodes, cluster, " in err
     elif case == "wrong table":
         assert """[nodes] must be a table of node-name globs to topologies, e.g. "gpu*" = "pcie-8"; got 'dgx1-v100'""" in err
     elif case not in ("directory", "missing"):
@@ -218,3 +218,19 @@ def test_any_value_of_any_key_is_taken_or_refused_in_words(entries):
             load_replay_config(str(config))
         loaded, problem = load_hook_config({"MAPA_CONFIG": str(config)})
         assert problem == "" or loaded == HookConfig()
+
+
+def test_a_misspelled_key_or_section_is_answered_with_the_closest_accepted_one(tmp_path):
+    from slurm_mapa.errors import InputError
+    from slurm_mapa.replay.config import parse_config
+    from slurm_mapa.slurm.config import config_from_text
+
+    for text, suggested in (('polcy = "preserve"\n', "'policy'"), ('isolaton = "off"\n', "'isolation'"),
+                            ("[featurs]\nsizes = [2]\n", "'features'")):
+        with pytest.raises(InputError, match=f"did you mean {suggested}"):
+            config_from_text(text, "mapa.toml")
+    with pytest.raises(InputError, match="did you mean 'cluster'"):
+        parse_config("[clustr]\n", "replay.toml")
+    with pytest.raises(InputError) as nothing_close:
+        config_from_text('zzzzzz = 1\n', "mapa.toml")
+    assert "did you mean" not in str(nothing_close.value)

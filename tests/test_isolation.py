@@ -106,7 +106,7 @@ def test_texts_that_are_no_slurm_task_give_none(text):
 def test_status_and_mountinfo_parsers():
     status = "Name:\tslurmstepd\nUmask:\t0022\nState:\tS (sleeping)\nPPid:\t4100\nUid:\t1000\t1000\t1000\t1000\n"
     info = parse_status(4242, status)
-    assert (info.pid, info.name, info.ppid, info.uids) == (4242, "slurmstepd", 4100, (1000, 1000))
+    assert (info.pid, info.name, info.ppid, info.uids) == (4242, "slurmstepd", 4100, (1000, 1000, 1000))
     with pytest.raises(ValueError, match="lacks Name, PPid or Uid"):
         parse_status(1, "Name:\tx\n")
     mountinfo = (
@@ -341,10 +341,11 @@ class FakeProc:
     def __init__(self, root: Path):
         self.root = root
 
-    def add(self, pid, name, ppid, uid, cgroup="", exe="/usr/bin/python3"):
+    def add(self, pid, name, ppid, uid, cgroup="", exe="/usr/bin/python3", uids=None):
         d = self.root / str(pid)
         d.mkdir(parents=True, exist_ok=True)
-        (d / "status").write_text(f"Name:\t{name}\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+        real, effective, saved = uids or (uid, uid, uid)
+        (d / "status").write_text(f"Name:\t{name}\nPPid:\t{ppid}\nUid:\t{real}\t{effective}\t{saved}\t{effective}\n")
         (d / "cgroup").write_text(cgroup)
         if (d / "exe").is_symlink():
             (d / "exe").unlink()
@@ -406,6 +407,18 @@ def test_the_agent_isolates_the_task_of_a_taskprolog(node):
     assert agent.isolate(os.getpid(), USER, {}).startswith("done cgroup-v1 gpus=none job 12 step 2")
     assert lines(job / "step_2" / "cgroup.procs") == ["5000"] and "c 195:4 rwm" in lines(job / "step_2" / "devices.deny")
 
+
+
+def test_a_step_daemon_under_the_users_effective_uid_for_a_moment_is_still_roots(node):
+    """slurmstepd forks the tasks with the job's user as its effective uid (real and saved uid 0);
+    a busy node shows the agent that moment. Only a real or saved uid other than 0 is a user's."""
+    agent, proc, *_ = node
+    proc.add(4000, "slurmstepd", 1, 0, "", exe=STEPD, uids=(0, USER, 0))
+    assert agent.isolate(os.getpid(), USER, {"SLURM_JOB_ID": "12"}).startswith("done cgroup-v1 gpus=4,5 job 12")
+    for uids in ((USER, 0, USER), (USER, USER, 0), (0, 0, USER)):  # a setuid program, or one that gave root up
+        proc.add(4000, "slurmstepd", 1, 0, "", exe=STEPD, uids=uids)
+        answer = agent.isolate(os.getpid(), USER, {"SLURM_JOB_ID": "12"})
+        assert "its parent 4000 is no slurmstepd running as root" in answer, (uids, answer)
 
 def test_a_job_without_gpus_is_denied_every_gpu(node):
     agent, proc, cgroupfs, _, _, _ = node

@@ -63,11 +63,12 @@ def parse_config(text: str, source: str = "config") -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputError(f"{source}: not valid TOML: {exc}") from None
-    from ..slurm.config import HOOK_KEYS, _line_of_key, config_from_text
+    from ..slurm.config import HOOK_KEYS, _line_of_key, closest_key_hint, config_from_text
 
     unknown = sorted(set(data) - set(_SECTIONS) - HOOK_KEYS)
     if unknown:
-        raise InputError(f"{source}: unknown section(s) {', '.join(unknown)}{_line_of_key(text, unknown[0])} "
+        raise InputError(f"{source}: unknown section(s) {', '.join(unknown)}{_line_of_key(text, unknown[0])}"
+                         f"{closest_key_hint(unknown, set(_SECTIONS) | HOOK_KEYS)} "
                          f"(accepted: {', '.join(_SECTIONS)}, model, and the hooks' keys: "
                          f"{', '.join(sorted(HOOK_KEYS - set(_SECTIONS) - {'model'}))})")
     config = config_from_dict(data, source)

@@ -33,6 +33,7 @@ The first matching [nodes] entry wins. Other sections (used by mapa-replay) are 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -159,6 +160,15 @@ def _nul_in(value: Any, where: str = "") -> str:
     return ""
 
 
+def closest_key_hint(unknown: list[str], accepted) -> str:
+    """`` (did you mean 'policy'?)`` for the first unknown key that is a likely misspelling, else ""."""
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(accepted), n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean {close[0]!r} for {key!r}?)" if len(unknown) > 1 else f" (did you mean {close[0]!r}?)"
+    return ""
+
+
 def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = True) -> HookConfig:
     """Parse the config; ``validate=False`` skips the checks that need the engine (for the Epilog)."""
     try:
@@ -171,8 +181,8 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
     unknown = sorted(set(data) - _KEYS - _OTHER_TOOLS_SECTIONS)
     if unknown:
         names = ", ".join(repr(key) for key in unknown)
-        raise InputError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {names}{_line_of_key(text, unknown[0])} "
-                         f"(accepted: {', '.join(sorted(_KEYS))}; mapa-replay's sections {', '.join(sorted(_OTHER_TOOLS_SECTIONS))} "
+        raise InputError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {names}{_line_of_key(text, unknown[0])}"
+                         f"{closest_key_hint(unknown, _KEYS | _OTHER_TOOLS_SECTIONS)} (accepted: {', '.join(sorted(_KEYS))}; mapa-replay's sections {', '.join(sorted(_OTHER_TOOLS_SECTIONS))} "
                          "are ignored here)")
     values: dict[str, Any] = {}
     for key in ("policy", "default_directive", "scontrol", "squeue", "model", "health", "isolation", "isolation_scope"):

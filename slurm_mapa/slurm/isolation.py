@@ -129,7 +129,7 @@ class ProcessInfo:
     pid: int
     name: str  # /proc/PID/status Name: (the comm, at most 15 characters)
     ppid: int
-    uids: tuple[int, int]  # real, effective
+    uids: tuple[int, int, int]  # real, effective, saved
 
 
 def parse_status(pid: int, text: str) -> ProcessInfo:
@@ -141,7 +141,7 @@ def parse_status(pid: int, text: str) -> ProcessInfo:
             fields[key] = value.strip()
     try:
         uids = fields["Uid"].split()
-        return ProcessInfo(pid, fields["Name"], int(fields["PPid"]), (int(uids[0]), int(uids[1])))
+        return ProcessInfo(pid, fields["Name"], int(fields["PPid"]), (int(uids[0]), int(uids[1]), int(uids[2])))
     except (KeyError, IndexError, ValueError):
         raise ValueError(f"/proc/{pid}/status lacks Name, PPid or Uid") from None
 
@@ -407,7 +407,7 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
         pid = info.ppid
     else:
         raise IsolationError(f"process {peer_pid} does not run under a Slurm task (no slurmstepd within {MAX_ANCESTORS} ancestors)")
-    if info.uids != (peer_uid, peer_uid):
+    if info.uids[:2] != (peer_uid, peer_uid):
         raise IsolationError(f"slurmstepd {info.pid} (uids {info.uids[0]}/{info.uids[1]}) is no task of uid {peer_uid}: "
                              "a TaskProlog's parent is the task, running as the job's user")
     try:
@@ -415,7 +415,11 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
     except (OSError, ValueError) as error:
         raise IsolationError(f"cannot read process {info.ppid}, parent of task {info.pid}: {error}") from None
     problem = binary_problem(proc / str(parent.pid) / "exe") if parent.name == "slurmstepd" else "its name is not slurmstepd"
-    if problem is not None or parent.uids != (0, 0):
+    # Root's, by its real and saved uids: slurmstepd runs under the job's effective uid while it
+    # forks the tasks (_fork_all_tasks in src/slurmd/slurmstepd/mgr.c drops effective privileges with
+    # seteuid, src/slurmd/common/privileges.c), which a busy node shows to the agent; no process a
+    # user started has a real uid of 0.
+    if problem is not None or parent.uids[0] != 0 or parent.uids[2] != 0:
         raise IsolationError(f"process {info.pid} is no task process: its parent {info.ppid} is no slurmstepd running as root"
                              + (f" ({problem})" if problem else f" (uids {parent.uids[0]}/{parent.uids[1]})"))
     try:

@@ -189,9 +189,11 @@ def test_the_spank_plugin_isolates_a_task_whose_taskprolog_never_asks(cluster):
         # The 1-GPU step is held to its own GPU: the plugin sent the step's SLURM_STEP_GPUS (Slurm's
         # lowest of the job's), and the agent isolated the step to MAPA's GPU paired with it, the
         # first of the job's in core/order.py's order.
-        step_opens, _, step_cvd, step_uuids, _ = _seen(_wait_output(cluster, jobid, "step smi"), "step")
+        step_out = _wait_output(cluster, jobid, "step smi")
+        step_opens, _, step_cvd, step_uuids, _ = _seen(step_out, "step")
         paired = prefix_order(preset("dgx1-v100"), gpus)[0]
-        assert step_opens == {gpu: ("ENXIO" if gpu == paired else "EPERM") for gpu in range(8)}, out
+        agent_log = cluster.exec(node, ["sh", "-c", f"grep -a 'job {jobid}\\|isolat' /var/log/slurm-mapa.log | tail -n 20"], check=False).stdout
+        assert step_opens == {gpu: ("ENXIO" if gpu == paired else "EPERM") for gpu in range(8)}, (step_out, agent_log)
         assert step_cvd == "0" and step_uuids[0] == fake_uuid("dgx1-v100", paired)
         cluster.wait_state(jobid, "COMPLETED", timeout=60)
     finally:
