@@ -378,7 +378,7 @@ def node_role(inputs: Inputs, conf: Mapping[str, str] | None) -> Role:
     return Role(True, False, Check(
         "role", WARN, f"neither slurmd nor slurmctld runs here and slurmctld does not know node {node}"
         + (f" ({inputs.show_node_error})" if inputs.show_node_error else "") + ": every node check runs",
-        f"run mapa doctor on a compute node or the controller; give --node NAME if slurm.conf knows this node by another name"))
+        "run mapa doctor on a compute node or the controller; give --node NAME if slurm.conf knows this node by another name"))
 
 
 def check_scontrol(inputs: Inputs, conf: Mapping[str, str] | None) -> Check:
@@ -891,20 +891,7 @@ def _safely(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[An
 
 def read_text(path: str | Path, limit: int = MAX_TEXT_BYTES) -> str:
     """A regular file's text (symlinks followed, as Slurm follows them), at most ``limit`` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
+    data = trusted.read_bytes(Path(path), limit, follow_symlinks=True)
     if len(data) > limit:
         raise OSError(f"{path} is larger than {limit} bytes")
     return data.decode("utf-8", "replace")

@@ -86,9 +86,12 @@ def check_trusted_file(path: Path) -> None:
     _check_trusted(path, stat.S_ISREG, "file", "regular file")
 
 
-def read_bytes(path: Path, limit: int) -> bytes:
-    """At most ``limit`` + 1 bytes of a regular file, without following a symlink (OSError otherwise)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def read_bytes(path: Path, limit: int, *, follow_symlinks: bool = False) -> bytes:
+    """At most ``limit`` + 1 bytes of a regular file (so a caller can tell "more than ``limit``"),
+    without following a symlink unless asked (as dlopen and Slurm follow them); OSError when it is
+    missing, unreadable, a symlink not to be followed, or no regular file (a FIFO would block)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(f"{path} is not a regular file")

@@ -18,11 +18,12 @@ import glob
 import os
 import re
 import shutil
-import stat
 import struct
 import subprocess
 from pathlib import Path
 from typing import Callable, Mapping
+
+from . import paths as trusted
 
 MAX_PLUGIN_BYTES = 16 << 20
 MAX_CONF_BYTES = 1 << 20
@@ -202,22 +203,8 @@ def spank_plugin_problem(plugin_bytes: bytes | None, plugin_path: str, running: 
 
 # --- the edge: files and commands -----------------------------------------------------------------
 def _read_at_most(path: Path, limit: int) -> bytes:
-    """At most ``limit`` bytes of a regular file (symlinks followed, as dlopen follows them);
-    OSError when it is missing, unreadable or no regular file (a FIFO would block)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        chunks, left = [], limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    """At most ``limit`` bytes of a regular file, symlinks followed as dlopen follows them."""
+    return trusted.read_bytes(path, limit, follow_symlinks=True)[:limit]
 
 
 def _plugin_lines(plugstack: Path) -> list[tuple[str, str, Path]]:
