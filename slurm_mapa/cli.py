@@ -26,12 +26,28 @@ EXIT_NO_FIT = 1
 EXIT_BAD_INPUT = 2
 
 
+GPU_LIST_FORM = "GPU indices and ranges separated by commas, e.g. 0,2-3, each GPU once"
+
+
 def _parse_gpu_list(text: str, option: str = "--free") -> tuple[int, ...]:
-    """`0,2,3` or ranges `0-3,6` into GPU indices."""
+    """`0,2,3` or ranges `0-3,6` into GPU indices; an empty item (`0,,5`, `0,`) is refused here,
+    though Slurm's lists, which the hooks read with the same parser, may have them."""
+    parts = text.split(",")
+    if text.strip() and any(not part.strip() for part in parts):
+        position = next(i for i, part in enumerate(parts, 1) if not part.strip())
+        raise InputError(f"{option}: {text[:60]!r} has an empty item (item {position}); accepted: {GPU_LIST_FORM}")
     try:
         return parse_gpu_indices(text)
     except ValueError as error:
         raise InputError(f"{option}: {error}") from None
+
+
+def _check_on_node(gpus: Sequence[int], graph: HardwareGraph, option: str) -> None:
+    """Every GPU of a command-line list is one of the topology's."""
+    for gpu in gpus:
+        if gpu >= graph.size:
+            raise InputError(f"{option}: GPU {gpu} is not on {graph.name}; accepted: GPUs 0 to {graph.size - 1} "
+                             f"({GPU_LIST_FORM})")
 
 
 def _parse_running(text: str | None) -> tuple[tuple[int, ...], ...]:
@@ -89,12 +105,14 @@ def cmd_select(args: argparse.Namespace) -> int:
     graph = load_topology(args.topology)
     model = _load_model(args.model)
     free = _parse_gpu_list(args.free) if args.free is not None else tuple(graph.gpus)
+    _check_on_node(free, graph, "--free")
     directive = parse_directive(args.directive)
     gpus = args.gpus if args.gpus is not None else directive.gpus
     if gpus is None:
         raise InputError("how many GPUs? give --gpus K or gpus=K in the directive")
     request = to_request(directive, gpus)
     running = _parse_running(args.running)
+    _check_on_node([gpu for job in running for gpu in job], graph, "--running")
     why = None
     if args.job_cpus is not None or args.affinity is not None or args.affinity_max_loss is not None:
         result, why = _select_with_affinity(args, graph, free, request, model, running)

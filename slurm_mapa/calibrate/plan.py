@@ -27,6 +27,7 @@ from ..core.effbw import DEFAULT_PCIE_PATH_FACTORS, EffectiveBandwidthModel, bot
 from ..core.hardware import HardwareGraph
 from ..core.links import PCIE_LEVELS, Link
 from ..errors import InputError
+from ..textfile import read_text
 
 MAX_RINGS = 2_000_000  # ring orders walked before giving up (a 9-GPU server is ~100k)
 NCCL_ARGS = "-b 8 -e 1G -f 2"
@@ -209,13 +210,12 @@ def plan_from_dict(data: Any, *, source: str) -> Plan:
 
 
 def load_plan(path: str) -> Plan:
+    accepted = "the plan.json that `mapa calibrate plan --output-dir DIR` (or `--json`) wrote"
+    text = read_text(path, what="plan", accepted=accepted)
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except OSError as error:
-        raise InputError(f"cannot read plan {path!r}: {error.strerror}") from None
+        data = json.loads(text)
     except json.JSONDecodeError as error:
-        raise InputError(f"{path}: not JSON: {error}") from None
+        raise InputError(f"{path}: not JSON: {error}; accepted: {accepted}") from None
     return plan_from_dict(data, source=path)
 
 

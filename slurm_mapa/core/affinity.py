@@ -7,7 +7,7 @@ Slurm can bind GPUs to cores (gres.conf ``Cores=``) and, with ``--gres-flags=enf
 refuses GPUs that are not local. This module puts that rule into the policy decision:
 
 * ``strict``  - only local GPUs are candidates. When fewer are free than the job asks for, the
-  answer is :class:`AffinityNoFit` (a :class:`~.policies.NoFit` whose reason says so).
+  answer is :class:`AffinityNoFit` (a :class:`~.allocation.NoFit` whose reason says so).
   ``enforce_binding=True`` (Slurm's ``--gres-flags=enforce-binding``) means ``strict``.
 * ``prefer``  - the default. The policy runs on all free GPUs; when its choice is local, that is
   the answer. Otherwise it runs again on the local free GPUs, and the local choice is kept unless
@@ -33,6 +33,9 @@ CPU ids: :func:`parse_cpu_ids` reads the syntax of Slurm's ``CPU_IDs=`` (``scont
 affinity (Linux CPU ids, as nvidia-smi prints them). ``scontrol``'s CPU_IDs are Slurm's
 *abstract* ids, which match Linux's only on some layouts; the job's cgroup ``cpuset.cpus`` is in
 Linux ids. Translating is the caller's job.
+
+Owns the affinity rule; imports .allocation, .hardware and .search, and :mod:`.policies`
+(:func:`~.policies.select`) only inside :func:`select_with_affinity`.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import InputError
+from .allocation import Allocation, NoFit, Request
 from .hardware import HardwareGraph
-from .policies import Allocation, NoFit, Request
 from .search import preserved_bandwidth
 
 __all__ = [
@@ -282,7 +285,7 @@ def select_with_affinity(
     running: Iterable[Iterable[int]] = (),
 ) -> tuple[Allocation | NoFit, AffinityExplanation]:
     """:func:`~.policies.select` under the affinity rule (:func:`decide`); the same arguments plus the job's CPUs."""
-    from .policies import select
+    from .policies import select  # here: reading settings (config.py) need not load every policy
 
     running_groups = tuple(tuple(group) for group in running)
     free_tuple = tuple(free)

@@ -26,12 +26,16 @@ Prolog knows which GPUs each job holds, not when it will end.
   bandwidth; among them the highest ``outlook(free - S)``, then the higher (effective, aggregated)
   key of the job, then the lexicographically smallest S.
 
-The chosen set is ordered with :func:`~.policies.order_within`, as the engine does for every set.
+The chosen set is ordered with :func:`~.allocation.order_within`, as the engine does for every set.
 
 Everything is exact: ``best_k`` comes from :func:`~.search.best_placement` on each k-set, and
 ``best_k(F) = max(best_k(F - {g}) for g in F)`` for |F| > k. The values are memoised per
 (graph, model, size distribution) across decisions: a node has at most 2^n free sets, so a
 long-running process (the replay, a warm daemon) pays each set once.
+
+Owns preserve-ahead (AHEAD_POLICIES, make_preserve_ahead, its settings); imports .allocation,
+.effbw, .hardware, .patterns and .search, never :mod:`.policies`, which imports this module for
+its registry.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from ..errors import InputError
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern, make_pattern
-from .policies import Allocation, NoFit, Policy, Request, order_within
+from .allocation import Allocation, NoFit, Policy, Request, order_within
 from .search import best_placement, preserved_bandwidth
 
 _DIGITS = 9

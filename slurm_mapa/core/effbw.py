@@ -20,6 +20,8 @@ regression saw rings of 2 to 5 GPUs). Outside that range its numbers are extrapo
 replay marks them and, by default, reports the :class:`LinkBoundModel` instead: a physically
 grounded estimate from the links themselves (``data/models/link-bound.toml``; see
 docs/replay.md for how it compares with public nccl-tests figures).
+
+Owns the effective-bandwidth models; imports only :mod:`.links`.
 """
 
 from __future__ import annotations
@@ -294,11 +296,10 @@ def load_model_text(text: str, *, source: str) -> EffectiveBandwidthModel:
 
 def load_model_file(path: str) -> EffectiveBandwidthModel:
     """A model file named by an admin (``--model``, the hooks' ``model`` key)."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return load_model_text(handle.read(), source=path)
-    except OSError as error:
-        raise InputError(f"cannot read model file {path!r}: {error.strerror}") from None
+    from ..textfile import read_text  # strict UTF-8, one-line errors (never a decode traceback)
+
+    accepted = "a UTF-8 TOML model file with [classes] and [terms] or [bandwidths] (docs/calibration.md)"
+    return load_model_text(read_text(path, what="model file", accepted=accepted), source=path)
 
 
 _MODELS_DIR = Path(__file__).resolve().parent.parent / "data" / "models"

@@ -4,6 +4,8 @@ Also the one rule every report of a choice follows (:func:`reported_placement`):
 collective pattern (``Pattern.scored_by_set``) a GPU set is scored by its best order under the
 model, whatever order the policy wrote, because NCCL and RCCL build their own rings over the GPUs
 they get; for rank-order patterns the policy's order is the mapping and is scored as it is.
+
+Owns the explanation of a choice; imports .allocation, .effbw, .hardware, .patterns and .search.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from math import comb
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern
-from .policies import Allocation, Request
+from .allocation import Allocation, Request
 from .search import Placement, best_placement, objective_key, score_placement
 
 MAX_SETS_EXPLAINED = 20000

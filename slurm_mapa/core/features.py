@@ -36,6 +36,8 @@ Decisions are cached per (graph, free set, size, shape, model): a node of n GPUs
 free sets, so an agent republishing after every start and end, or the replay at every pass, pays
 each search once.
 
+Owns the node features; imports .effbw, .hardware, .patterns and .search.
+
 >>> from slurm_mapa.hardware.presets import preset
 >>> from slurm_mapa.core.effbw import paper_model
 >>> dgx = preset("dgx1-v100")

@@ -3,6 +3,8 @@
 Every pair of GPUs has a link class (see :mod:`.links`) and so a bandwidth. GPUs are numbered
 0..n-1 as nvidia-smi numbers them (PCI bus order). ``domains`` groups GPUs by CPU socket /
 NUMA node / PCIe root, which the topology-aware baseline policy needs.
+
+Owns HardwareGraph and build_graph; imports only :mod:`.links`.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ Bandwidths default to the MAPA paper's Table 1 (GB/s, one direction): NVLink-v2 
 NVLink-v1 20 per link, PCIe 12 whatever the path. xGMI: 50 per link (MI250X: 25 GT/s x16;
 MI300X links are faster, 64, set by its preset), a relayed pair half a link. Every number is
 configurable.
+
+Owns the link classes (Link, parse_link) and their bandwidths; imports no other core module.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ first. The Prolog pairs Slurm's indices, in ascending order, with MAPA's GPUs in
 the first two GPUs are a best-linked pair, each next GPU is the one that best closes the ring of
 those before it, and so consecutive GPUs (local ranks r and r+1 of `--gpus-per-task=1`) are link
 neighbours wherever the set allows. Greedy, O(k^2): the Prolog runs it for every job.
+
+Owns prefix_order; imports only :mod:`.hardware`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ job gets depends on its GPU *set*, and every report scores a set by its best ord
 (:data:`SET_SCORED_SHAPES`). For the other shapes a pattern vertex is the job's rank (a pipeline
 stage, a stencil neighbour, a hub, a custom edge list), so the order the GPUs are handed out in
 is the mapping and the score follows it.
+
+Owns Pattern, make_pattern and the shapes; imports no other core module.
 """
 
 from __future__ import annotations

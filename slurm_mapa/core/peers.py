@@ -32,6 +32,9 @@ fairly on the set they choose. Each is written from its project's published sour
 Pair score (go-gpuallocator, HAMi): PCIe level SYS 10, NODE 20, PHB 30, PXB 40, PIX 50, plus 100
 per NVLink. An NVLink pair keeps its PCIe entry too; the hardware graph does not record the PCIe
 level under an NVLink, so we take PHB (30) inside a CPU domain and SYS (10) across.
+
+Owns the peer policies (PEER_POLICIES, STATEFUL); imports .allocation, .effbw and .hardware, never
+:mod:`.policies`, which imports this module for its registry.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Callable, Sequence
 from ..errors import InputError
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
-from .policies import Allocation, NoFit, Policy, Request, order_within
+from .allocation import Allocation, NoFit, Policy, Request, order_within
 
 PCIE_SCORES = {"SYS": 10, "NODE": 20, "PHB": 30, "PXB": 40, "PIX": 50}
 NVLINK_SCORE = 100

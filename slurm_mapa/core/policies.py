@@ -10,80 +10,24 @@
 A policy picks the GPU *set*; the order of the GPUs inside the set (which GPU runs which pattern
 vertex) is always the best for the job's pattern, as NCCL would build its ring over whatever GPUs
 it gets. So baseline and topo-aware are scored fairly, on their best ring over their set.
+
+Owns the engine's four policies, the registry of every policy (POLICIES, all_policies) and
+:func:`select`; imports :mod:`.allocation` and the policy modules (.ahead, .peers), none of which
+imports it back. Request, Allocation, NoFit, Policy and order_within live in :mod:`.allocation`
+and are re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
-from ..errors import InputError, InternalError
+from ..errors import InputError
+from .ahead import AHEAD_POLICIES
+from .allocation import Allocation, NoFit, Policy, Request, order_within
 from .effbw import EffectiveBandwidthModel, paper_model
 from .hardware import HardwareGraph
-from .patterns import Pattern
-from .search import Placement, best_placement, preserved_bandwidth
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a job asks of one node: a pattern over ``pattern.size`` GPUs and its sensitivity."""
-
-    pattern: Pattern
-    sensitive: bool
-
-    @property
-    def gpus(self) -> int:
-        return self.pattern.size
-
-
-@dataclass(frozen=True)
-class Allocation:
-    policy: str
-    placement: Placement
-    objective: str
-
-    @property
-    def gpus(self) -> tuple[int, ...]:
-        return self.placement.gpus
-
-
-@dataclass(frozen=True)
-class NoFit:
-    """The normal "does not fit" result: names the request and the free GPUs."""
-
-    policy: str
-    request: Request
-    free: tuple[int, ...]
-
-    @property
-    def reason(self) -> str:
-        return (
-            f"{self.request.gpus} GPU(s) requested ({self.request.pattern.name}), "
-            f"only {len(self.free)} free: {','.join(map(str, self.free)) or 'none'}"
-        )
-
-
-Policy = Callable[[HardwareGraph, tuple[int, ...], Request, EffectiveBandwidthModel], "Allocation | NoFit"]
-
-
-def order_within(
-    name: str, graph: HardwareGraph, free: tuple[int, ...], chosen: Iterable[int], request: Request, model: EffectiveBandwidthModel
-) -> Allocation:
-    """A set some policy chose, ordered as the best placement of the pattern on it, scored against ``free``."""
-    chosen = tuple(sorted(chosen))
-    if len(set(chosen)) != request.gpus or not set(chosen) <= set(free):
-        raise InternalError(f"{name} picked {chosen} from free {free} for {request.gpus} GPU(s)")
-    objective = "effective" if request.sensitive and request.gpus > 1 else "aggregated"
-    inside = best_placement(graph, chosen, request.pattern, objective, model)
-    assert inside is not None
-    placement = Placement(
-        gpus=inside.gpus,
-        aggregated_bandwidth=inside.aggregated_bandwidth,
-        link_counts=inside.link_counts,
-        effective_bandwidth=inside.effective_bandwidth,
-        preserved_bandwidth=preserved_bandwidth(graph, set(free) - set(chosen)),
-    )
-    return Allocation(policy=name, placement=placement, objective=f"set by {name}, order by {objective}")
+from .peers import PEER_POLICIES
+from .search import best_placement
 
 
 def baseline(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
@@ -128,9 +72,6 @@ POLICIES: dict[str, Policy] = {
 
 def all_policies() -> dict[str, Policy]:
     """The engine's policies and the peers it is compared with (slurm-native, nvidia-besteffort, ...)."""
-    from .ahead import AHEAD_POLICIES  # builds on this module too
-    from .peers import PEER_POLICIES  # the peers build on this module
-
     return {**POLICIES, **PEER_POLICIES, **AHEAD_POLICIES}
 
 

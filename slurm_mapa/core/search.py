@@ -24,6 +24,8 @@ Objectives (each a tuple compared lexicographically, floats rounded to 1e-9):
 * ``preserved``  - (preserved bandwidth of the GPUs left free, aggregated bandwidth); the first
   term depends only on the GPU set, so sets are enumerated first and the placement search runs
   only on the sets that tie for the best preserved bandwidth.
+
+Owns Placement, best_placement and the objectives; imports .effbw, .hardware and .patterns.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
+from ..textfile import read_text
 from .gres import PRESET_CPU_LAYOUTS, CpuLayout, gres_conf_text
 from .nvidia_smi import format_topo_matrix, parse_discovery
-from .load import load_topology_file
+from .load import MAX_TOPOLOGY_FILE_BYTES, load_topology_file
 from .presets import PRESETS, preset
 from .topofile import Topology, topology_to_dict, topology_to_toml
 
@@ -108,11 +109,13 @@ def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argpar
 # --- edges: files and nvidia-smi ------------------------------------------------------------
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as error:
-        raise InputError(f"cannot read {path}: {error.strerror}") from None
+TOPOLOGY_TEXT = ("the saved text output of `nvidia-smi topo -m`, `rocm-smi --showtopo --shownodesbw` or "
+                 "`amd-smi topology` (UTF-8)")
+GPU_LIST_TEXT = "the saved text output of `nvidia-smi -L` (UTF-8)"
+
+
+def _read(path: str, what: str = "--file", accepted: str = TOPOLOGY_TEXT) -> str:
+    return read_text(path, what=what, accepted=accepted, max_bytes=MAX_TOPOLOGY_FILE_BYTES)
 
 
 def _run_nvidia_smi(executable: str, *arguments: str) -> str:
@@ -177,7 +180,7 @@ def discover_topology(source: str, *, name: str, nvidia_smi: str = "nvidia-smi",
             amd = parse_amd_topology(text, name=name, source=file)
             _warn(amd.notes, "note")
             return Topology(graph=amd.graph, pci_bus_ids=amd.pci_bus_ids, vendor="amd", notes=amd.notes)
-        list_text = _read(gpu_list) if gpu_list else None
+        list_text = _read(gpu_list, "--gpu-list", GPU_LIST_TEXT) if gpu_list else None
         try:
             result = parse_discovery(text, list_text, name=name)
         except InputError as error:

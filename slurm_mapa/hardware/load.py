@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..core.hardware import HardwareGraph
 from ..errors import InputError
+from ..textfile import read_text
 from .presets import PRESETS, preset
 from .topofile import Topology, topology_from_toml_text
 
@@ -34,12 +35,9 @@ def load_topology_file(spec: str) -> Topology:
     path = Path(spec)
     if not path.is_file():
         raise InputError(f"topology {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a readable file")
-    if path.stat().st_size > MAX_TOPOLOGY_FILE_BYTES:
-        raise InputError(f"topology file {spec!r} is larger than {MAX_TOPOLOGY_FILE_BYTES} bytes")
-    try:
-        text = path.read_text(encoding="utf-8", errors="strict")
-    except (OSError, UnicodeDecodeError) as error:
-        raise InputError(f"cannot read topology file {spec!r}: {error}") from None
+    text = read_text(spec, what="topology file", max_bytes=MAX_TOPOLOGY_FILE_BYTES,
+                     accepted=f"a preset ({', '.join(PRESETS)}), a TOML topology file (docs/hardware.md) or a saved "
+                              "`nvidia-smi topo -m`, `rocm-smi --showtopo --shownodesbw` or `amd-smi topology` text (UTF-8)")
     if path.suffix == ".toml":
         return topology_from_toml_text(text, source=str(path))
     return topology_from_text(text, source=str(path))

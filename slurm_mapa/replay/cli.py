@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import zlib
 from dataclasses import replace
@@ -34,7 +35,7 @@ from .generate import GENERATORS, generate
 from .jobfile import read_jobfile, write_jobfile
 from .jobs import Job, ReadStats
 from .plots import boxplot_png, have_matplotlib, series_png
-from .sacct import read_sacct_json, read_sacct_text
+from .sacct import SACCT_FIELDS, read_sacct_json, read_sacct_text
 from ..core.affinity import DEFAULT_MAX_LOSS as AFFINITY_MAX_LOSS
 from ..core.affinity import MODES as AFFINITY_MODES
 from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, Decider, Node, Options, RunResult, simulate
@@ -155,16 +156,30 @@ class Source:
 
 def _open_path(path: str) -> Callable[[], Iterable[str]]:
     if path == "-":
-        data = sys.stdin.read()
+        stdin = getattr(sys.stdin, "buffer", None)  # bytes, decoded as files are: a stray byte is not fatal
+        data = stdin.read().decode("utf-8", "replace") if stdin is not None else sys.stdin.read()
         return lambda: iter(data.splitlines(True))
     if not os.path.exists(path):
-        raise InputError(f"input file {path!r} does not exist")
+        raise InputError(f"input file {path!r} does not exist; {ACCEPTED_INPUT}")
+    if os.path.isdir(path):
+        raise InputError(f"input file {path!r} is a directory; {ACCEPTED_INPUT}")
 
-    def opener():
-        with open(path, encoding="utf-8", errors="replace") as handle:
+    return _FileOpener(path)
+
+
+class _FileOpener:
+    """Opens the input file again for each pass (lines decoded as UTF-8, a stray byte replaced)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self) -> Iterator[str]:
+        with open(self.path, encoding="utf-8", errors="replace") as handle:
             yield from handle
 
-    return opener
+    def head_bytes(self, size: int = 1 << 16) -> bytes:
+        with open(self.path, "rb") as handle:
+            return handle.read(size)
 
 
 def _progress(policy: str, enabled: bool) -> Callable[[int], None] | None:
@@ -545,8 +560,7 @@ def _share(args) -> float | None:
 def cmd_run(args) -> int:
     config = _load_config(args.config)
     if args.generate:
-        kind, _, count = args.generate.partition(":")
-        jobs = int(count) if count.isdigit() else 300
+        kind, jobs = _parse_generate(args.generate)
         src = Source(None, "generated", config, share=_share(args))
         src.jobs = lambda stats=None: _counting(generate(kind, jobs, seed=args.seed, load=args.load), stats if stats is not None else src.stats)  # type: ignore[method-assign]
         return _replay(args, src, config, f"generated {kind} workload ({jobs} jobs, seed {args.seed})")
@@ -559,7 +573,93 @@ def cmd_run(args) -> int:
         fmt = _detect(head)
     if fmt not in FORMATS:
         raise InputError(f"unknown format {fmt!r} (accepted: {', '.join(FORMATS)})")
-    return _replay(args, Source(opener, fmt, config, share=_share(args)), config, args.input)
+    source = Source(opener, fmt, config, share=_share(args))
+    _check_has_jobs(source, args.input, detected=args.format == "auto")
+    return _replay(args, source, config, args.input)
+
+
+ACCEPTED_INPUT = (
+    "accepted: sacct --parsable2 output with its header line (docs/replay.md: `sacct --parsable2 -X -a -S YYYY-MM-DD "
+    f"-o {SACCT_FIELDS} > jobs.sacct`), `sacct --json` output, a MAPA job file "
+    f"(numGpus,topology,arrivalTime,serviceTime,bwSensitive), or a public trace with --format {'|'.join(TRACE_FORMATS)}"
+)
+_FORMAT_NAMES = {"sacct": "sacct --parsable2 text", "json": "sacct --json output", "jobfile": "a MAPA job file"}
+_SACCT_TABLE_RULE = re.compile(r"^\s*-{3,}(?: +-{3,})+\s*$")  # the dashed line under sacct's default table header
+
+
+def _check_has_jobs(source: Source, path: str, *, detected: bool) -> None:
+    """InputError unless the input holds at least one job to replay: a file that is empty, binary,
+    sacct's fixed-width table or anything else no reader understands must not replay as zero jobs.
+
+    Stops at the first job, so a good log costs one record; only input with no job is read through.
+    Lines that cannot be read beside good ones are counted and reported by the replay, as before.
+    """
+    name = "stdin" if path == "-" else repr(path)
+    stats = ReadStats()
+    try:
+        for _ in source.jobs(stats):
+            return
+    except InputError as error:
+        _refuse_empty(source, name)
+        why = "; ".join([*_what_it_looks_like(source), str(error)])
+        raise InputError(f"input {name} holds no job records {PROG} can read ({why}); {ACCEPTED_INPUT}") from None
+    _refuse_empty(source, name)
+    if source.fmt in ("json", "philly"):
+        stats = source.stats  # these readers fill the source's own counters on their one read
+    as_what = _FORMAT_NAMES.get(source.fmt, f"a {source.fmt} trace")
+    if source.fmt == "jobfile" and detected:
+        as_what += ", the format left when no other is recognised"
+    skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.skipped.items()))
+    if stats.skipped and not stats.malformed:
+        raise InputError(f"input {name} holds no GPU job to replay (read as {as_what}: skipped {skipped}); "
+                         "accepted: a log of jobs that were allocated GPUs (gres/gpu=N in AllocTRES or ReqTRES)")
+    read = f"read as {as_what}: no job"
+    if stats.malformed:
+        reason, count = stats.malformed.most_common(1)[0]
+        read += (f", {stats.malformed_total} malformed record(s), most often {reason[:120]!r} "
+                 f"({count}, first at line {stats.examples.get(reason)})")
+    if skipped:
+        read += f", skipped {skipped}"
+    why = "; ".join([*_what_it_looks_like(source), read])
+    raise InputError(f"input {name} holds no job records {PROG} can read ({why}); {ACCEPTED_INPUT}")
+
+
+def _refuse_empty(source: Source, name: str) -> None:
+    if not any(line.strip() for line in source.opener()):
+        raise InputError(f"input {name} is empty; {ACCEPTED_INPUT}")
+
+
+def _what_it_looks_like(source: Source) -> list[str]:
+    """Why an input with no readable job may be so: it is not text, or it is sacct's fixed-width table."""
+    found = []
+    raw = source.opener.head_bytes() if isinstance(source.opener, _FileOpener) else b""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        if bad.reason != "unexpected end of data":  # not merely a character cut at the end of the sample
+            found.append(f"it is not text: byte {raw[bad.start]:#04x} at offset {bad.start} is not UTF-8")
+    head = _take(source.opener(), 50)
+    if any(_SACCT_TABLE_RULE.match(line) and "jobid" in above.lower() for above, line in zip(head, head[1:])):
+        found.append("it is sacct's default fixed-width table, which cuts columns to width: run sacct with --parsable2")
+    return found
+
+
+DEFAULT_GENERATED_JOBS = 300
+MAX_GENERATED_JOBS = 10_000_000
+
+
+def _parse_generate(text: str) -> tuple[str, int]:
+    """--generate KIND[:JOBS] -> (kind, jobs): JOBS a whole number from 1, 300 when left out."""
+    kind, colon, count = text.partition(":")
+    accepted = (f"accepted: KIND or KIND:JOBS, KIND one of {', '.join(GENERATORS)} and JOBS a whole number from 1 to "
+                f"{MAX_GENERATED_JOBS:,} (default {DEFAULT_GENERATED_JOBS}), e.g. paper:300")
+    if kind not in GENERATORS:
+        raise InputError(f"--generate {text[:60]!r}: unknown workload {kind[:30]!r}; {accepted}")
+    if not colon:
+        return kind, DEFAULT_GENERATED_JOBS
+    if not (count.isascii() and count.isdigit() and len(count) <= 9) or not 1 <= int(count) <= MAX_GENERATED_JOBS:
+        raise InputError(f"--generate {text[:60]!r}: {count[:30]!r} is not a job count; {accepted}")
+    return kind, int(count)
 
 
 def _take(lines: Iterable[str], n: int) -> list[str]:
