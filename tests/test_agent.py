@@ -219,10 +219,13 @@ def test_wrapper_text_literal():
     with_cache = wrapper_text("prolog", "/usr/bin/python3", "/opt/site", "/etc/slurm/mapa.toml", "/var/cache/mapa")
     assert "\n/usr/bin/python3 -I -X pycache_prefix=/var/cache/mapa -c 'import sys;" in with_cache
     assert "RETRY_AFTER_SIGNAL=$((status - 128)) /usr/bin/python3 -I -X pycache_prefix=/var/cache/mapa -c 'import sys;" in with_cache
-    assert slurm_conf_lines("/usr/local/sbin") == (
-        "PrologFlags=Alloc\nProlog=/usr/local/sbin/mapa-prolog-wrapper\nEpilog=/usr/local/sbin/mapa-epilog-wrapper\n"
-        "TaskProlog=/usr/local/sbin/mapa-taskprolog\n"
-    )
+    settings = [line.split("#")[0].strip() for line in slurm_conf_lines("/usr/local/sbin").splitlines()]
+    assert settings == [
+        "JobSubmitPlugins=lua", "PrologFlags=Alloc", "Prolog=/usr/local/sbin/mapa-prolog-wrapper",
+        "Epilog=/usr/local/sbin/mapa-epilog-wrapper", "TaskProlog=/usr/local/sbin/mapa-taskprolog",
+        "PrologEpilogTimeout=60", "AccountingStorageTRES=gres/gpu", "AccountingStoreFlags=job_comment",
+    ]
+    assert "PrologEpilogTimeout=75 " in slurm_conf_lines("/usr/local/sbin", 75)
     for bad in ("python3", "/usr/bin/py'thon", "/opt/$HOME"):
         with pytest.raises(InputError, match="must be absolute and free of quotes"):
             wrapper_text("prolog", bad, "/opt/site", "/etc/slurm/mapa.toml")

@@ -23,10 +23,50 @@ def test_demo_is_the_default_and_prints_the_comparison(capsys):
 
 
 def test_demo_json(capsys):
+    """Issue 27: one JSON document with both inputs' results, keyed by input (the sacct half was dropped)."""
     assert main(["demo", "--json", "--policies", "baseline,preserve"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    documents = json.loads(capsys.readouterr().out)
+    assert list(documents) == ["paper-dgx1-300.jobs", "sample-sacct.txt"]
+    data = documents["paper-dgx1-300.jobs"]
     assert [p["policy"] for p in data["policies"]] == ["baseline", "preserve"]
     assert data["table3"][0]["policy"] == "baseline"
+    sacct = documents["sample-sacct.txt"]
+    assert sacct["input"] == "bundled sacct log (sample-sacct.txt)"
+    assert [p["policy"] for p in sacct["policies"]] == ["baseline", "preserve"]
+    assert sacct["recorded_decisions"]["compared"] == 36
+
+
+def test_demo_csv_keeps_both_inputs_rows(capsys, tmp_path):
+    """Issue 27: the second input's rows used to overwrite the first's; now one file with an input column."""
+    csv = tmp_path / "demo.csv"
+    assert main(["demo", "--policies", "baseline,preserve", "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "bundled paper workload" in out and "bundled sacct log" in out
+    rows = csv.read_text().splitlines()
+    assert rows[0] == "input,job,policy,node,submit,start,end,wait,runtime,base_runtime,gpus,sensitive,pattern,effective_bw,aggregated_bw,preserved_bw"
+    inputs = [row.split(",", 1)[0] for row in rows[1:]]
+    assert inputs.count("paper-dgx1-300.jobs") == 2 * 300 and inputs.count("sample-sacct.txt") == 2 * 36
+    assert inputs == sorted(inputs, key=["paper-dgx1-300.jobs", "sample-sacct.txt"].index)
+    assert main(["demo", "--json", "--policies", "preserve", "--csv", str(csv)]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {"paper-dgx1-300.jobs", "sample-sacct.txt"}
+    assert len(csv.read_text().splitlines()) == 1 + 300 + 36
+
+
+def test_generate_json_prints_json(capsys, tmp_path):
+    """Issue 27: `generate --json` printed the job file; now JSON (the job file without --json)."""
+    assert main(["generate", "amaral", "--jobs", "5", "--seed", "3"]) == 0
+    job_file = capsys.readouterr().out.splitlines()
+    assert main(["generate", "amaral", "--jobs", "5", "--seed", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "amaral" and data["seed"] == 3 and data["jobs"] == 5 and len(data["workload"]) == 5
+    first = data["workload"][0]
+    assert set(first) == {"gpus", "shape", "submit", "runtime", "sensitive", "task"}
+    gpus, shape, _submit, _runtime, sensitive, task = job_file[0].split(",")
+    assert (first["gpus"], first["shape"], first["sensitive"], first["task"]) == (int(gpus), shape, sensitive == "1", task)
+    out = tmp_path / "w.jobs"
+    assert main(["generate", "amaral", "--jobs", "5", "--seed", "3", "--json", "-o", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"written": str(out), "jobs": 5, "kind": "amaral", "seed": 3}
+    assert out.read_text().splitlines() == job_file
 
 
 def test_run_on_sacct_text_and_json(capsys, tmp_path):

@@ -19,10 +19,10 @@ import os
 import re
 import sys
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from math import ceil
 from importlib import resources
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TextIO
 
 from ..core.effbw import EffectiveBandwidthModel, grounded_model, load_model, paper_model
 from .. import version_text
@@ -194,10 +194,11 @@ def _progress(policy: str, enabled: bool) -> Callable[[int], None] | None:
 
 
 def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options: Options, *, csv_path: str | None,
-             progress: bool, node_choices: Sequence[str] = ("first-fit",)) -> list[RunResult]:
+             progress: bool, node_choices: Sequence[str] = ("first-fit",), csv_sink: CsvSink | None = None) -> list[RunResult]:
+    """``csv_sink``: rows go to this already open file, after the sink's input column, instead of ``csv_path``."""
     decider = Decider(options.model, configured=options.configured, extrapolate=options.extrapolate)
     results = []
-    csv_handle = open(csv_path, "w", encoding="utf-8") if csv_path else None
+    csv_handle = open(csv_path, "w", encoding="utf-8") if csv_path and csv_sink is None else None
     try:
         if csv_handle:
             csv_handle.write(report.CSV_HEADER + "\n")
@@ -206,7 +207,12 @@ def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options
             run_options = replace(options, node_choice=choice)
             for policy in policies:
                 stats = source.stats if first else ReadStats()
-                on_record = (lambda rec: csv_handle.write(report.csv_row(rec) + "\n")) if csv_handle else None
+                if csv_sink is not None:
+                    on_record = csv_sink.write
+                elif csv_handle:
+                    on_record = lambda rec: csv_handle.write(report.csv_row(rec) + "\n")  # noqa: E731
+                else:
+                    on_record = None
                 label = policy if choice == "first-fit" else f"{policy}/{choice}"
                 result = simulate(source.jobs(stats), nodes, policy, run_options, decider=decider, on_record=on_record,
                                   on_progress=_progress(label, progress))
@@ -218,6 +224,19 @@ def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options
         if csv_handle:
             csv_handle.close()
     return results
+
+
+@dataclass
+class CsvSink:
+    """One CSV file for several inputs (the demo's two): an ``input`` column first, naming each row's input."""
+
+    handle: TextIO
+    input: str = ""
+
+    HEADER = "input," + report.CSV_HEADER
+
+    def write(self, rec) -> None:
+        self.handle.write(f"{self.input},{report.csv_row(rec)}\n")
 
 
 def _node_names(source: Source) -> list[str]:
@@ -407,7 +426,10 @@ def _directive_lines(stats: ReadStats, share: float | None) -> list[str]:
     return lines
 
 
-def _replay(args, source: Source, config: Config, label: str) -> int:
+def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSink | None = None,
+            collect: list[dict] | None = None) -> int:
+    """Replay ``source`` and print the report (``collect``: append the JSON document to it instead
+    of printing it under --json; ``csv_sink``: the CSV rows go there, see :class:`CsvSink`)."""
     policies = _policies(args.policies)
     nodes, cluster_notes, peak = _build_nodes(args, source, config, label)
     model = _model(args, config)
@@ -434,7 +456,8 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
     )
     progress = args.progress or (args.progress is None and sys.stderr.isatty() and not args.json)
     results = _run_all(source, nodes, policies, options, csv_path=args.csv,
-                       progress=bool(progress and source.fmt not in ("json", "philly")), node_choices=node_choices)
+                       progress=bool(progress and source.fmt not in ("json", "philly")), node_choices=node_choices,
+                       csv_sink=csv_sink)
     share = getattr(args, "sensitive_share", None)
     warnings = [n for n in cluster_notes if n.startswith("warning:")]
     out: dict = {
@@ -495,7 +518,10 @@ def _replay(args, source: Source, config: Config, label: str) -> int:
         parts.append(f"note: {source.stats.malformed_total} malformed record(s) were skipped (see 'read' above)")
     if source.stats.notes:
         parts.append("reader assumptions: " + "; ".join(f"{n} x {what}" for what, n in sorted(source.stats.notes.items())))
-    _emit(args, out, parts)
+    if collect is not None and args.json:
+        collect.append(out)
+    else:
+        _emit(args, out, parts)
     return 0
 
 
@@ -678,35 +704,62 @@ def _counting(jobs: Iterable[Job], stats: ReadStats) -> Iterator[Job]:
         yield job
 
 
+DEMO_INPUTS = ("paper-dgx1-300.jobs", "sample-sacct.txt")  # the demo's bundled inputs, in the order it replays them
+
+
 def cmd_demo(args) -> int:
     config = parse_config(_data_text("demo.toml"), "bundled demo.toml")
-    text = _data_text("paper-dgx1-300.jobs")
+    text = _data_text(DEMO_INPUTS[0])
     src = Source(lambda: iter(text.splitlines(True)), "jobfile", config)
     args.topology = args.topology or "dgx1-v100"
     args.time_model = "default" if args.time_model is None else args.time_model
-    code = _replay(args, src, config, f"bundled paper workload (300 jobs, section 4) on one {args.topology}")
-    if code or args.json:
-        return code
-    sacct = _data_text("sample-sacct.txt")
-    args.time_model = None
-    args.topology = None
-    args.plot = None
-    print()
-    return _replay(args, Source(lambda: iter(sacct.splitlines(True)), "sacct", config), config, "bundled sacct log (sample-sacct.txt)")
+    # Two inputs, one report each: --json prints one document keyed by input, --csv one file whose
+    # first column names each row's input.
+    documents: list[dict] = []
+    handle = open(args.csv, "w", encoding="utf-8") if args.csv else None
+    try:
+        sink = None
+        if handle:
+            handle.write(CsvSink.HEADER + "\n")
+            sink = CsvSink(handle, DEMO_INPUTS[0])
+        code = _replay(args, src, config, f"bundled paper workload (300 jobs, section 4) on one {args.topology}",
+                       csv_sink=sink, collect=documents)
+        if code:
+            return code
+        sacct = _data_text(DEMO_INPUTS[1])
+        args.time_model = None
+        args.topology = None
+        args.plot = None
+        if sink:
+            sink.input = DEMO_INPUTS[1]
+        if not args.json:
+            print()
+        code = _replay(args, Source(lambda: iter(sacct.splitlines(True)), "sacct", config), config,
+                       f"bundled sacct log ({DEMO_INPUTS[1]})", csv_sink=sink, collect=documents)
+    finally:
+        if handle:
+            handle.close()
+    if not code and args.json:
+        print(json.dumps(dict(zip(DEMO_INPUTS, documents)), indent=2))
+    return code
 
 
 def cmd_generate(args) -> int:
     patterns = tuple(p.strip() for p in args.patterns.split(",") if p.strip())
     jobs = generate(args.kind, args.jobs, seed=args.seed, patterns=patterns, load=args.load,
                     min_gpus=args.min_gpus, max_gpus=args.max_gpus)
-    lines = write_jobfile(jobs)
     if args.output and args.output != "-":
         with open(args.output, "w", encoding="utf-8") as handle:
-            handle.writelines(lines)
+            handle.writelines(write_jobfile(jobs))
         if args.json:
             print(json.dumps({"written": args.output, "jobs": args.jobs, "kind": args.kind, "seed": args.seed}))
+    elif args.json:
+        # The job file's columns, one object per job (the job file itself is what stdout gets without --json).
+        workload = [{"gpus": job.gpus, "shape": job.shape, "submit": job.submit, "runtime": job.runtime,
+                     "sensitive": job.sensitive, "task": job.task} for job in jobs]
+        print(json.dumps({"kind": args.kind, "seed": args.seed, "jobs": len(workload), "workload": workload}, indent=2))
     else:
-        sys.stdout.writelines(lines)
+        sys.stdout.writelines(write_jobfile(jobs))
     return 0
 
 
@@ -796,7 +849,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-gpus", type=int, default=1)
     gen.add_argument("--max-gpus", type=int, default=5)
     gen.add_argument("-o", "--output", help="output file (default stdout)")
-    gen.add_argument("--json", action="store_true")
+    gen.add_argument("--json", action="store_true",
+                     help="print the workload as JSON (with -o: what was written) instead of the job file")
     pol = sub.add_parser("policies", help="list the policies")
     pol.add_argument("--json", action="store_true")
     return parser

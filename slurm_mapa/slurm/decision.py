@@ -1,6 +1,6 @@
 """The decision record the Prolog writes into a job's AdminComment, and its parser.
 
-    mapa:topology=ring sensitive=yes # dgx1=0,3,2,1 policy=preserve free=0-7 eff=68.707 agg=175.000 pres=216.000
+    mapa:topology=ring sensitive=yes # dgx1=0,3 policy=preserve free=0,1,2,3,4,5,6,7 slurm=0,1 affinity=prefer:0.1 eff=58.925 agg=100.000 pres=422.000
 
 MAPA's record is the directive as ``mapa:<normalised>`` (what the job_submit plugin stored), then
 one segment per node of the job, ``# NODE=GPUS key=value...``, GPUs in pattern order. `free=` is

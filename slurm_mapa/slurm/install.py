@@ -117,12 +117,24 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
     )
 
 
-def slurm_conf_lines(directory: str) -> str:
+def slurm_conf_lines(directory: str, timeout: int = 60) -> str:
+    """The slurm.conf lines MAPA needs, as `mapa hooks DIR` prints them (docs/admin.md, section 2,
+    shows them for /usr/local/sbin; a test checks the two agree). ``timeout``: the
+    PrologEpilogTimeout the wrappers need (doctor.needed_hook_timeout: 60 unless prolog_budget
+    asks for more)."""
+
+    def line(setting: str, comment: str = "") -> str:
+        return f"{setting + ' ':<40}# {comment}\n" if comment else f"{setting}\n"
+
     return (
-        "PrologFlags=Alloc\n"
-        f"Prolog={os.path.join(directory, WRAPPER_NAMES['prolog'])}\n"
-        f"Epilog={os.path.join(directory, WRAPPER_NAMES['epilog'])}\n"
-        f"TaskProlog={os.path.join(directory, 'mapa-taskprolog')}\n"
+        line("JobSubmitPlugins=lua")
+        + line("PrologFlags=Alloc", "the Prolog runs when the job is allocated")
+        + line(f"Prolog={os.path.join(directory, WRAPPER_NAMES['prolog'])}", "written by `mapa hooks`")
+        + line(f"Epilog={os.path.join(directory, WRAPPER_NAMES['epilog'])}")
+        + line(f"TaskProlog={os.path.join(directory, 'mapa-taskprolog')}")
+        + line(f"PrologEpilogTimeout={timeout}", "the Prolog stays within prolog_budget (twice, with the agent's fallback)")
+        + line("AccountingStorageTRES=gres/gpu", "sacct shows GPU counts")
+        + line("AccountingStoreFlags=job_comment", "sacct shows comments")
     )
 
 
@@ -257,7 +269,9 @@ def cmd_hooks(args: argparse.Namespace) -> int:
         # half of one, and a planted symlink is replaced, not followed.
         trusted.replace_file(target, text.encode(), mode=0o755)
         print(f"wrote {target}", file=sys.stderr)
-    print(slurm_conf_lines(str(directory)), end="")
+    from .doctor import needed_hook_timeout
+
+    print(slurm_conf_lines(str(directory), needed_hook_timeout(config)), end="")
     print(feature_conf_lines(config.feature_sizes), end="")
     # Last on stderr, where it is seen: a SPANK plugin the running Slurm would skip without a word.
     try:

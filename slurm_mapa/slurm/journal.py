@@ -4,7 +4,7 @@ Prolog waiting on slurmctld.
 The Prolog writes one small file per job, ``journal_dir/JOBID``, before the job starts::
 
     node=dgx1 nodes=1
-    mapa:topology=ring sensitive=yes # dgx1=0,3,2,1 policy=preserve free=0-7 eff=68.707 ...
+    mapa:topology=ring sensitive=yes # dgx1=0,3 policy=preserve free=0,1,2,3,4,5,6,7 slurm=0,1 affinity=prefer:0.1 eff=58.925 ...
 
 and mapa-agent writes the record into the job's AdminComment later (:func:`flush`), merged with
 what is there (decision.with_decision keeps an admin's text and the other nodes' decisions),
