@@ -12,7 +12,7 @@ from slurm_mapa.cli import main as mapa_main
 from slurm_mapa.hardware.presets import PRESETS
 from slurm_mapa.slurm.config import HookConfig
 from slurm_mapa.slurm.decision import Decision, parse_decisions
-from slurm_mapa.slurm.doctor import needed_hook_timeout
+from slurm_mapa.slurm.install import needed_hook_timeout
 from slurm_mapa.slurm.install import slurm_conf_lines
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -263,12 +263,16 @@ FAULTS = [
 ]
 
 
+def _checked(changes: dict, status: str) -> tuple[int, str, list]:
+    """Exit status, text report and the checks of ``status`` for the healthy node with ``changes``."""
+    checks = run_checks(healthy(**changes))
+    return doctor.exit_status(checks), doctor.format_text(checks), [check for check in checks if check.status == status]
+
+
 @pytest.mark.parametrize("changes, name, found, fix", [case[1:] for case in FAULTS], ids=[case[0] for case in FAULTS])
 def test_each_fault_fails_its_check_and_says_what_to_do(changes, name, found, fix):
-    checks = run_checks(healthy(**changes))
-    report = doctor.format_text(checks)
-    assert doctor.exit_status(checks) == 1, report
-    failed = [check for check in checks if check.status == FAIL]
+    status, report, failed = _checked(changes, FAIL)
+    assert status == 1, report
     assert [check.check for check in failed] == [name], report
     assert found in failed[0].found, report
     assert fix in failed[0].fix, report
@@ -310,10 +314,8 @@ WARNINGS = [
 
 @pytest.mark.parametrize("changes, name, found", [case[1:] for case in WARNINGS], ids=[case[0] for case in WARNINGS])
 def test_what_only_warns_keeps_the_exit_status_0(changes, name, found):
-    checks = run_checks(healthy(**changes))
-    report = doctor.format_text(checks)
-    assert doctor.exit_status(checks) == 0, report
-    warned = [check for check in checks if check.status == WARN]
+    status, report, warned = _checked(changes, WARN)
+    assert status == 0, report
     assert [check.check for check in warned] == [name], report
     assert found in warned[0].found, report
 

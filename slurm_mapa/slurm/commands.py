@@ -20,7 +20,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 MAX_OUTPUT_BYTES = 4 << 20  # stdout of one command; more is an error, and the command is killed
 MAX_STDERR_BYTES = 64 << 10  # stderr kept for the error message (the rest is read and dropped)
@@ -45,6 +45,7 @@ class Runner:
     """
 
     timeout: float = 5.0
+    env: Mapping[str, str] | None = None  # the command's environment; None: only LC_ALL=C (all Slurm's need)
 
     def __call__(self, argv: Sequence[str], stdin: str | None = None, timeout: float | None = None) -> str:
         """The command's stdout, decoded with replacement. ``timeout`` lowers the runner's own
@@ -62,7 +63,7 @@ class Runner:
                 stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env={"LC_ALL": "C"},
+                env={"LC_ALL": "C"} if self.env is None else dict(self.env),
                 start_new_session=True,
                 close_fds=True,
             )

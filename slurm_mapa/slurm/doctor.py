@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
 import shutil
 import socket
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -44,18 +42,16 @@ from ..errors import MapaError
 from ..hardware.topofile import Topology
 from . import paths as trusted
 from .agent_client import ANSWER_TIMEOUT_S, DEFAULT_SOCKET, ISOLATE_SOCKET
-from .config import DEFAULT_CONFIG_PATH, MAX_PROLOG_BUDGET_S, HookConfig, config_from_text
+from .commands import Runner
+from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
+from .install import needed_hook_timeout
+from .spankcheck import slurm_conf_value
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 SLURM_TIMEOUT_S = 5.0  # each scontrol call
 TOOL_TIMEOUT_S = 10.0  # each nvidia-smi / rocm-smi call, and NVML discovery
 AGENT_TIMEOUT_S = 2.0  # the mapa-agent probe, connect and answer together
 MAX_TEXT_BYTES = 1 << 20  # a config file; more is an error
-# MAPA's wrappers finish within 60 s (the agent client gives up after 25 s, the in-process hook has
-# prolog_budget, at most 20 s, and a retry after a signal starts only within RETRY_WINDOW_S of the
-# wrapper's start): docs/admin.md asks for PrologEpilogTimeout=60 or more.
-MIN_HOOK_TIMEOUT_S = 60
-RETRY_WINDOW_S = 30  # install.RETRY_WINDOW_S (not imported: install.py is the hooks writer's)
 UNLIMITED_TIMEOUT = 65534  # NO_VAL16, what Slurm prints for "no limit" (65535, INFINITE16, alike)
 # A request the agent refuses at once and harmlessly: an unknown kind (it logs one line, "refused a
 # request: unknown hook kind 'doctor'"). The protocol has no ping; this costs the agent a header parse.
@@ -170,17 +166,6 @@ def _flag_list(value: str | None) -> list[str]:
     if value is None or value in ("", "(null)"):
         return []
     return [part.strip() for part in value.split(",") if part.strip()]
-
-
-def conf_file_value(text: str, key: str) -> str | None:
-    """The value of ``key`` in a ``Key=Value`` file such as cgroup.conf (keys case-insensitive, the
-    last line wins, as Slurm reads them)."""
-    found = None
-    for line in text.splitlines():
-        match = re.fullmatch(r"\s*([A-Za-z]+)\s*=\s*(\S*)\s*", line.split("#", 1)[0])
-        if match and match.group(1).lower() == key.lower():
-            found = match.group(2)
-    return found
 
 
 def _yes(value: str | None) -> bool:
@@ -484,12 +469,6 @@ def check_prolog_flags(conf: Mapping[str, str]) -> Check:
                  "PrologFlags=Alloc in slurm.conf (keep the flags you have), then `scontrol reconfigure`")
 
 
-def needed_hook_timeout(config: HookConfig) -> int:
-    """Seconds slurm.conf must give MAPA's Prolog: 60, or more for a budget that would need it."""
-    return max(MIN_HOOK_TIMEOUT_S, math.ceil(ANSWER_TIMEOUT_S + min(config.prolog_budget, MAX_PROLOG_BUDGET_S) + 10),
-               math.ceil(RETRY_WINDOW_S + config.prolog_budget))
-
-
 def check_timeouts(conf: Mapping[str, str], config: HookConfig) -> Check:
     needed = needed_hook_timeout(config)
     if "PrologTimeout" in conf or "EpilogTimeout" in conf:  # 25.05+: printed apart only when they differ
@@ -574,7 +553,7 @@ def check_task_plugin(conf: Mapping[str, str], isolation_on: bool) -> Check:
 
 def check_constrain_devices(cgroup_conf: str | None, conf: Mapping[str, str] | None, slurm_conf_dir: str) -> Check:
     if cgroup_conf is not None:
-        value, where = conf_file_value(cgroup_conf, "ConstrainDevices"), os.path.join(slurm_conf_dir, "cgroup.conf")
+        value, where = slurm_conf_value(cgroup_conf, "ConstrainDevices"), os.path.join(slurm_conf_dir, "cgroup.conf")
     elif conf is not None:
         value, where = conf.get("ConstrainDevices"), "`scontrol show config`"
     else:
@@ -905,18 +884,9 @@ def find_program(command: str, environ: Mapping[str, str]) -> str | None:
 
 
 def run_command(argv: Sequence[str], environ: Mapping[str, str], timeout: float) -> str:
-    """stdout of ``argv`` (no shell) within ``timeout`` seconds; RuntimeError with the reason otherwise."""
-    try:
-        done = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
-                              env=dict(environ), check=False)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"`{' '.join(argv)}` did not answer within {timeout:g} s") from None
-    except OSError as error:
-        raise RuntimeError(f"cannot run {argv[0]}: {_describe(error)}") from None
-    if done.returncode != 0:
-        said = (done.stderr or done.stdout)[-400:].decode("utf-8", "replace").strip()
-        raise RuntimeError(f"`{' '.join(argv)}` exited {done.returncode}: {said}")
-    return done.stdout[:4 << 20].decode("utf-8", "replace")
+    """stdout of ``argv`` (no shell) within ``timeout`` seconds, killed with all it started past
+    that (commands.Runner); RuntimeError with the reason otherwise."""
+    return Runner(timeout=timeout, env=environ)(argv)
 
 
 def _slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -1150,28 +1120,20 @@ def _gather_spank(got: dict[str, Any], environ: Mapping[str, str], slurm_conf: P
     from . import spankcheck
 
     try:
-        slurm_text = _safely(read_text, slurm_conf)[0]
-        plugstack = spankcheck.plugstack_conf_path(slurm_text, slurm_conf)
+        plugstack, plugin_dirs = spankcheck.spank_settings(_safely(read_text, slurm_conf)[0], slurm_conf)
         got["plugstack"] = str(plugstack)
-        plugin_dirs = (spankcheck.slurm_conf_value(slurm_text, "PluginDir") if slurm_text else None) or ""
-        lines = [line for line in spankcheck._plugin_lines(plugstack)
-                 if os.path.basename(line[1]).startswith(spankcheck.MAPA_PLUGIN_PREFIX)]
-        resolved = []
-        for kind, path, conf in lines:
-            if not path.startswith("/"):
-                path = next((str(Path(d) / path) for d in plugin_dirs.split(":") if d and (Path(d) / path).exists()), path)
-            resolved.append((kind, path, str(conf)))
-        got["spank_lines"] = tuple(resolved)
-        running = spankcheck.running_slurm_version_text() if resolved else None
+        plugins = spankcheck.installed_mapa_plugins(plugstack, plugin_dirs)
+        got["spank_lines"] = tuple((plugin.kind, plugin.path, str(plugin.conf)) for plugin in plugins)
+        running = spankcheck.running_slurm_version_text() if plugins else None
         got["running_version"] = (running or "").strip()
         built = {}
-        for _, path, _ in resolved:
-            data = _safely(lambda p: Path(p).read_bytes()[:spankcheck.MAX_PLUGIN_BYTES], path)[0]
-            number = spankcheck.elf_u32_symbol(data, "plugin_version") if data else None
+        for plugin in plugins:
+            number = spankcheck.elf_u32_symbol(plugin.data, "plugin_version") if plugin.data else None
             if number is not None:
-                built[path] = spankcheck.release_text(number)
+                built[plugin.path] = spankcheck.release_text(number)
         got["spank_built"] = built
-        got["spank_problems"] = tuple(spankcheck.check_installed_spank_plugins(plugstack, lambda: running, plugin_dirs))
+        got["spank_problems"] = tuple(spankcheck.installed_plugin_problems(
+            plugins, spankcheck.parse_slurm_version(running) if running else None))
     except Exception as error:  # noqa: BLE001
         got["spank_error"] = _describe(error)
 

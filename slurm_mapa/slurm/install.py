@@ -12,6 +12,7 @@ directory that anyone but root could change (the checks of :mod:`slurm_mapa.slur
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -117,10 +118,25 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
     )
 
 
-def slurm_conf_lines(directory: str, timeout: int = 60) -> str:
+# MAPA's wrappers finish within 60 s (the agent client gives up after ANSWER_TIMEOUT_S, the in-process
+# hook has prolog_budget, at most MAX_PROLOG_BUDGET_S, and a retry after a signal starts only within
+# RETRY_WINDOW_S of the wrapper's start): docs/admin.md asks for PrologEpilogTimeout=60 or more.
+MIN_HOOK_TIMEOUT_S = 60
+
+
+def needed_hook_timeout(config: HookConfig) -> int:
+    """Seconds slurm.conf must give MAPA's Prolog: 60, or more for a budget that would need it."""
+    from .agent_client import ANSWER_TIMEOUT_S
+    from .config import MAX_PROLOG_BUDGET_S
+
+    return max(MIN_HOOK_TIMEOUT_S, math.ceil(ANSWER_TIMEOUT_S + min(config.prolog_budget, MAX_PROLOG_BUDGET_S) + 10),
+               math.ceil(RETRY_WINDOW_S + config.prolog_budget))
+
+
+def slurm_conf_lines(directory: str, timeout: int = MIN_HOOK_TIMEOUT_S) -> str:
     """The slurm.conf lines MAPA needs, as `mapa hooks DIR` prints them (docs/admin.md, section 2,
     shows them for /usr/local/sbin; a test checks the two agree). ``timeout``: the
-    PrologEpilogTimeout the wrappers need (doctor.needed_hook_timeout: 60 unless prolog_budget
+    PrologEpilogTimeout the wrappers need (needed_hook_timeout: 60 unless prolog_budget
     asks for more)."""
 
     def line(setting: str, comment: str = "") -> str:
@@ -269,8 +285,6 @@ def cmd_hooks(args: argparse.Namespace) -> int:
         # half of one, and a planted symlink is replaced, not followed.
         trusted.replace_file(target, text.encode(), mode=0o755)
         print(f"wrote {target}", file=sys.stderr)
-    from .doctor import needed_hook_timeout
-
     print(slurm_conf_lines(str(directory), needed_hook_timeout(config)), end="")
     print(feature_conf_lines(config.feature_sizes), end="")
     # Last on stderr, where it is seen: a SPANK plugin the running Slurm would skip without a word.

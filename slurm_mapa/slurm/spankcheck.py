@@ -20,6 +20,7 @@ import re
 import shutil
 import struct
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -174,6 +175,12 @@ def plugstack_conf_path(slurm_conf_text: str | None, slurm_conf: Path) -> Path:
     return slurm_conf.parent / (configured or "plugstack.conf")  # an absolute value replaces the directory
 
 
+def spank_settings(slurm_conf_text: str | None, slurm_conf: Path) -> tuple[Path, str]:
+    """(plugstack.conf's path, slurm.conf's PluginDir or "") of the slurm.conf at ``slurm_conf``."""
+    plugin_dirs = (slurm_conf_value(slurm_conf_text, "PluginDir") if slurm_conf_text else None) or ""
+    return plugstack_conf_path(slurm_conf_text, slurm_conf), plugin_dirs
+
+
 # --- the messages ---------------------------------------------------------------------------------
 def _rebuild(path: str) -> str:
     return (f"run `mapa spank-plugin {path}` again on this node after every Slurm upgrade; "
@@ -226,34 +233,59 @@ def _plugin_lines(plugstack: Path) -> list[tuple[str, str, Path]]:
     return found
 
 
-def check_installed_spank_plugins(plugstack: Path, running_version_text: Callable[[], str | None],
-                                  plugin_dirs: str = "") -> list[str]:
-    """The problems (one line each) of MAPA's SPANK plugins that ``plugstack`` configures; none
-    configured, or no plugstack.conf, is no problem. ``plugin_dirs``: slurm.conf's PluginDir, where
-    Slurm looks for a plugin named without a directory."""
-    mapa_lines = [line for line in _plugin_lines(plugstack) if os.path.basename(line[1]).startswith(MAPA_PLUGIN_PREFIX)]
-    if not mapa_lines:
-        return []
-    answer = running_version_text()
-    running = parse_slurm_version(answer) if answer else None
-    problems = []
-    for kind, path, conf in mapa_lines:
+@dataclass(frozen=True)
+class InstalledPlugin:
+    """One of MAPA's plugin lines of plugstack.conf, with the plugin it names."""
+
+    kind: str  # required | optional
+    path: str  # as found through slurm.conf's PluginDir when the line names no directory
+    conf: Path  # the plugstack file with the line
+    data: bytes | None  # the plugin's first MAX_PLUGIN_BYTES bytes; None when it cannot be read
+
+
+def installed_mapa_plugins(plugstack: Path, plugin_dirs: str = "") -> list[InstalledPlugin]:
+    """MAPA's SPANK plugins that ``plugstack`` configures, each read once; none configured, or no
+    plugstack.conf, is an empty list. ``plugin_dirs``: slurm.conf's PluginDir, where Slurm looks
+    for a plugin named without a directory."""
+    plugins = []
+    for kind, path, conf in _plugin_lines(plugstack):
+        if not os.path.basename(path).startswith(MAPA_PLUGIN_PREFIX):
+            continue
         candidates = [Path(path)] if path.startswith("/") else [Path(d) / path for d in plugin_dirs.split(":") if d]
-        plugin_bytes = None
+        data = None
         for candidate in candidates:
             try:
-                plugin_bytes = _read_at_most(candidate, MAX_PLUGIN_BYTES)
+                data = _read_at_most(candidate, MAX_PLUGIN_BYTES)
                 path = str(candidate)
                 break
             except OSError:
                 continue
-        problem = spank_plugin_problem(plugin_bytes, path, running)
+        plugins.append(InstalledPlugin(kind, path, conf, data))
+    return plugins
+
+
+def installed_plugin_problems(plugins: list[InstalledPlugin], running: int | None) -> list[str]:
+    """One line for each plugin the running Slurm (SLURM_VERSION_NUMBER ``running``) would not load."""
+    problems = []
+    for plugin in plugins:
+        problem = spank_plugin_problem(plugin.data, plugin.path, running)
         if problem:
             # A required plugin slurmstepd cannot load fails every step; an optional one is skipped.
-            consequence = ("every job step on this node fails" if kind == "required"
+            consequence = ("every job step on this node fails" if plugin.kind == "required"
                            else "slurmstepd skips it without an error")
-            problems.append(f"{problem} ({kind} in {conf}: {consequence})")
+            problems.append(f"{problem} ({plugin.kind} in {plugin.conf}: {consequence})")
     return problems
+
+
+def check_installed_spank_plugins(plugstack: Path, running_version_text: Callable[[], str | None],
+                                  plugin_dirs: str = "") -> list[str]:
+    """The problems (one line each) of MAPA's SPANK plugins that ``plugstack`` configures; none
+    configured, or no plugstack.conf, is no problem (and no Slurm command is run)."""
+    plugins = installed_mapa_plugins(plugstack, plugin_dirs)
+    if not plugins:
+        return []
+    answer = running_version_text()
+    return installed_plugin_problems(plugins, parse_slurm_version(answer) if answer else None)
 
 
 def running_slurm_version_text() -> str | None:
@@ -283,5 +315,5 @@ def check_this_node(environ: Mapping[str, str],
         text: str | None = _read_at_most(slurm_conf, MAX_CONF_BYTES).decode(errors="replace")
     except OSError:
         text = None
-    plugin_dirs = (slurm_conf_value(text, "PluginDir") if text else None) or ""
-    return check_installed_spank_plugins(plugstack_conf_path(text, slurm_conf), running_version_text, plugin_dirs)
+    plugstack, plugin_dirs = spank_settings(text, slurm_conf)
+    return check_installed_spank_plugins(plugstack, running_version_text, plugin_dirs)
