@@ -4,6 +4,7 @@ paths. The randomised end-to-end check is tests/test_invariant.py."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -521,6 +522,53 @@ def test_a_stuck_lock_still_gives_the_job_gpus_no_job_file_names(tmp_path):
         os.close(fd)
     assert not {0, 1} & set(job_gpus(config, "4"))
     assert any("LEDGER LOCK TIMEOUT" in line for line in logs)
+
+
+def test_without_the_lock_a_prolog_waits_for_a_lock_holder_to_let_its_provisional_gpus_go(tmp_path, monkeypatch):
+    """The interleaving CI found: job 2 (Slurm gave it 2,7) was provisionally on 5,7 and its lock
+    holder had claimed its final 5,6 and not yet let 7 go when job 3 (Slurm gave it 5), without
+    the lock, read the files: nothing free. Job 3 once shared GPU 5 with job 2 at once; it must wait
+    until the holder is done, then take 7."""
+    config = make_config(tmp_path, prolog_budget=2)
+    write_job_file_trusted(config, "1", (0, 1, 2, 3, 4))
+    jobfiles.claim(config.jobs_dir, "1", (0, 1, 2, 3, 4), 5)
+    write_mark(config.jobs_dir, "2", mark_for(os.getpid(), (2, 7)))
+    write_job_file(config.jobs_dir, "2", (5, 7))
+    assert jobfiles.claim(config.jobs_dir, "2", (5, 6, 7), 3) == (5, 6, 7)  # provisional 5,7 and final 5,6
+
+    def holder_finishes_the_commit() -> None:
+        time.sleep(0.2)
+        write_job_file(config.jobs_dir, "2", (5, 6))
+        jobfiles.release_claims(config.jobs_dir, "2", keep=(5, 6))
+
+    holder = threading.Thread(target=holder_finishes_the_commit)
+    real_locked = LedgerFile.locked
+
+    @contextlib.contextmanager
+    def locked(self, timeout=10.0):
+        try:
+            with real_locked(self, timeout=timeout):
+                yield
+        except TimeoutError:
+            if not holder.is_alive() and holder.ident is None:
+                holder.start()  # job 3 is on its own from here: the holder finishes 0.2 s later
+            raise
+
+    monkeypatch.setattr(LedgerFile, "locked", locked)
+    fd = hold_lock(config)
+    logs: list[str] = []
+    try:
+        slurm = FakeSlurm()
+        slurm.running = {"1", "2", "3"}
+        run_prolog(env_for("3", "5"), config, slurm, logs.append)
+    finally:
+        os.close(fd)
+        if holder.ident is not None:
+            holder.join()
+    assert holder.ident is not None, "the Prolog must have gone without the lock"
+    assert job_gpus(config, "3") == (7,), logs
+    assert_disjoint({job: job_gpus(config, job) for job in ("1", "2", "3")})
+    assert not any("SHARES" in line for line in logs), logs
 
 
 # --- root-side paths ----------------------------------------------------------------------------

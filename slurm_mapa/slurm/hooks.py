@@ -381,16 +381,21 @@ def spread(job_id: str, gpus: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(gpus, key=lambda gpu: zlib.crc32(f"{job_id}:{gpu}".encode())))
 
 
+MIN_CLAIM_WAIT_S = 0.5  # without the lock, how long at least to wait for enough GPUs to come free
+CLAIM_RETRY_S = 0.01
+
+
 def record_provisional(
-    ctx: PrologContext, config: HookConfig, size: int, lock_wait: float, log: Log, mark: jobfiles.Mark | None = None,
+    ctx: PrologContext, config: HookConfig, size: int, budget: Budget, log: Log, mark: jobfiles.Mark | None = None,
     unknown: list[str] | None = None,
 ) -> tuple[int, ...] | None:
     """Step 2: a safe choice made from local files only, recorded before anything slow happens.
     None when a newer run of the job's Prolog owns the job (see owns_job). ``unknown``: see
-    current_ledger."""
+    current_ledger. The lock is waited for until the commit reserve of ``budget``; without it,
+    GPUs are claimed until the budget's end (MIN_CLAIM_WAIT_S at least)."""
     ledger_file = LedgerFile(config.ledger, size)
     try:
-        with ledger_file.locked(timeout=max(lock_wait, 0.1)):
+        with ledger_file.locked(timeout=max(budget.for_step(budget.left()), 0.1)):
             if mark is not None and not owns_job(config, ctx.job_id, mark):
                 return None
             for _ in range(MAX_CLAIM_RACES):
@@ -414,18 +419,23 @@ def record_provisional(
         # (Slurm never gives one GPU to two live jobs), else free ones in an order of this job's own.
         # Each GPU is claimed by creating a file, so no two Prologs ever take the same one. The
         # files change while this Prolog reads them (others commit and free GPUs): while claims
-        # fall short, read them again and claim from the new free set.
+        # fall short, read them again and claim from the new free set. Too few free is passing:
+        # Slurm never gives more GPUs than the node has, but a lock holder that moves its job
+        # from the provisional GPUs to its final ones claims the new ones before it lets the old
+        # ones go, so for a moment its job holds more than Slurm gave it. Sharing is the last
+        # resort, once the budget is spent.
         wanted = len(ctx.slurm_gpus)
         gpus: tuple[int, ...] = ()
-        for _ in range(MAX_CLAIM_RACES):
+        claim_started = time.monotonic()
+        claim_deadline = claim_started + max(budget.left() - 0.1, MIN_CLAIM_WAIT_S)
+        while True:
             ledger, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
             free = tuple(g for g in ledger.free(size) if g not in gpus)
-            if not free:
-                break
             own = tuple(g for g in ctx.slurm_gpus if g in free)
             gpus += jobfiles.claim(config.jobs_dir, ctx.job_id, own + spread(ctx.job_id, set(free) - set(own)), wanted - len(gpus))
-            if len(gpus) == wanted:
+            if len(gpus) == wanted or time.monotonic() > claim_deadline:
                 break
+            time.sleep(CLAIM_RETRY_S)
         if len(gpus) < wanted:
             # Too few could be claimed. GPUs that no live job holds but whose claims are still there
             # (their jobs ended after the lock got stuck: only a lock holder removes their files)
@@ -433,7 +443,8 @@ def record_provisional(
             unclaimable = tuple(g for g in ledger.free(size) if g not in gpus)
             gpus = fallback_gpus(ctx.slurm_gpus, gpus + unclaimable, [g for h in ledger.holdings.values() for g in h.gpus])
             shared = sorted(set(gpus) & ledger.held())
-            log(f"job {ctx.job_id}: too few GPUs could be claimed without the lock; it takes GPUs {','.join(map(str, gpus))}"
+            log(f"job {ctx.job_id}: too few GPUs came free to claim without the lock in {time.monotonic() - claim_started:.1f} s; "
+                f"it takes GPUs {','.join(map(str, gpus))}"
                 + (f" and SHARES GPUs {','.join(map(str, shared))} with other jobs" if shared else
                    ", some of them claimed by jobs that ended (their files go when a Prolog next holds the lock)"))
         gpus = tuple(sorted(gpus))
@@ -491,7 +502,7 @@ def run_prolog(
             problem = f"no-topology: {error}"
     size = graph.size if graph is not None else size_without_topology(ctx, config)
     unknown: list[str] = []
-    provisional = record_provisional(ctx, config, size, budget.for_step(budget.left()), log, mark, unknown)
+    provisional = record_provisional(ctx, config, size, budget, log, mark, unknown)
     if provisional is None:
         log(f"job {ctx.job_id}: a newer run of its Prolog took the job over; this one writes nothing")
         return None
@@ -884,7 +895,7 @@ def record_after_error(env: Mapping[str, str], config: HookConfig, log: Log) -> 
         if not ctx.slurm_gpus or os.path.lexists(jobfiles.job_file_path(config.jobs_dir, ctx.job_id)):
             return
         size = size_without_topology(ctx, config)
-        gpus = record_provisional(ctx, config, size, config.prolog_budget / 4, log)
+        gpus = record_provisional(ctx, config, size, Budget(config.prolog_budget / 4 + COMMIT_RESERVE_S), log)
         log(f"job {ctx.job_id}: after the error it runs on GPUs {','.join(map(str, gpus))}, which no other job holds if any were free")
     except Exception as error:  # noqa: BLE001 - nothing more can be done safely; the job runs on Slurm's GPUs
         log(f"prolog: could not record a safe choice after the error ({error}); the job runs on Slurm's GPUs")
