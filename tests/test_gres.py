@@ -166,3 +166,20 @@ def test_topo_show(capsys, tmp_path):
 def test_write_presets(tmp_path, capsys):
     assert commands_main(["gres-conf", "--write-presets", str(tmp_path)]) == 0
     assert len(list(tmp_path.iterdir())) == 2 * len(PRESETS)
+
+
+@pytest.mark.parametrize("argv, offered", [
+    (["gres-conf", "--nvidia-smi", "/nonexistent/nvidia-smi"], "--topology"),
+    (["gres-conf", "--source", "rocm-smi", "--rocm-smi", "/nonexistent/rocm-smi"], "--topology"),
+    (["topo", "discover", "--nvidia-smi", "/nonexistent/nvidia-smi"], "--source file --file"),
+])
+def test_without_the_gpu_tool_the_error_offers_an_option_the_command_has(argv, offered, capsys):
+    assert commands_main(argv) == 2
+    error = capsys.readouterr().err
+    assert "/nonexistent/" in error and offered in error, error
+    command = argv[:2] if argv[0] == "topo" else argv[:1]
+    with pytest.raises(SystemExit):
+        commands_main([*command, "--help"])
+    usage = capsys.readouterr().out
+    for option in re.findall(r"--[a-z-]+", error.split("not found;")[1]):
+        assert option in usage, (option, error)

@@ -118,11 +118,14 @@ def _read(path: str, what: str = "--file", accepted: str = TOPOLOGY_TEXT) -> str
     return read_text(path, what=what, accepted=accepted, max_bytes=MAX_TOPOLOGY_FILE_BYTES)
 
 
-def _run_nvidia_smi(executable: str, *arguments: str) -> str:
+OFFLINE_HINT = "use --source file --file <saved output>"
+
+
+def _run_nvidia_smi(executable: str, *arguments: str, offline_hint: str = OFFLINE_HINT) -> str:
     try:
         done = subprocess.run([executable, *arguments], capture_output=True, text=True, timeout=120, check=False)
     except FileNotFoundError:
-        raise InputError(f"{executable} not found; install the GPU driver's tools or use --source file") from None
+        raise InputError(f"{executable} not found; install the GPU driver's tools or {offline_hint}") from None
     except subprocess.TimeoutExpired:
         raise InputError(f"`{executable} {' '.join(arguments)}` did not answer within 120 s") from None
     if done.returncode != 0:
@@ -147,7 +150,9 @@ def _warn(lines: tuple[str, ...] | list[str], prefix: str = "warning") -> None:
 
 
 def discover_topology(source: str, *, name: str, nvidia_smi: str = "nvidia-smi", file: str | None = None,
-                      gpu_list: str | None = None, rocm_smi: str = "rocm-smi") -> Topology:
+                      gpu_list: str | None = None, rocm_smi: str = "rocm-smi", offline_hint: str = OFFLINE_HINT) -> Topology:
+    """The local GPUs' topology from ``source``; ``offline_hint``: what the calling command offers
+    instead when the tool is not installed (its own option for a saved output)."""
     if source == "nvml":
         from .nvml import discover, load_pynvml, nvml_session
 
@@ -165,7 +170,7 @@ def discover_topology(source: str, *, name: str, nvidia_smi: str = "nvidia-smi",
     if source == "rocm-smi":
         from .rocm_smi import parse_amd_topology
 
-        amd = parse_amd_topology(_run_nvidia_smi(rocm_smi, "--showtopo", "--shownodesbw"), name=name)
+        amd = parse_amd_topology(_run_nvidia_smi(rocm_smi, "--showtopo", "--shownodesbw", offline_hint=offline_hint), name=name)
         _warn(amd.notes, "note")
         return Topology(graph=amd.graph, vendor="amd", notes=amd.notes)
     if source == "file":
@@ -190,8 +195,8 @@ def discover_topology(source: str, *, name: str, nvidia_smi: str = "nvidia-smi",
         uuids = tuple(entry.uuid for entry in parse_gpu_list(list_text)) if list_text else None
         _warn(result.notes, "note")
         return Topology(graph=result.graph, uuids=uuids, notes=result.notes)
-    topo_text = _run_nvidia_smi(nvidia_smi, "topo", "-m")
-    list_text = _run_nvidia_smi(nvidia_smi, "-L")
+    topo_text = _run_nvidia_smi(nvidia_smi, "topo", "-m", offline_hint=offline_hint)
+    list_text = _run_nvidia_smi(nvidia_smi, "-L", offline_hint=offline_hint)
     result = parse_discovery(topo_text, list_text, name=name)
     from .nvidia_smi import parse_gpu_list
 
@@ -324,7 +329,8 @@ def cmd_gres_conf(args: argparse.Namespace) -> int:
         origin = f"mapa gres-conf --topology {args.topology}"
     else:
         name = socket.gethostname().split(".")[0] or "node"
-        topology = discover_topology(args.source, name=name, nvidia_smi=args.nvidia_smi, rocm_smi=args.rocm_smi)
+        topology = discover_topology(args.source, name=name, nvidia_smi=args.nvidia_smi, rocm_smi=args.rocm_smi,
+                                     offline_hint="use --topology with a preset name, a topology file or a saved `nvidia-smi topo -m` output")
         preset_name = None
         origin = f"mapa gres-conf ({args.source})"
     sys.stdout.write(

@@ -19,6 +19,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -241,6 +242,16 @@ class Cluster:
                     f"job {jobid} not {sorted(wanted)} after {timeout}s; now {sorted(current)}: {_job_summary(last)}"
                 )
             time.sleep(poll)
+
+    def why_not_started(self, jobid: int, lines: int = 15) -> str:
+        """For a job whose script printed nothing: its record, and the MAPA log lines that name it
+        on its nodes (a CI failure shows only the containers' last lines)."""
+        job = self.job(jobid)
+        text = _job_summary(job)
+        for node in sorted(set(filter(None, re.split(r"[,\s]+", str((job or {}).get("nodes", "")))))):  # the cluster has no node ranges
+            proc = self.exec(node, ["grep", "-aw", f"job {jobid}", "/var/log/slurm-mapa.log"], check=False)
+            text += f"\n--- {node}: MAPA log lines of job {jobid} ---\n" + "\n".join(proc.stdout.splitlines()[-lines:])
+        return text
 
     def wait_job(
         self,

@@ -40,7 +40,7 @@ def _gpus(cluster, jobid: int, timeout: float = 60) -> tuple[int, ...]:
         if match:
             return tuple(int(g) for g in match.group(1).split(",") if g)
         if time.monotonic() > deadline:
-            raise cluster.Error(f"job {jobid} printed no MAPA_GPUS: {out!r}")
+            raise cluster.Error(f"job {jobid} printed no MAPA_GPUS: {out!r}; {cluster.why_not_started(jobid)}")
         time.sleep(0.3)
 
 
