@@ -1,5 +1,5 @@
-"""`mapa doctor` (slurm/doctor.py): the pure checks on literal inputs, the JSON shape, and the
-gatherer where Slurm is missing. The live cluster run is tests/cluster/test_doctor.py."""
+"""`mapa doctor` (slurm/doctor/): the pure checks on literal inputs, the JSON shape, and the
+gatherer where Slurm is missing. The live cluster run is tests/cluster/test_doctor_on_nodes.py."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from slurm_mapa.hardware.load import load_topology_file
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.hardware.topofile import Topology
 from slurm_mapa.slurm import doctor
+from slurm_mapa.slurm.doctor import checks as doctor_checks, gather_inputs, records, slurm_text
 from slurm_mapa.slurm.doctor import FAIL, OK, WARN, Inputs, PathFacts, run_checks
 from slurm_mapa.slurm.install import job_submit_text, taskprolog_text, wrapper_text
 
@@ -144,15 +145,15 @@ def controller(**changes) -> Inputs:
     return dataclasses.replace(healthy(), **{**settings, **changes})
 
 
-def by_name(checks) -> dict[str, doctor.Check]:
+def by_name(checks) -> dict[str, records.Check]:
     return {check.check: check for check in checks}
 
 
 def test_a_healthy_compute_node_passes_every_check():
     checks = run_checks(healthy())
-    report = doctor.format_text(checks)
+    report = doctor_checks.format_text(checks)
     assert [check.status for check in checks] == [OK] * len(checks), report
-    assert doctor.exit_status(checks) == 0
+    assert doctor_checks.exit_status(checks) == 0
     assert [check.check for check in checks] == [
         "role", "scontrol", "mapa.toml", "prolog", "epilog", "taskprolog", "hooks-current", "prolog-flags",
         "prolog-timeout", "job-submit", "select-type", "task-plugin", "constrain-devices", "spank", "topology", "gres",
@@ -169,12 +170,12 @@ def test_docs_admin_shows_the_healthy_output():
     text = (ROOT / "docs" / "admin.md").read_text()
     start = text.index("A healthy DGX-1 node (the healthy case of tests/test_doctor.py")
     block = text[start:].split("\n\n", 2)[1]
-    assert block == "".join("    " + line + "\n" for line in doctor.format_text(run_checks(healthy())).splitlines()).rstrip("\n")
+    assert block == "".join("    " + line + "\n" for line in doctor_checks.format_text(run_checks(healthy())).splitlines()).rstrip("\n")
 
 
 def test_the_controller_skips_the_node_checks_and_compares_job_submit_lua():
     checks = run_checks(controller())
-    assert doctor.exit_status(checks) == 0, doctor.format_text(checks)
+    assert doctor_checks.exit_status(checks) == 0, doctor_checks.format_text(checks)
     found = by_name(checks)
     assert "skipped: not a compute node" in found["role"].found
     for name in ("spank", "gres", "topology", "agent", "features", "hooks-current"):
@@ -266,7 +267,7 @@ FAULTS = [
 def _checked(changes: dict, status: str) -> tuple[int, str, list]:
     """Exit status, text report and the checks of ``status`` for the healthy node with ``changes``."""
     checks = run_checks(healthy(**changes))
-    return doctor.exit_status(checks), doctor.format_text(checks), [check for check in checks if check.status == status]
+    return doctor_checks.exit_status(checks), doctor_checks.format_text(checks), [check for check in checks if check.status == status]
 
 
 @pytest.mark.parametrize("changes, name, found, fix", [case[1:] for case in FAULTS], ids=[case[0] for case in FAULTS])
@@ -282,7 +283,7 @@ def test_each_fault_fails_its_check_and_says_what_to_do(changes, name, found, fi
 def test_the_controller_fails_on_a_stale_job_submit_lua():
     checks = run_checks(controller(job_submit_lua=job_submit_text(())))
     failed = [check for check in checks if check.status == FAIL]
-    assert [check.check for check in failed] == ["job-submit"], doctor.format_text(checks)
+    assert [check.check for check in failed] == ["job-submit"], doctor_checks.format_text(checks)
     assert "differs from what `mapa job-submit-lua` writes" in failed[0].found
     assert "mapa job-submit-lua /etc/slurm/job_submit.lua --config /etc/slurm/mapa.toml" in failed[0].fix
 
@@ -330,7 +331,7 @@ def test_an_unclear_role_runs_every_node_check_and_says_so():
 
 def test_json_lists_check_status_found_fix():
     checks = run_checks(healthy(**FAULTS[0][1]))
-    data = json.loads(doctor.format_json(checks))
+    data = json.loads(doctor_checks.format_json(checks))
     assert isinstance(data, list) and len(data) == len(checks)
     assert all(set(entry) == {"check", "status", "found", "fix"} for entry in data)
     assert {"check": "prolog", "status": "FAIL"}.items() <= data[3].items()
@@ -358,34 +359,34 @@ def test_the_cli_prints_json_and_exits_1_on_a_fail(monkeypatch, capsys):
 
 # --- parsers --------------------------------------------------------------------------------------
 def test_show_config_parsing_keeps_indexed_hooks_in_order():
-    conf = doctor.parse_show_config(SHOW_CONFIG.replace(
+    conf = slurm_text.parse_show_config(SHOW_CONFIG.replace(
         "Prolog[0]               = /usr/local/sbin/mapa-prolog-wrapper",
         "Prolog[0]               = /etc/slurm/site-prolog\nProlog[1]               = /usr/local/sbin/mapa-prolog-wrapper"))
-    assert doctor.slurm_values(conf, "Prolog") == ["/etc/slurm/site-prolog", "/usr/local/sbin/mapa-prolog-wrapper"]
-    assert doctor.slurm_values(conf, "TaskProlog") == ["/usr/local/sbin/mapa-taskprolog"]
+    assert slurm_text.slurm_values(conf, "Prolog") == ["/etc/slurm/site-prolog", "/usr/local/sbin/mapa-prolog-wrapper"]
+    assert slurm_text.slurm_values(conf, "TaskProlog") == ["/usr/local/sbin/mapa-taskprolog"]
     assert conf["ConstrainDevices"] == "no" and conf["SLURM_VERSION"] == "26.05.5"
-    check = doctor.check_hook("Prolog", "prolog", "mapa-prolog-wrapper", conf, healthy().hooks["Prolog"], True)
+    check = doctor_checks.check_hook("Prolog", "prolog", "mapa-prolog-wrapper", conf, healthy().hooks["Prolog"], True)
     assert check.status == OK and "(and /etc/slurm/site-prolog)" in check.found
 
 
 def test_host_lists_and_gres_lines_for_one_node():
-    assert doctor.expand_hostlist("dgx[1-3,7],gpu[08-10]") == ["dgx1", "dgx2", "dgx3", "dgx7", "gpu08", "gpu09", "gpu10"]
+    assert slurm_text.expand_hostlist("dgx[1-3,7],gpu[08-10]") == ["dgx1", "dgx2", "dgx3", "dgx7", "gpu08", "gpu09", "gpu10"]
     text = ("AutoDetect=off\nNodeName=dgx[1-2] Name=gpu File=/dev/nvidia[0-3] Cores=0-19\n"
             "NodeName=other Name=gpu File=/dev/nvidia[0-7]\nName=gpu File=/dev/nvidia4,/dev/nvidia5 # both\n")
-    lines, autodetect = doctor.gres_gpu_lines(text, "dgx2")
+    lines, autodetect = slurm_text.gres_gpu_lines(text, "dgx2")
     assert [path for line in lines for path in line.files] == [f"/dev/nvidia{i}" for i in range(6)]
     assert autodetect == ["off"]
-    assert doctor.node_gpu_count("NodeName=x Gres=gpu:v100:4(S:0),gpu:2 State=IDLE") == 6
-    assert doctor.node_gpu_count("NodeName=x Gres=(null) State=IDLE") is None
+    assert slurm_text.node_gpu_count("NodeName=x Gres=gpu:v100:4(S:0),gpu:2 State=IDLE") == 6
+    assert slurm_text.node_gpu_count("NodeName=x Gres=(null) State=IDLE") is None
 
 
 @pytest.mark.parametrize("toml", sorted((ROOT / "gres_conf").glob("*.toml")), ids=lambda path: path.stem)
 def test_every_shipped_gres_conf_agrees_with_its_topology(toml):
     topology = load_topology_file(str(toml))
     gres = toml.with_suffix(".gres.conf").read_text()
-    files = [path for line in doctor.gres_gpu_lines(gres, "node1")[0] for path in line.files]
+    files = [path for line in slurm_text.gres_gpu_lines(gres, "node1")[0] for path in line.files]
     inputs = healthy(topology=topology, gres_conf=gres, show_node=None, devices={path: "char" for path in files})
-    check = doctor.check_gres(inputs)
+    check = doctor_checks.check_gres(inputs)
     assert check.status == OK, check
 
 
@@ -395,7 +396,7 @@ def test_the_gatherer_without_scontrol_reports_fail_lines(tmp_path):
     empty.mkdir()
     config = tmp_path / "mapa.toml"
     config.write_text('scontrol = "/nonexistent/scontrol"\nsqueue = "/nonexistent/squeue"\n[nodes]\n"node1" = "dgx1-v100"\n')
-    inputs = doctor.gather(str(config), "node1", {"PATH": str(empty), "SLURM_CONF": str(tmp_path / "slurm.conf")},
+    inputs = gather_inputs.gather(str(config), "node1", {"PATH": str(empty), "SLURM_CONF": str(tmp_path / "slurm.conf")},
                            agent_socket=str(tmp_path / "agent" / "agent.sock"),
                            isolate_socket=str(tmp_path / "isolate" / "isolate.sock"), proc=tmp_path / "no-proc")
     assert inputs.show_config is None and "scontrol not found" in inputs.show_config_error
@@ -405,7 +406,7 @@ def test_the_gatherer_without_scontrol_reports_fail_lines(tmp_path):
     assert found["gres"].status == FAIL and "cannot read" in found["gres"].found
     assert found["mapa.toml"].status == OK
     assert found["agent"].status in (WARN, FAIL) and "did not answer" in found["agent"].found
-    assert doctor.exit_status(checks) == 1
+    assert doctor_checks.exit_status(checks) == 1
 
 
 def test_the_command_without_slurm_prints_lines_not_a_traceback(tmp_path):
@@ -429,11 +430,11 @@ def test_path_facts_use_the_trust_rules(tmp_path):
     good = tmp_path / "hook"
     good.write_text("#!/bin/sh\n")
     good.chmod(0o755)
-    facts = doctor.path_facts(good, "hook", "program")
+    facts = gather_inputs.path_facts(good, "hook", "program")
     assert facts.exists and facts.problem == "" and facts.mode == 0o755
     good.chmod(0o775)
-    facts = doctor.path_facts(good, "hook", "program")
+    facts = gather_inputs.path_facts(good, "hook", "program")
     assert "writable by group or others" in facts.problem
-    assert not doctor.path_facts(tmp_path / "none", "hook").exists
+    assert not gather_inputs.path_facts(tmp_path / "none", "hook").exists
     if os.geteuid() != 0:  # paths.py accepts this user's files; the doctor insists on root
-        assert any("belongs to uid" in problem for problem in doctor.path_problems(dataclasses.replace(facts, problem="")))
+        assert any("belongs to uid" in problem for problem in doctor_checks.path_problems(dataclasses.replace(facts, problem="")))

@@ -1,295 +1,23 @@
-"""``mapa doctor``: check the live installation of slurm-mapa on this node, one line per check.
-
-Run as root on a compute node or on the controller. Each check prints ``ok``, ``warn`` or ``FAIL``,
-its name, what it found and, unless ok, what to do; the exit status is 1 if any check FAILs, else 0.
-``--json`` prints the same as a list of ``{check, status, found, fix}``.
-
-The design keeps the judgement pure: :func:`run_checks` takes an :class:`Inputs` record of plain
-data (the texts of ``scontrol show config``, ``scontrol show node``, gres.conf, cgroup.conf,
-mapa.toml and the hook files, the parsed topologies, path facts judged by the trust rules of
-:mod:`slurm_mapa.slurm.paths`, the agent's answer) and returns :class:`Check` records. The one I/O
-edge, :func:`gather`, reads and asks with bounded timeouts (each Slurm command at most
-``SLURM_TIMEOUT_S``, no shell; the agent ``AGENT_TIMEOUT_S``) and never raises: what it cannot
-read becomes an error text in the record, and the check that needs it a FAIL or warn line naming it.
-
-The role decides what is checked. A compute node (slurmd runs here, or slurmctld knows the node)
-gets every check; a controller (slurmctld runs here, or slurm.conf's SlurmctldHost names this
-host) skips the node-only checks (hook files, SPANK plugin, topology, gres.conf, discovery,
-isolation, mapa-agent, node features) and says so on its ``role`` line; the job_submit.lua
-comparison runs only on a controller. When neither is clear, every node check runs.
-
-docs/admin.md, "Checking an installation", lists the checks.
-"""
+"""The checks of mapa doctor: pure functions of an Inputs record, each returning Check lines."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import shlex
-import shutil
-import socket
-import stat
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
 
-from ..errors import MapaError
-from ..hardware.topofile import Topology
-from . import paths as trusted
-from .agent_client import ANSWER_TIMEOUT_S, DEFAULT_SOCKET, ISOLATE_SOCKET
-from .commands import Runner
-from .config import DEFAULT_CONFIG_PATH, HookConfig, config_from_text
-from .install import needed_hook_timeout
-from .spankcheck import slurm_conf_value
+from ...errors import MapaError
+from ...hardware.topofile import Topology
+from ..agent_client import ANSWER_TIMEOUT_S
+from ..config import HookConfig, config_from_text
+from ..install import needed_hook_timeout
+from ..spankcheck import slurm_conf_value
+from .records import (FAIL, HOOKS, ISOLATION_STRENGTH, NODE_CHECKS, OK, UNLIMITED_TIMEOUT, WARN, Check, Inputs,
+                      PathFacts)
+from .slurm_text import GresLine, flag_list, gres_gpu_lines, is_yes, node_gpu_count, parse_show_config, script_value, slurm_values
 
-OK, WARN, FAIL = "ok", "warn", "FAIL"
-SLURM_TIMEOUT_S = 5.0  # each scontrol call
-TOOL_TIMEOUT_S = 10.0  # each nvidia-smi / rocm-smi call, and NVML discovery
-AGENT_TIMEOUT_S = 2.0  # the mapa-agent probe, connect and answer together
-MAX_TEXT_BYTES = 1 << 20  # a config file; more is an error
-UNLIMITED_TIMEOUT = 65534  # NO_VAL16, what Slurm prints for "no limit" (65535, INFINITE16, alike)
-# A request the agent refuses at once and harmlessly: an unknown kind (it logs one line, "refused a
-# request: unknown hook kind 'doctor'"). The protocol has no ping; this costs the agent a header parse.
-PROBE = b"MAPA1 doctor 0\n"
-HOOKS = (("Prolog", "prolog", "mapa-prolog-wrapper"), ("Epilog", "epilog", "mapa-epilog-wrapper"),
-         ("TaskProlog", "taskprolog", "mapa-taskprolog"))
-NODE_CHECKS = ("hook files", "hooks-current", "spank", "topology", "gres", "discovery", "isolation", "agent", "features")
-ISOLATION_STRENGTH = {"off": 0, "fail-open": 1, "fail-closed": 2}
-
-
-# --- records --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Check:
-    """One line of the report."""
-
-    check: str
-    status: str  # ok | warn | FAIL
-    found: str
-    fix: str = ""
-
-    def as_dict(self) -> dict[str, str]:
-        return {"check": self.check, "status": self.status, "found": self.found, "fix": self.fix}
-
-
-@dataclass(frozen=True)
-class PathFacts:
-    """What the edge saw of one path root trusts (slurm_mapa.slurm.paths' rules)."""
-
-    path: str
-    label: str  # what it is, for the message: "Prolog wrapper", "mapa.toml", ...
-    kind: str = "file"  # file | dir | program (symlinks followed, each judged) | socket
-    exists: bool = True
-    uid: int = 0  # owner of the file (a program: of the file its links lead to)
-    mode: int = 0o644  # permission bits, likewise
-    problem: str = ""  # paths.py's verdict ("" when root would trust it)
-    required: bool = True  # an untrusted one is a FAIL (else a warn)
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """Everything the checks judge, as plain data (see :func:`gather`)."""
-
-    node: str
-    config_path: str = str(DEFAULT_CONFIG_PATH)
-    euid: int = 0
-    processes: frozenset[str] = frozenset()  # among slurmd, slurmctld: those running here
-    show_config: str | None = None  # `scontrol show config`
-    show_config_error: str = ""
-    show_node: str | None = None  # `scontrol --oneliner show node NODE`
-    show_node_error: str = ""
-    slurm_conf_dir: str = "/etc/slurm"
-    cgroup_conf: str | None = None  # this node's cgroup.conf, next to slurm.conf
-    gres_conf: str | None = None
-    gres_conf_error: str = ""
-    devices: Mapping[str, str] = field(default_factory=dict)  # device file -> "char" | "missing" | what it is
-    mapa_toml: str | None = None
-    mapa_toml_error: str = ""
-    topology: Topology | None = None  # the node's, from mapa.toml's [nodes]
-    topology_error: str = ""
-    discovered: Topology | None = None  # from nvidia-smi, rocm-smi or NVML, now
-    discovery_tool: str = ""
-    discovery_error: str = ""
-    isolation: tuple[str, str] | None = None  # isolation.effective_mode: (mode, why)
-    isolation_error: str = ""
-    hooks: Mapping[str, PathFacts] = field(default_factory=dict)  # "Prolog" -> the MAPA hook slurm.conf names
-    hook_texts: Mapping[str, str] = field(default_factory=dict)  # hook path -> its text
-    plugstack: str = "/etc/slurm/plugstack.conf"
-    spank_lines: tuple[tuple[str, str, str], ...] = ()  # MAPA's plugin lines: (required|optional, path, file)
-    spank_built: Mapping[str, str] = field(default_factory=dict)  # plugin path -> the Slurm release it was built for
-    spank_problems: tuple[str, ...] = ()  # spankcheck's lines
-    spank_error: str = ""
-    running_version: str = ""  # `slurmd -V` (or scontrol, sinfo): "slurm 26.05.5"
-    job_submit_lua: str | None = None  # the installed job_submit.lua, next to slurm.conf
-    job_submit_error: str = ""
-    job_submit_expected: str | None = None  # what `mapa job-submit-lua` writes for this mapa.toml
-    paths: tuple[PathFacts, ...] = ()  # every other path root trusts (existing ones)
-    agent_socket: str = DEFAULT_SOCKET
-    agent_answer: str | None = None
-    agent_error: str = ""
-    isolate_socket: PathFacts | None = None
-    fleet_errors: tuple[str, ...] = ()  # [features] fleet topologies that do not load
-
-
-# --- parsers of what Slurm prints -----------------------------------------------------------------
-_SHOW_CONFIG_LINE = re.compile(r"([A-Za-z][A-Za-z0-9_]*(?:\[\d+\])?)\s*=\s?(.*)")
-
-
-def parse_show_config(text: str) -> dict[str, str]:
-    """``Key = value`` lines of `scontrol show config` (printed ``%-23s = %s``, src/api/config_info.c);
-    the first occurrence of a key wins (the cgroup.conf section follows slurm.conf's keys)."""
-    values: dict[str, str] = {}
-    for line in text.splitlines():
-        match = _SHOW_CONFIG_LINE.fullmatch(line.strip())
-        if match and match.group(1) not in values:
-            values[match.group(1)] = match.group(2).strip()
-    return values
-
-
-def slurm_values(conf: Mapping[str, str], key: str) -> list[str]:
-    """The values of ``key``: ``Prolog[0]``, ``Prolog[1]``... in order (24.11 and 26.05 print the
-    hooks so), else plain ``Prolog``; unset ones (``(null)``) left out."""
-    indexed = []
-    for name, value in conf.items():
-        match = re.fullmatch(re.escape(key) + r"\[(\d+)\]", name)
-        if match:
-            indexed.append((int(match.group(1)), value))
-    values = [value for _, value in sorted(indexed)] or ([conf[key]] if key in conf else [])
-    return [value for value in values if value not in ("", "(null)")]
-
-
-def _flag_list(value: str | None) -> list[str]:
-    if value is None or value in ("", "(null)"):
-        return []
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
-def _yes(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("yes", "true", "1", "y")
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm's host list syntax: ``dgx[1-3,5],gpu07`` -> the names (zero padding kept)."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    parts.append(current)
-    names: list[str] = []
-    for part in filter(None, parts):
-        names += _expand_brackets(part)
-    return names
-
-
-def _expand_brackets(text: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", text)
-    if match is None:
-        return [text]
-    head, tail = text[:match.start()], text[match.end():]
-    names = []
-    for item in match.group(1).split(","):
-        bounds = item.split("-")
-        if len(bounds) == 2 and bounds[0].isdigit() and bounds[1].isdigit() and int(bounds[1]) - int(bounds[0]) < 4096:
-            width = len(bounds[0])
-            middles = [str(n).zfill(width) for n in range(int(bounds[0]), int(bounds[1]) + 1)]
-        else:
-            middles = [item]
-        for middle in middles:
-            names += [head + middle + rest for rest in _expand_brackets(tail)]
-    return names
-
-
-@dataclass(frozen=True)
-class GresLine:
-    files: tuple[str, ...]
-    cores: str | None
-    links: str | None
-    count: str | None
-    line: int
-
-
-def gres_gpu_lines(text: str, node: str) -> tuple[list[GresLine], list[str]]:
-    """The ``Name=gpu`` lines of gres.conf that apply to ``node`` (no NodeName=, or one naming it),
-    with their File= lists expanded; and the AutoDetect= values that apply."""
-    lines, autodetect = [], []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        body = raw.split("#", 1)[0].strip()
-        if not body:
-            continue
-        fields = {}
-        for token in body.split():
-            key, _, value = token.partition("=")
-            fields[key.lower()] = value
-        if "nodename" in fields and node not in expand_hostlist(fields["nodename"]):
-            continue
-        if "autodetect" in fields:
-            autodetect.append(fields["autodetect"])
-        if fields.get("name", "").lower() != "gpu":
-            continue
-        files = tuple(expand_hostlist(fields["file"])) if fields.get("file") else ()
-        lines.append(GresLine(files, fields.get("cores"), fields.get("links"), fields.get("count"), number))
-    return lines, autodetect
-
-
-def node_field(text: str, key: str) -> str | None:
-    """``Key=value`` of `scontrol --oneliner show node` (the first such token)."""
-    for token in text.split():
-        if token.startswith(key + "="):
-            return token[len(key) + 1:]
-    return None
-
-
-def node_gpu_count(text: str) -> int | None:
-    """GPUs of the node's ``Gres=`` (``gpu:8``, ``gpu:v100:8(S:0-1)``), None when it names none."""
-    gres = node_field(text, "Gres")
-    if not gres or gres == "(null)":
-        return None
-    total, seen = 0, False
-    for part in re.split(r",(?![^(]*\))", gres):
-        match = re.fullmatch(r"gpu(?::[^:(]+)?:(\d+)(?:\(.*\))?", part.strip())
-        if match:
-            total, seen = total + int(match.group(1)), True
-    return total if seen else None
-
-
-def _script_value(text: str, name: str) -> str | None:
-    """A ``NAME=value`` assignment line of a hook script (the value shell-unquoted)."""
-    match = re.search(rf"^{name}=(.*)$", text, re.MULTILINE)
-    if match is None:
-        return None
-    try:
-        words = shlex.split(match.group(1))
-    except ValueError:
-        return match.group(1)
-    return words[0] if words else ""
-
-
-def wrapper_program(text: str) -> tuple[str, str] | None:
-    """(python, package directory) of a wrapper `mapa hooks` wrote: its agent client line."""
-    for line in text.splitlines():
-        if "agent_client.py" in line and "-S" in line:
-            try:
-                words = shlex.split(line)
-            except ValueError:
-                return None
-            client = next((word for word in words if word.endswith("/slurm_mapa/slurm/agent_client.py")), None)
-            if client and words:
-                return words[0], str(Path(client).parent.parent)
-    return None
-
-
-# --- the checks (pure) -----------------------------------------------------------------------------
 def parse_config(text: str | None, source: str = "mapa.toml") -> tuple[HookConfig, str]:
     """mapa.toml as the checks use it, and its problem ("" when valid, strictly: with the engine's
     validation, as the Prolog reads it). An invalid one still yields what the Epilog's lenient read
@@ -315,7 +43,7 @@ def _without_unknown_keys(text: str) -> str | None:
     checks judge what the admin meant; None when that cannot be done simply."""
     import tomllib
 
-    from .config import _KEYS, _OTHER_TOOLS_SECTIONS
+    from ..config import _KEYS, _OTHER_TOOLS_SECTIONS
 
     try:
         unknown = set(tomllib.loads(text)) - _KEYS - _OTHER_TOOLS_SECTIONS
@@ -433,18 +161,18 @@ def check_hooks_current(inputs: Inputs, config: HookConfig, mode: str | None) ->
         if text is None:
             continue
         seen.append(os.path.basename(facts.path))
-        jobs_dir = _script_value(text, "JOBS_DIR")
+        jobs_dir = script_value(text, "JOBS_DIR")
         if jobs_dir is None:
             warns.append(f"{facts.path} sets no JOBS_DIR (written by an older `mapa hooks`)")
         elif jobs_dir != str(config.jobs_dir):
             fails.append(f"{facts.path} uses JOBS_DIR={jobs_dir}, mapa.toml's jobs_dir is {config.jobs_dir}")
         if key != "TaskProlog":
-            config_path = _script_value(text, "MAPA_CONFIG")
+            config_path = script_value(text, "MAPA_CONFIG")
             if config_path is not None and config_path != inputs.config_path:
                 warns.append(f"{facts.path} reads {config_path}, this check read {inputs.config_path} "
                              f"(run mapa doctor --config {config_path})")
         elif mode is not None:
-            written = _script_value(text, "ISOLATION") or "off"
+            written = script_value(text, "ISOLATION") or "off"
             if written != mode:
                 message = f"{facts.path} has ISOLATION={written}, mapa.toml's isolation comes to {mode} on this node"
                 (fails if ISOLATION_STRENGTH.get(written, 0) < ISOLATION_STRENGTH.get(mode, 0) else warns).append(message)
@@ -461,7 +189,7 @@ def check_hooks_current(inputs: Inputs, config: HookConfig, mode: str | None) ->
 
 def check_prolog_flags(conf: Mapping[str, str]) -> Check:
     value = conf.get("PrologFlags", "(null)")
-    flags = {flag.lower() for flag in _flag_list(value)}
+    flags = {flag.lower() for flag in flag_list(value)}
     if flags & {"alloc", "runinjob"}:
         return Check("prolog-flags", OK, f"PrologFlags = {value}")
     return Check("prolog-flags", FAIL, f"PrologFlags = {value}: without Alloc (or RunInJob) slurmd runs the Prolog only when "
@@ -501,7 +229,7 @@ def check_timeouts(conf: Mapping[str, str], config: HookConfig) -> Check:
 
 
 def check_job_submit(conf: Mapping[str, str], config: HookConfig, inputs: Inputs, controller: bool) -> Check:
-    plugins = [plugin.lower() for plugin in _flag_list(conf.get("JobSubmitPlugins"))]
+    plugins = [plugin.lower() for plugin in flag_list(conf.get("JobSubmitPlugins"))]
     has_lua = any(plugin in ("lua", "job_submit/lua") for plugin in plugins)
     path = os.path.join(inputs.slurm_conf_dir, "job_submit.lua")
     write = f"`mapa job-submit-lua {path} --config {inputs.config_path}` on the controller"
@@ -559,7 +287,7 @@ def check_constrain_devices(cgroup_conf: str | None, conf: Mapping[str, str] | N
     else:
         return Check("constrain-devices", WARN, "neither cgroup.conf nor `scontrol show config` could be read",
                      "make sure cgroup.conf has no ConstrainDevices=yes")
-    if _yes(value):
+    if is_yes(value):
         return Check("constrain-devices", FAIL, f"ConstrainDevices = {value} ({where}): Slurm confines each job to the GPUs "
                                                 "*it* picked, and MAPA's choice is refused",
                      "ConstrainDevices=no in cgroup.conf on MAPA nodes (MAPA isolates its own choice: isolation in "
@@ -658,8 +386,8 @@ def check_gres(inputs: Inputs) -> Check:
 
 def _gres_sanity(lines: Sequence[GresLine], topology: Topology) -> list[str]:
     """Cores= alike for GPUs of one domain; Links= as the topology's links (Slurm's own pick uses them)."""
-    from ..errors import InputError
-    from ..hardware.gres import links_value, parse_cpu_list
+    from ...errors import InputError
+    from ...hardware.gres import links_value, parse_cpu_list
 
     notes = []
     per_gpu = [line for line in lines for _ in line.files]
@@ -743,8 +471,8 @@ def check_agent(inputs: Inputs, mode: str | None) -> Check:
 
 
 def check_features(inputs: Inputs, config: HookConfig) -> Check:
-    from ..core.features import complement_name, feature_name, feature_names
-    from .commands import CommandFailed, parse_active_features, parse_available_features
+    from ...core.features import complement_name, feature_name, feature_names
+    from ..commands import CommandFailed, parse_active_features, parse_available_features
 
     sizes = config.feature_sizes
     if not sizes:
@@ -853,349 +581,3 @@ def format_json(checks: Sequence[Check]) -> str:
     return json.dumps([check.as_dict() for check in checks], indent=2) + "\n"
 
 
-# --- the edge: files, commands, the agent -----------------------------------------------------------
-def _describe(error: BaseException) -> str:
-    if isinstance(error, OSError) and error.strerror:
-        return f"{error.strerror}" + (f": {error.filename}" if error.filename else "")
-    return str(error) or type(error).__name__
-
-
-def _safely(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str]:
-    """(result, "") or (None, why it failed): nothing the edge does may raise."""
-    try:
-        return function(*args, **kwargs), ""
-    except Exception as error:  # noqa: BLE001 - a failure to gather is a line of the report
-        return None, _describe(error)
-
-
-def read_text(path: str | Path, limit: int = MAX_TEXT_BYTES) -> str:
-    """A regular file's text (symlinks followed, as Slurm follows them), at most ``limit`` bytes."""
-    data = trusted.read_bytes(Path(path), limit, follow_symlinks=True)
-    if len(data) > limit:
-        raise OSError(f"{path} is larger than {limit} bytes")
-    return data.decode("utf-8", "replace")
-
-
-def find_program(command: str, environ: Mapping[str, str]) -> str | None:
-    """The program for ``command`` (mapa.toml's absolute path, else its name on PATH)."""
-    if "/" in command and os.access(command, os.X_OK):
-        return command
-    return shutil.which(os.path.basename(command), path=environ.get("PATH", os.defpath))
-
-
-def run_command(argv: Sequence[str], environ: Mapping[str, str], timeout: float) -> str:
-    """stdout of ``argv`` (no shell) within ``timeout`` seconds, killed with all it started past
-    that (commands.Runner); RuntimeError with the reason otherwise."""
-    return Runner(timeout=timeout, env=environ)(argv)
-
-
-def _slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
-    env = {"LC_ALL": "C", "PATH": environ.get("PATH", os.defpath)}
-    if environ.get("SLURM_CONF"):
-        env["SLURM_CONF"] = environ["SLURM_CONF"]
-    return env
-
-
-def path_facts(path: str | Path, label: str, kind: str = "file", required: bool = True) -> PathFacts:
-    """``path`` judged by paths.py's rules (``kind`` program: its symlinks followed, each judged)."""
-    path = str(path)
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return PathFacts(path, label, kind, exists=False, required=required)
-    except OSError as error:
-        return PathFacts(path, label, kind, exists=True, uid=-1, mode=0, problem=f"cannot inspect {path}: {_describe(error)}",
-                         required=required)
-    problem = ""
-    try:
-        if kind == "dir":
-            trusted.check_trusted_dir(Path(path))
-        elif kind == "program":
-            trusted.resolve_trusted_file(Path(path))
-            info = os.stat(path)
-        elif kind == "socket":
-            trusted.check_ancestors(Path(path))
-            if not stat.S_ISSOCK(info.st_mode):
-                kind = "file"
-        else:
-            trusted.check_trusted_file(Path(path))
-    except (trusted.UnsafePath, OSError) as error:
-        problem = _describe(error)
-    return PathFacts(path, label, kind, True, info.st_uid, stat.S_IMODE(info.st_mode), problem, required)
-
-
-def running_processes(proc: Path = Path("/proc")) -> frozenset[str]:
-    """Which of slurmd and slurmctld run here (by /proc/PID/comm), counting only processes of this
-    mount namespace: on a host that runs Slurm in containers, theirs are not this node's."""
-    found = set()
-    try:
-        own = os.readlink(proc / "self" / "ns" / "mnt")
-        entries = list(os.scandir(proc))
-    except OSError:
-        return frozenset()
-    for entry in entries:
-        if not entry.name.isdigit():
-            continue
-        try:
-            name = (Path(entry.path) / "comm").read_text().strip()
-            if name in ("slurmd", "slurmctld") and os.readlink(Path(entry.path) / "ns" / "mnt") == own:
-                found.add(name)
-        except OSError:
-            continue  # gone, or another user's (only root may read its namespace): not counted
-    return frozenset(found)
-
-
-def ask_agent(path: str, timeout: float = AGENT_TIMEOUT_S) -> str:
-    """The agent's answer line to the harmless PROBE, within ``timeout`` seconds in all."""
-    deadline = time.monotonic() + timeout
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        sock.sendall(PROBE)
-        answer = b""
-        while b"\n" not in answer and len(answer) < 4096:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no answer within {timeout:g} s")
-            sock.settimeout(left)
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            answer += chunk
-    if b"\n" not in answer:
-        raise ConnectionError("the agent closed the connection without an answer")
-    return answer.split(b"\n", 1)[0].decode("utf-8", "replace")
-
-
-def discover_live(environ: Mapping[str, str], name: str) -> tuple[Topology | None, str, str]:
-    """(topology, tool, error) from nvidia-smi, else rocm-smi, else NVML; each bounded in time."""
-    search = environ.get("PATH", os.defpath)
-    env = {**environ, "LC_ALL": "C"}
-    smi = shutil.which("nvidia-smi", path=search)
-    if smi:
-        from ..hardware.nvidia_smi import parse_discovery, parse_gpu_list
-
-        try:
-            listed = run_command([smi, "-L"], env, TOOL_TIMEOUT_S)
-            found = parse_discovery(run_command([smi, "topo", "-m"], env, TOOL_TIMEOUT_S), listed, name=name)
-            uuids = tuple(entry.uuid for entry in parse_gpu_list(listed))
-        except (RuntimeError, MapaError) as error:
-            return None, "nvidia-smi", str(error)
-        return Topology(graph=found.graph, uuids=uuids or None, vendor="nvidia"), "nvidia-smi", ""
-    rocm = shutil.which("rocm-smi", path=search)
-    if rocm:
-        from ..hardware.rocm_smi import parse_amd_topology
-
-        try:
-            amd = parse_amd_topology(run_command([rocm, "--showtopo", "--shownodesbw"], env, TOOL_TIMEOUT_S), name=name)
-        except (RuntimeError, MapaError) as error:
-            return None, "rocm-smi", str(error)
-        return Topology(graph=amd.graph, pci_bus_ids=amd.pci_bus_ids, vendor="amd"), "rocm-smi", ""
-    return _discover_nvml(name)
-
-
-def _discover_nvml(name: str) -> tuple[Topology | None, str, str]:
-    try:
-        import pynvml  # type: ignore[import-not-found]  # noqa: F401
-    except Exception:  # noqa: BLE001 - not installed (or broken): no such tool here
-        return None, "", "nvidia-smi and rocm-smi not on PATH, no NVML bindings"
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        from ..hardware.nvml import discover, load_pynvml, nvml_session
-
-        try:
-            with nvml_session(load_pynvml()) as nvml:
-                box["found"] = discover(nvml, name=name)
-        except Exception as error:  # noqa: BLE001
-            box["error"] = _describe(error)
-
-    thread = threading.Thread(target=work, daemon=True, name="mapa doctor NVML")
-    thread.start()
-    thread.join(TOOL_TIMEOUT_S)
-    if "found" in box:
-        return box["found"].topology, "nvml", ""
-    if thread.is_alive():
-        return None, "nvml", f"NVML did not answer within {TOOL_TIMEOUT_S:g} s"
-    return None, "", f"nvidia-smi and rocm-smi not on PATH; NVML: {box.get('error', 'no answer')}"
-
-
-def gather(config_path: str, node: str, environ: Mapping[str, str] | None = None, *, agent_socket: str = DEFAULT_SOCKET,
-           isolate_socket: str = ISOLATE_SOCKET, proc: Path = Path("/proc")) -> Inputs:
-    """Read and ask everything :func:`run_checks` judges. Never raises."""
-    environ = dict(os.environ if environ is None else environ)
-    got: dict[str, Any] = {"node": node, "config_path": config_path, "euid": os.geteuid(), "agent_socket": agent_socket}
-    text, error = _safely(read_text, config_path)
-    got["mapa_toml"], got["mapa_toml_error"] = text, error
-    config, _ = parse_config(text, config_path)
-    slurm_conf = Path(environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf")
-    conf_dir = slurm_conf.parent
-    got["slurm_conf_dir"] = str(conf_dir)
-    got["processes"] = _safely(running_processes, proc)[0] or frozenset()
-
-    scontrol = find_program(config.scontrol, environ)
-    if scontrol is None:
-        missing = f"scontrol not found ({config.scontrol} from mapa.toml is not there, and PATH has none)"
-        got["show_config_error"] = got["show_node_error"] = missing
-    else:
-        env = _slurm_env(environ)
-        got["show_config"], got["show_config_error"] = _safely(run_command, [scontrol, "show", "config"], env, SLURM_TIMEOUT_S)
-        got["show_node"], got["show_node_error"] = _safely(run_command, [scontrol, "--oneliner", "show", "node", node], env,
-                                                           SLURM_TIMEOUT_S)
-    conf = parse_show_config(got["show_config"]) if got.get("show_config") else {}
-
-    got["cgroup_conf"] = _safely(read_text, conf_dir / "cgroup.conf")[0]
-    got["gres_conf"], got["gres_conf_error"] = _safely(read_text, conf_dir / "gres.conf")
-    if got["gres_conf"] is not None:
-        parsed = _safely(gres_gpu_lines, got["gres_conf"], node)[0]
-        gpu_lines = parsed[0] if parsed else []
-        got["devices"] = {path: _device_kind(path) for line in gpu_lines for path in line.files[:1024]}
-
-    spec = config.topology_for(node)
-    if spec is not None:
-        from ..hardware.load import load_topology_file
-
-        got["topology"], got["topology_error"] = _safely(load_topology_file, spec)
-    found, failed = _safely(discover_live, environ, node)
-    if found is not None:
-        got["discovered"], got["discovery_tool"], got["discovery_error"] = found
-    else:
-        got["discovery_error"] = failed
-
-    from .isolation import effective_mode
-
-    got["isolation"], got["isolation_error"] = _safely(effective_mode, config, node)
-
-    hooks, texts = {}, {}
-    for key, _, wanted in HOOKS:
-        for value in slurm_values(conf, key):
-            if os.path.basename(value) == wanted:
-                hooks[key] = path_facts(value, f"{key} hook", "program")
-                texts_value = _safely(read_text, value)[0]
-                if texts_value is not None:
-                    texts[value] = texts_value
-                break
-    got["hooks"], got["hook_texts"] = hooks, texts
-
-    _gather_spank(got, environ, slurm_conf)
-    got["job_submit_lua"], got["job_submit_error"] = _safely(read_text, conf_dir / "job_submit.lua")
-    got["job_submit_expected"] = _safely(_job_submit_expected, config)[0]
-    got["paths"] = _safely(_trusted_paths, config, config_path, spec, texts, got, conf_dir, agent_socket, isolate_socket)[0]
-
-    try:
-        got["agent_answer"] = ask_agent(agent_socket)
-    except Exception as error:  # noqa: BLE001
-        got["agent_error"] = _describe(error)
-    got["isolate_socket"] = _safely(path_facts, isolate_socket, "isolation socket", "socket")[0]
-
-    fleet_errors = []
-    if config.feature_sizes:
-        from ..hardware.load import load_topology_file
-
-        for entry in config.feature_fleet:
-            _, error = _safely(load_topology_file, entry)
-            if error:
-                fleet_errors.append(f"{entry}: {error}")
-    got["fleet_errors"] = tuple(fleet_errors)
-    return Inputs(**{key: value for key, value in got.items() if value is not None})
-
-
-def _job_submit_expected(config: HookConfig) -> str:
-    from .install import job_submit_text
-
-    return job_submit_text(config.feature_sizes, config.feature_insensitive_jobs)
-
-
-def _device_kind(path: str) -> str:
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return "missing"
-    except OSError as error:
-        return f"unreadable ({_describe(error)})"
-    return "char" if stat.S_ISCHR(info.st_mode) else "is no character device"
-
-
-def _gather_spank(got: dict[str, Any], environ: Mapping[str, str], slurm_conf: Path) -> None:
-    from . import spankcheck
-
-    try:
-        plugstack, plugin_dirs = spankcheck.spank_settings(_safely(read_text, slurm_conf)[0], slurm_conf)
-        got["plugstack"] = str(plugstack)
-        plugins = spankcheck.installed_mapa_plugins(plugstack, plugin_dirs)
-        got["spank_lines"] = tuple((plugin.kind, plugin.path, str(plugin.conf)) for plugin in plugins)
-        running = spankcheck.running_slurm_version_text() if plugins else None
-        got["running_version"] = (running or "").strip()
-        built = {}
-        for plugin in plugins:
-            number = spankcheck.elf_u32_symbol(plugin.data, "plugin_version") if plugin.data else None
-            if number is not None:
-                built[plugin.path] = spankcheck.release_text(number)
-        got["spank_built"] = built
-        got["spank_problems"] = tuple(spankcheck.installed_plugin_problems(
-            plugins, spankcheck.parse_slurm_version(running) if running else None))
-    except Exception as error:  # noqa: BLE001
-        got["spank_error"] = _describe(error)
-
-
-def _trusted_paths(config: HookConfig, config_path: str, spec: str | None, hook_texts: Mapping[str, str],
-                   got: Mapping[str, Any], conf_dir: Path, agent_socket: str, isolate_socket: str) -> tuple[PathFacts, ...]:
-    """Every path root trusts, other than the hooks (their own checks judge them); existing ones only."""
-    from ..hardware.presets import PRESETS
-
-    wanted: list[tuple[str, str, str, bool]] = [(config_path, "mapa.toml", "file", True)]
-    for key, command in (("scontrol", config.scontrol), ("squeue", config.squeue)):
-        program = trusted.command_path(command)
-        if program is not None:
-            wanted.append((str(program), f"mapa.toml's {key}", "program", True))
-    if spec is not None and spec not in PRESETS:
-        wanted.append((spec, "topology file", "file", True))
-    if config.model:
-        wanted.append((config.model, "model file", "file", True))
-    wanted += [(str(config.jobs_dir), "jobs directory", "dir", True), (str(Path(config.ledger).parent), "ledger directory", "dir", True),
-               (str(config.journal), "journal directory", "dir", True),
-               (str(Path(agent_socket).parent), "mapa-agent's socket directory", "dir", True),
-               (str(Path(isolate_socket).parent), "isolation socket directory", "dir", True)]
-    if config.dcgm_job_mapping_dir is not None:
-        wanted.append((str(config.dcgm_job_mapping_dir), "dcgm job mapping directory", "dir", True))
-    for _, path, _ in got.get("spank_lines", ()):
-        wanted.append((path, "SPANK plugin", "program", True))
-    wanted.append((str(conf_dir / "job_submit.lua"), "job_submit.lua", "file", True))
-    for text in hook_texts.values():
-        program = wrapper_program(text)
-        if program is not None:
-            wanted += [(program[0], "the hooks' Python", "program", True),
-                       (os.path.join(program[1], "slurm_mapa"), "slurm-mapa package directory", "dir", False)]
-    seen, facts = set(), []
-    for path, label, kind, required in wanted:
-        if path in seen:
-            continue
-        seen.add(path)
-        fact, _ = _safely(path_facts, path, label, kind, required)
-        if fact is not None and fact.exists:
-            facts.append(fact)
-    return tuple(facts)
-
-
-# --- the command ------------------------------------------------------------------------------------
-def cmd_doctor(args: argparse.Namespace) -> int:
-    node = args.node or os.uname().nodename.split(".")[0]
-    try:
-        checks = run_checks(gather(args.config, node))
-    except Exception as error:  # noqa: BLE001 - a bug here must still end in a line, not a traceback
-        checks = [Check("doctor", FAIL, f"internal error of mapa doctor: {error!r}", "report it with this line")]
-    sys.stdout.write(format_json(checks) if args.json else format_text(checks))
-    return exit_status(checks)
-
-
-def add_commands(commands: Any) -> None:
-    doctor = commands.add_parser(
-        "doctor",
-        help="check this node's slurm-mapa installation (slurm.conf, hooks, SPANK plugin, gres.conf, topology, agent)",
-        description="Check the live installation on this compute node or controller, one line per check (ok, warn, "
-        "FAIL); exit status 1 if any check FAILs. Run it as root.",
-    )
-    doctor.add_argument("--config", default=str(DEFAULT_CONFIG_PATH), help="the hooks' config (default %(default)s)")
-    doctor.add_argument("--node", help="this node's Slurm name (default: the host's short name)")
-    doctor.add_argument("--json", action="store_true", help="a JSON list of {check, status, found, fix}")
-    doctor.set_defaults(handler=cmd_doctor)
