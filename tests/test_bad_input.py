@@ -298,3 +298,38 @@ def test_any_bytes_as_replay_log(data, tmp_path, capsys):
                                                           + (ROCM / "mi300x-showtopo.txt").read_bytes()[:400]))
 def test_any_bytes_as_topology_file(data, tmp_path, capsys):
     _fuzz(mapa_main, lambda p: ["topo", "discover", "--source", "file", "--file", p], data, tmp_path, capsys)
+
+
+PROMPTS = ["$", "root@node:~#", "[admin@node ~]$", "(base) admin@node:~/topo$", "PS C:\\Users\\admin>"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("saved", ["nvidia-smi/dgx1-v100.txt", "nvidia-smi/prompt-rhel-hgx-h100.txt", "rocm-smi/mi300x-showtopo.txt",
+                                   "rocm-smi/mi250x-amd-smi-topology.txt", "rocm-smi/mi250x-showtopo-nodesbw.txt"])
+def test_a_paste_that_ends_with_the_shells_next_prompt_reads_as_without_it(saved, prompt, tmp_path, capsys):
+    original = (DATA / saved).read_text()
+    path = tmp_path / "pasted.txt"
+    path.write_text(original.rstrip("\n") + "\n" + prompt + " \n\n")
+    code, pasted, err = call(mapa_main, ["topo", "show", path, "--json"], capsys)
+    assert code == 0, err
+    code, plain, err = call(mapa_main, ["topo", "show", DATA / saved, "--json"], capsys)
+    assert code == 0 and json.loads(pasted)["links"] == json.loads(plain)["links"], err
+
+
+@pytest.mark.parametrize("line", ["root@node:~# ls", "GPU9 X", "$ echo done"])
+def test_text_after_the_table_that_is_not_a_bare_prompt_is_still_refused(line, tmp_path, capsys):
+    for saved in ("nvidia-smi/dgx1-v100.txt", "rocm-smi/mi300x-showtopo.txt"):
+        path = tmp_path / "pasted.txt"
+        path.write_text((DATA / saved).read_text().rstrip("\n") + "\n" + line + "\n")
+        refused(mapa_main, ["topo", "show", path], capsys, line.split()[0])
+
+
+def test_amd_smi_warnings_before_its_tables_are_skipped(tmp_path, capsys):
+    saved = (ROCM / "mi250x-amd-smi-topology.txt").read_text()
+    path = tmp_path / "warned.txt"
+    path.write_text("WARNING: User is missing the following required groups: render, video. Please add user to these groups.\n"
+                    + saved)
+    code, warned, err = call(mapa_main, ["topo", "show", path, "--json"], capsys)
+    assert code == 0, err
+    code, plain, err = call(mapa_main, ["topo", "show", ROCM / "mi250x-amd-smi-topology.txt", "--json"], capsys)
+    assert json.loads(warned)["links"] == json.loads(plain)["links"]

@@ -10,7 +10,8 @@ What the parser accepts, from real pastes (tests/data/nvidia-smi/):
   lines before the matrix that are comments (``# ...``), blank, a command line naming
   ``nvidia-smi`` in any prompt (bare, ``$ ...``, ``[user@host ~]$ ...``, ``(base) user@host:~$
   ...``, ``PS C:\\> nvidia-smi.exe ...``), or the ``nvidia-smi -L`` lines of the same paste
-  (``GPU 0: NVIDIA B200 (UUID: ...)``: they give the NVLink generation);
+  (``GPU 0: NVIDIA B200 (UUID: ...)``: they give the NVLink generation); and the shell's bare
+  prompt as the last line (``root@node:~#``: hardware/pasted.py);
 * old and new legends (``SOC`` is read as ``SYS``), ``NV<n>`` for any bonded count, a legend or
   none, and the ``NIC Legend`` block of newer drivers;
 * NIC rows and columns (``mlx5_0``, ``NIC0``, ...): kept as facts, never GPU pairs;
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from ..core.hardware import HardwareGraph, build_graph
 from ..core.links import PCIE_LEVELS, Bandwidths, Link, parse_link
 from ..errors import InputError
+from .pasted import without_trailing_prompt
 
 # NVLink ports per GPU, by NVLink generation (P100 4, V100 6, A100 12, H100 18, B200 18).
 NVLINK_PORTS = {1: 4, 2: 6, 3: 12, 4: 18, 5: 18}
@@ -144,7 +146,7 @@ _SGR = re.compile(r"\x1b\[[0-9;]*m")
 def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -> SmiTopology:
     # nvidia-smi underlines the header with terminal escapes even when its output is not a
     # terminal (seen on an H100, 2026): drop those; any other control sequence is refused.
-    text = _SGR.sub("", text)
+    text = without_trailing_prompt(_SGR.sub("", text))
     if "\x1b" in text:
         at = text.index("\x1b")
         line_no = text.count("\n", 0, at) + 1
@@ -593,7 +595,7 @@ _MODEL_GENERATIONS = (
 def parse_gpu_list(text: str) -> list[GpuListEntry]:
     """Parse ``nvidia-smi -L``; MIG lines are accepted and skipped."""
     entries: list[GpuListEntry] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(without_trailing_prompt(text).splitlines(), start=1):
         if not line.strip() or line.strip().startswith("#") or _MIG_LIST_LINE.match(line):
             continue
         match = _GPU_LIST_LINE.match(line)

@@ -28,9 +28,10 @@ no bandwidth (``N/A`` or ``0-0``). On an MI250X node that gives 50000-200000 ins
 
 What is accepted around the tables: blank lines, ``=====`` banners (titled or not), ``#``
 comments, a command line naming ``rocm-smi`` or ``amd-smi`` in any prompt, rocm-smi's footer
-lines, and (rocm-smi) ``WARNING: ...`` lines before its first banner (ROCm 7's rocm-smi prints
-``WARNING: AMD GPU device(s) is/are in a low-power state. Check power control/runtime_status``
-there when it takes a GPU to be in a low-power state, e.g. on MI300-series nodes), a ``Numa
+lines, a bare shell prompt as the last line (hardware/pasted.py), ``WARNING: ...`` lines before
+the first table (ROCm 7's rocm-smi prints ``WARNING: AMD GPU device(s) is/are in a low-power
+state. Check power control/runtime_status`` there when it takes a GPU to be in a low-power state,
+e.g. on MI300-series nodes; amd-smi warns there of a user missing the render and video groups), a ``Numa
 Nodes`` section and a product section with ``GPU[n] : ...`` lines. Anything else, and any table
 that is not square, symmetric, labelled in order or made of the expected cells, is an
 :class:`InputError` that quotes the line.
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from ..core.hardware import HardwareGraph, build_graph
 from ..core.links import XGMI_PER_LINK, Bandwidths
 from ..errors import InputError
+from .pasted import without_trailing_prompt
 
 # rocm-smi section titles -> the key of the table
 _ROCM_TABLES = {
@@ -132,6 +134,7 @@ def parse_amd_topology(text: str, *, name: str | None = None, source: str | None
 
 
 def _parse(text: str, *, name: str) -> AmdTopology:
+    text = without_trailing_prompt(text)
     if "\x1b" in text:
         at = text.index("\x1b")
         raise InputError(f"line {text.count(chr(10), 0, at) + 1}: a terminal control sequence; save the plain output")
@@ -252,6 +255,8 @@ def _sections_amd(lines: list[str]) -> tuple[dict[str, _Table], dict[int, int], 
             continue
         if _is_noise(stripped) or _BANNER.match(stripped):
             continue
+        if current is None and stripped.startswith("WARNING:"):
+            continue  # amd-smi's warnings before its tables (e.g. a user missing the render and video groups)
         if current is None:
             raise InputError(
                 f"amd-smi, {_where(number, line)}: unexpected text before the first table; expected "
