@@ -134,8 +134,39 @@ def test_policies_listing(capsys):
 
 
 def test_plots(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
+    # matplotlib comes with the test install (scripts/test installs the plot extra)
     assert main(["run", "--generate", "paper:60", "--topology", "dgx1-v100", "--policies", "baseline,preserve",
                  "--time-model", "--plot", str(tmp_path)]) == 0
-    assert (tmp_path / "effbw-sensitive.png").stat().st_size > 1000
-    assert (tmp_path / "over-time.png").exists() and (tmp_path / "runtime-sensitive.png").exists()
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["by-size.png", "effbw-insensitive.png", "effbw-sensitive.png", "runtime-sensitive.png"]
+    assert all((tmp_path / name).stat().st_size > 5000 for name in written)
+
+
+def test_the_by_size_table_shows_medians_marks_the_best_policy_and_names_mapa(tmp_path, monkeypatch):
+    from matplotlib import pyplot
+
+    from slurm_mapa.replay import plots
+    from slurm_mapa.replay.simulate import RunResult, SizeStats
+
+    results = []
+    for policy, samples in (("baseline", {2: [10.0, 20.0, 30.0], 3: [5.0]}), ("preserve", {2: [40.0, 50.0, 60.0], 3: [4.0]})):
+        result = RunResult(policy)
+        for size, sample in samples.items():
+            result.by_gpus[size] = SizeStats()
+            for value in sample:
+                result.by_gpus[size].eff_sensitive.add(value)
+        results.append(result)
+    drawn: list = []
+    real_subplots = pyplot.subplots
+
+    def keep_axes(*args, **kwargs):
+        fig, ax = real_subplots(*args, **kwargs)
+        drawn.append(ax)
+        return fig, ax
+
+    monkeypatch.setattr(pyplot, "subplots", keep_axes)
+    plots.by_size_png(str(tmp_path / "by-size.png"), results, title="t")
+    (ax,) = drawn
+    cells = {(round(t.get_position()[0]), round(t.get_position()[1])): (t.get_text(), t.get_fontweight()) for t in ax.texts}
+    assert cells == {(0, 0): ("20.0", "normal"), (1, 0): ("5.0", "bold"), (0, 1): ("50.0", "bold"), (1, 1): ("4.0", "normal")}
+    assert [label.get_text() for label in ax.get_yticklabels()] == ["baseline", "preserve (MAPA)"]

@@ -34,7 +34,7 @@ from .config import Config, expand_cluster, graph_of, nodes_for, parse_config
 from .generate import GENERATORS, generate
 from .jobfile import read_jobfile, write_jobfile
 from .jobs import Job, ReadStats
-from .plots import boxplot_png, have_matplotlib, series_png
+from .plots import have_matplotlib, write_plots
 from .sacct import SACCT_FIELDS, read_sacct_json, read_sacct_text
 from ..core.affinity import DEFAULT_MAX_LOSS as AFFINITY_MAX_LOSS
 from ..core.affinity import MODES as AFFINITY_MODES
@@ -348,19 +348,7 @@ def _plots(args, label: str, results: list[RunResult], out: dict, notes: list[st
     if not have_matplotlib():
         notes.append("plots skipped: matplotlib is not installed (pip install 'slurm-mapa[plot]')")
         return
-    os.makedirs(args.plot, exist_ok=True)
-    files = []
-    for what in ("sensitive", "insensitive"):
-        path = os.path.join(args.plot, f"effbw-{what}.png")
-        boxplot_png(path, [(label, results)], what=what, title=f"effective bandwidth of {what} jobs")
-        files.append(path)
-    path = os.path.join(args.plot, "over-time.png")
-    series_png(path, results, title=label)
-    files.append(path)
-    if any(r.runtime_sensitive.count for r in results):
-        path = os.path.join(args.plot, "runtime-sensitive.png")
-        boxplot_png(path, [(label, results)], what="runtime", title="run time of sensitive jobs")
-        files.append(path)
+    files = write_plots(args.plot, label, results)
     out["plots"] = files
     notes.append("plots written: " + ", ".join(files))
 
