@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from slurm_mapa.slurm import epilog, hooks, jobfiles, paths
+from slurm_mapa.slurm.budget import Budget
 from slurm_mapa.slurm.commands import CommandFailed
 from slurm_mapa.slurm.config import HookConfig
 from slurm_mapa.slurm.ledger import LedgerFile
@@ -58,7 +59,7 @@ class Node:
             self.slurm_free.difference_update(slurm_gpus)
             self.allocated.add(job)
         env = {"SLURM_JOB_ID": job, "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": ",".join(map(str, slurm_gpus))}
-        hooks.run_prolog(env, config, self.squeue_or_scontrol, self.record, budget=hooks.Budget(random.choice([0.5, 1.5, 3.0])))
+        hooks.run_prolog(env, config, self.squeue_or_scontrol, self.record, budget=Budget(random.choice([0.5, 1.5, 3.0])))
         try:
             uses = jobfiles.parse_job_file((config.jobs_dir / job).read_bytes())
         except FileNotFoundError:

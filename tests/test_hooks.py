@@ -19,7 +19,8 @@ from slurm_mapa.slurm.commands import CommandFailed, parse_gpu_indices, parse_jo
 from slurm_mapa.slurm.config import HookConfig, config_from_text
 from slurm_mapa.slurm.decision import Decision, parse_decisions, with_decision
 from slurm_mapa.slurm.epilog import run_epilog
-from slurm_mapa.slurm.hooks import reconcile_node, run_prolog, touch_reconciled
+from slurm_mapa.slurm.hooks import run_prolog
+from slurm_mapa.slurm.reconcile import reconcile_node, touch_reconciled
 from slurm_mapa.slurm.directive import parse_directive
 from slurm_mapa.slurm.jobfiles import Mark, mark_for, mark_is_live, mark_path, process_start_time, write_job_file, write_mark
 from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json
@@ -453,7 +454,7 @@ def test_reaping_keeps_entries_written_after_the_job_list_was_asked_for():
 
 
 def test_a_job_that_ended_after_squeue_listed_it_is_not_adopted(setup):
-    from slurm_mapa.slurm.hooks import still_running
+    from slurm_mapa.slurm.reconcile import still_running
 
     assert still_running({"job_state": ["RUNNING"]}) and still_running({"job_state": "SUSPENDED"}) and still_running({})
     assert not still_running({"job_state": ["COMPLETED", "COMPLETING"]}) and not still_running({"job_state": ["RUNNING", "COMPLETING"]})

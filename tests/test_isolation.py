@@ -536,7 +536,7 @@ def test_the_note_reaches_the_admin_comment_after_the_decision(node):
 
 def test_a_note_waits_while_its_decision_is_in_the_journal(node, tmp_path):
     from slurm_mapa.slurm.config import load_hook_config
-    from slurm_mapa.slurm.hooks import flush_note
+    from slurm_mapa.slurm.admin_comment import flush_note
     from test_hooks import FakeSlurm
 
     config, _ = load_hook_config({"MAPA_CONFIG": str(tmp_path / "mapa.toml")})

@@ -22,7 +22,9 @@ from slurm_mapa.slurm import jobfiles
 from slurm_mapa.slurm.commands import Runner
 from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.epilog import run_epilog
-from slurm_mapa.slurm.hooks import Budget, fallback_gpus, prolog_failing_open, reconcile_node, run_prolog
+from slurm_mapa.slurm.budget import Budget
+from slurm_mapa.slurm.hooks import fallback_gpus, prolog_failing_open, run_prolog
+from slurm_mapa.slurm.reconcile import reconcile_node
 from slurm_mapa.slurm.jobfiles import JobRecords, Mark, mark_for, mark_path, write_job_file, write_mark
 from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json, reconcile
 from slurm_mapa.slurm.paths import UnsafePath
@@ -731,7 +733,7 @@ def test_a_prolog_run_again_without_the_lock_takes_back_its_own_claims(tmp_path)
 def test_searches_left_behind_cannot_pile_up():
     """At most N searches run at once; a Prolog that gets no slot within its budget gives up at
     once with a TimeoutError (and keeps its provisional choice), and a finished search frees its slot."""
-    from slurm_mapa.slurm.hooks import search_within
+    from slurm_mapa.slurm.budget import search_within
 
     slots = threading.BoundedSemaphore(2)
     release = threading.Event()

@@ -18,7 +18,8 @@ from slurm_mapa.slurm.agent import Agent, Background
 from slurm_mapa.slurm.commands import CommandFailed
 from slurm_mapa.slurm.decision import parse_decisions
 from slurm_mapa.slurm.epilog import run_epilog
-from slurm_mapa.slurm.hooks import run_prolog, touch_reconciled
+from slurm_mapa.slurm.hooks import run_prolog
+from slurm_mapa.slurm.reconcile import touch_reconciled
 
 from test_hooks import FakeSlurm, env_for
 

@@ -20,7 +20,7 @@ from .commands import CommandFailed, Runner, is_job_id, parse_job_json, show_job
 from .config import DEFAULT_CONFIG_PATH, HookConfig, load_admin_config
 from .decision import parse_decisions, read_admin_comment, record_directive
 from .directive import to_request
-from .hooks import load_graph
+from .node_graph import load_graph
 from .ledger import LedgerCorrupt, LedgerFile
 
 

@@ -314,7 +314,7 @@ class Agent:
         from ..core.effbw import load_model_file, paper_model
         from ..core.policies import select
         from .directive import parse_directive, to_request
-        from .hooks import load_graph
+        from .node_graph import load_graph
 
         config, problem = load_hook_config({"MAPA_CONFIG": self.config_path})
         if problem:
@@ -362,7 +362,7 @@ class Background:
         return config
 
     def reconcile_once(self) -> bool:
-        from .hooks import reconcile_node
+        from .reconcile import reconcile_node
 
         config = self._config()
         run = self.agent.make_runner(config.command_timeout)
@@ -381,7 +381,7 @@ class Background:
         place); what changed. Each turn of the records loop (at once after a start or an end, else
         every second), so jobs a reconcile pass reaped drop out too; unchanged files stay as they are."""
         from . import dcgm, jobfiles
-        from .hooks import load_graph
+        from .node_graph import load_graph
 
         config = self._config()
         if config.dcgm_job_mapping_dir is None:
@@ -400,7 +400,7 @@ class Background:
     def flush_records(self) -> int:
         """Write the journal's due records; how many were written or dropped."""
         from . import journal
-        from .hooks import flush_entry, flush_note
+        from .admin_comment import flush_entry, flush_note
 
         config = self._config()
         log = hook_logger(config.log)

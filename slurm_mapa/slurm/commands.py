@@ -20,7 +20,10 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
+
+RunCommand = Callable[[Sequence[str]], str]  # argv -> stdout; CommandFailed otherwise
+Log = Callable[[str], None]  # one line to the hooks' log
 
 MAX_OUTPUT_BYTES = 4 << 20  # stdout of one command; more is an error, and the command is killed
 MAX_STDERR_BYTES = 64 << 10  # stderr kept for the error message (the rest is read and dropped)

@@ -16,11 +16,10 @@ from typing import Callable, Sequence
 
 from ..core.features import PREFIX, feature_names, fleet_best, node_features
 from ..errors import MapaError
-from .commands import CommandFailed, active_features_argv, parse_active_features, parse_available_features, show_node_argv
+from .commands import CommandFailed, RunCommand, active_features_argv, parse_active_features, parse_available_features, show_node_argv
 from .config import HookConfig
 from .ledger import LedgerCorrupt, LedgerFile
 
-RunCommand = Callable[[Sequence[str]], str]
 
 
 def merged_features(active: Sequence[str], mapa: Sequence[str]) -> tuple[str, ...]:
@@ -45,7 +44,7 @@ class Publisher:
         """MAPA's features for the node's free GPUs now (None: not configured, or no topology)."""
         from ..core.effbw import load_model_file, paper_model
         from ..hardware.load import load_topology
-        from .hooks import load_graph
+        from .node_graph import load_graph
 
         if not config.feature_sizes:
             return None

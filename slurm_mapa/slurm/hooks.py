@@ -1,4 +1,4 @@
-"""The Prolog and Epilog: choose a job's GPUs on this node, record them, release them.
+"""The Prolog: choose a job's GPUs on this node and record them (epilog.py releases them).
 
 Run by slurmd as root with no PATH, through the wrappers `mapa hooks` writes (see docs/admin.md),
 either in-process or inside the node's mapa-agent (slurm/agent.py):
@@ -16,165 +16,44 @@ the job. How the Prolog stays safe when it is killed at any point:
 1. it first marks the job (jobfiles.Mark: its pid and start time, and Slurm's GPUs);
 2. then, under the ledger lock and with local files only, records a provisional choice: Slurm's
    GPUs if no job uses them, else the lowest free ones;
-3. then, outside the lock, reads the directive, asks Slurm which jobs run here and searches;
+3. then, outside the lock, reads the directive (the job comment, else the batch script) and
+   searches;
 4. and commits the search's choice under the lock if the free GPUs did not change meanwhile
    (else it searches again while its budget lasts, and otherwise keeps the provisional choice).
+
+Which jobs still run is learnt off the start path (reconcile.py). The rest of the Prolog's
+parts: budget.py (the time budget), job_context.py (the job as slurmd describes it),
+node_graph.py (the node's topology), admin_comment.py (the decision in the job's AdminComment).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import random
-import threading
 import time
 import zlib
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..errors import MapaError
 from . import jobfiles, journal, paths
-from .commands import (
-    CommandFailed,
-    Runner,
-    admin_comment_argv,
-    batch_script_argv,
-    is_job_id,
-    parse_gpu_indices,
-    parse_job_ids,
-    parse_job_json,
-    running_jobs_argv,
-    show_job_argv,
-    slurm_gpus_on_only_node,
-    update_target,
-)
+from .admin_comment import flush_entry, journal_decision
+from .budget import COMMIT_RESERVE_S, Budget, run_for_at_most, search_within, within_budget
+from .commands import CommandFailed, Log, RunCommand, Runner, batch_script_argv
 from .config import HookConfig, hook_logger, load_hook_config
-from .decision import ISOLATION_STATES, Decision, affinity_token, parse_decisions, with_decision
-from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, reconcile
+from .decision import Decision, affinity_token
+from .job_context import PrologContext, context_from_env
+from .ledger import Holding, Ledger, LedgerFile
+from .node_graph import load_graph
+from .reconcile import MAX_ADOPTED_PER_PASS, adopt_jobs, current_ledger, forget_ended, reconcile_if_due
 
 if TYPE_CHECKING:  # the engine is imported when a decision is made, after the job is marked
     from ..core.hardware import HardwareGraph
     from .directive import Directive
 
-RunCommand = Callable[[Sequence[str]], str]
-Log = Callable[[str], None]
-
-# --- the time budget ------------------------------------------------------------------------
-
-COMMIT_RESERVE_S = 1.0  # kept back for the last commit under the lock
-
-
-class Budget:
-    """The Prolog's wall-time budget: every wait and every Slurm call is cut to what is left."""
-
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self.deadline = clock() + seconds
-
-    def left(self) -> float:
-        return self.deadline - self.clock()
-
-    def for_step(self, wanted: float) -> float:
-        """At most ``wanted`` seconds, never eating into the commit reserve (may be <= 0)."""
-        return min(wanted, self.left() - COMMIT_RESERVE_S)
-
-
-def within_budget(run: RunCommand, budget: Budget, command_timeout: float) -> RunCommand:
-    """``run`` with each call's timeout cut to the budget; refuses to start once it is spent."""
-
-    def call(argv: Sequence[str]) -> str:
-        timeout = budget.for_step(command_timeout)
-        if timeout < 0.05:
-            raise CommandFailed(f"{os.path.basename(argv[0])} not run: the Prolog's time budget is spent")
-        if isinstance(run, Runner):
-            return run(argv, timeout=timeout)
-        return run(argv)
-
-    return call
-
-
-def run_for_at_most(seconds: float, work: Callable[[], Any], when_done: Callable[[], None] = lambda: None) -> Any:
-    """``work()``'s result, or TimeoutError after ``seconds`` (the work is left to finish alone).
-    ``when_done`` runs once the work has ended, whenever that is (also if it never started)."""
-    outcome: list = []
-
-    def target() -> None:
-        try:
-            outcome.append((True, work()))
-        except BaseException as error:  # noqa: BLE001 - handed to the caller
-            outcome.append((False, error))
-        finally:
-            when_done()
-
-    thread = threading.Thread(target=target, daemon=True)
-    try:
-        thread.start()
-    except BaseException:
-        when_done()
-        raise
-    thread.join(max(seconds, 0.0))
-    if not outcome:
-        raise TimeoutError(f"did not finish within {max(seconds, 0.0):.1f} s")
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
-
-
-# A search left behind by a Prolog whose budget ran out runs on until it ends (a Python thread
-# cannot be stopped). In mapa-agent, many of them would starve every other thread of the
-# interpreter, Prologs holding the ledger's lock included (a 64-GPU soak saw answers take 25 s):
-# so at most this many searches run at once, and a Prolog that cannot get a slot within its
-# budget keeps its provisional choice.
-MAX_CONCURRENT_SEARCHES = 2
-_search_slots = threading.BoundedSemaphore(MAX_CONCURRENT_SEARCHES)
-
-
-def search_within(seconds: float, work: Callable[[], Any], slots: threading.BoundedSemaphore | None = None) -> Any:
-    """``work()``'s result, run in a search slot within ``seconds``; TimeoutError otherwise (the
-    work, once started, finishes alone and then frees its slot)."""
-    slots = slots or _search_slots
-    deadline = time.monotonic() + max(seconds, 0.0)
-    if not slots.acquire(timeout=max(seconds, 0.0)):
-        raise TimeoutError("searches of earlier jobs still run, and no slot came free within the Prolog's budget")
-    try:
-        return run_for_at_most(deadline - time.monotonic(), work, when_done=slots.release)
-    except TimeoutError:
-        raise TimeoutError("the search did not finish within the Prolog's budget") from None
-
 
 # --- the Prolog -----------------------------------------------------------------------------
-
-
-@dataclass
-class PrologContext:
-    job_id: str
-    node: str
-    slurm_gpus: tuple[int, ...]
-    env_comment: str
-    nodes_in_job: int = 1
-    job_cpus: frozenset[int] | None = None  # from the job's cpuset cgroup when the Prolog runs in it (jobcpus.py)
-    sluid: str = ""  # SLURM_JOB_SLUID (Slurm 25.11+): names the job's cgroup v2 directory from 26.05
-
-
-def context_from_env(env: Mapping[str, str]) -> PrologContext:
-    """The job as slurmd describes it; ValueError if the variables are not what slurmd sets."""
-    job_id = env.get("SLURM_JOB_ID", "")
-    node = env.get("SLURMD_NODENAME", "")
-    if not is_job_id(job_id) or not node or len(node) > 255 or any(c in node for c in "/\0\n \t"):
-        raise ValueError(f"SLURM_JOB_ID {job_id[:40]!r} / SLURMD_NODENAME {node[:40]!r} are not what slurmd sets")
-    gpus = parse_gpu_indices(env.get("SLURM_JOB_GPUS", ""))
-    nodes = env.get("SLURM_JOB_NUM_NODES", "1")
-    return PrologContext(
-        job_id=job_id,
-        node=node,
-        slurm_gpus=gpus,
-        env_comment=env.get("SLURM_JOB_COMMENT", "")[:8192],
-        nodes_in_job=int(nodes) if nodes.isdigit() and len(nodes) < 7 else 2,
-        sluid=env.get("SLURM_JOB_SLUID", "") if jobfiles.is_sluid(env.get("SLURM_JOB_SLUID", "")) else "",
-    )
 
 
 def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log: Log) -> tuple["Directive", str]:
@@ -199,15 +78,6 @@ def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log:
     except CommandFailed as error:
         log(f"job {ctx.job_id}: no batch script ({error}); using the site default")
     return parse_directive(config.default_directive), "default"
-
-
-def load_graph(config: HookConfig, node: str) -> "HardwareGraph":
-    from ..hardware.load import load_topology
-
-    spec = config.topology_for(node)
-    if spec is None:
-        raise MapaError(f"no [nodes] entry of the config matches node {node!r}")
-    return load_topology(spec)
 
 
 def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...], held: Sequence[int] = ()) -> tuple[int, ...]:
@@ -289,37 +159,6 @@ def fallback_decision(
     token = problem.split(":")[0].strip().replace(" ", "-") or "unknown"
     return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free, held), "fallback", fallback=token, free=free, running=running,
                     slurm_gpus=ctx.slurm_gpus)
-
-
-def current_ledger(
-    ledger_file: LedgerFile, config: HookConfig, size: int, job_id: str, log: Log, running: set[str] | None = None,
-    listed_at: float | None = None, slurm_gave: tuple[int, ...] = (), unknown: list[str] | None = None,
-) -> tuple[Ledger, list[str], list[tuple[str, float]]]:
-    """The ledger reconciled with the jobs directory, without ``job_id`` (which chooses afresh),
-    the jobs found to have ended and leftover temporary files. Local files only: no Slurm call.
-    ``unknown``: filled with the jobs whose GPUs the files cannot tell (a mark this release cannot
-    read, an earlier release's, and nothing else): they are not forgotten, they are asked about."""
-    who = f"job {job_id}" if job_id else "reconcile pass"
-    try:
-        ledger = ledger_file.read()
-    except LedgerCorrupt as error:
-        log(f"{who}: ledger {config.ledger} is corrupt ({error}); rebuilding it from {config.jobs_dir}")
-        ledger = Ledger()
-    records, leftovers = jobfiles.scan(config.jobs_dir, also=ledger.holdings)
-    records.pop(job_id, None)
-    before = ledger
-    ledger, ended = reconcile(ledger.without([job_id]), records, size, running, listed_at, time.time(), slurm_gave=slurm_gave)
-    if unknown is not None:
-        unknown += sorted((job for job, record in records.items()
-                           if record.mark_unreadable and record.gpus is None and not record.ended and not record.claimed
-                           and job not in ledger.holdings and job not in ended), key=int)
-    shared = ledger.shared()
-    for job, holding in ledger.holdings.items():
-        if holding.policy == "slurm" and before.holdings.get(job) != holding:
-            with_others = sorted({other for g in holding.gpus for other in shared.get(g, []) if other != job})
-            log(f"{who}: job {job}'s Prolog died before choosing; it runs on Slurm's GPUs "
-                f"{','.join(map(str, holding.gpus))}, now held" + (f"; SHARED with job(s) {','.join(with_others)}" if with_others else ""))
-    return ledger, ended, leftovers
 
 
 class ClaimTaken(Exception):
@@ -604,253 +443,6 @@ def _decide_and_commit(
             journal.remove(config.journal, ctx.job_id)
         reconcile_if_due(config, ctx.node, size, run, log, budget)
     return decision
-
-
-def journal_decision(ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, log: Log) -> journal.Entry | None:
-    """Keep the AdminComment record on disk until it is written (journal.py)."""
-    try:
-        entry = journal.Entry(ctx.node, ctx.nodes_in_job, f"{directive.as_comment()} # {decision.text()}")
-        journal.write(config.journal, ctx.job_id, entry)
-        return entry
-    except (OSError, ValueError, MapaError) as error:
-        log(f"job {ctx.job_id}: could not journal the decision for the AdminComment ({error}); not recorded")
-        return None
-
-
-def flush_entry(config: HookConfig, job_id: str, entry: journal.Entry, run: RunCommand, log: Log) -> bool:
-    """Write a journal entry's record into the job's AdminComment. True when the entry is done
-    with (written, already there, or never writable: the job is gone, it would not fit); False
-    to try again later (slurmctld did not answer)."""
-    from .decision import record_directive
-
-    directive = record_directive(entry.record)
-    decision = parse_decisions(entry.record).get(entry.node)
-    if directive is None or decision is None:
-        log(f"job {job_id}: journal entry {entry.record[:80]!r} is not a decision record; dropped")
-        return True
-    ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=entry.nodes_in_job)
-    return record_decision(ctx, directive, decision, config, run, log)
-
-
-def flush_note(config: HookConfig, job_id: str, entry: journal.Entry, run: RunCommand, log: Log) -> bool:
-    """Add an isolation note (journal.py) to this node's decision in the job's AdminComment. True
-    when done with (written, or never writable), False to try again later: slurmctld did not
-    answer, or the decision itself is still in the journal."""
-    from .decision import record_directive
-
-    fields = dict(token.partition("=")[::2] for token in entry.record.split())
-    state, why = fields.get("isolation", ""), fields.get("why", "")
-    if state not in ISOLATION_STATES:
-        log(f"job {job_id}: journal note {entry.record[:80]!r} is not an isolation note; dropped")
-        return True
-    try:
-        job = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
-        admin = job.get("admin_comment") or ""
-    except ValueError as error:
-        log(f"job {job_id}: could not read the AdminComment for the isolation note ({error}); not recorded")
-        return True
-    except CommandFailed as error:
-        if "Invalid job id" in str(error):
-            log(f"job {job_id}: gone; its isolation note ({state}: {why}) stays in this node's log only")
-            return True
-        return False
-    admin = admin if isinstance(admin, str) else ""
-    decision, directive = parse_decisions(admin).get(entry.node), record_directive(admin)
-    if decision is None or directive is None:
-        if journal.is_pending(config.journal, job_id):
-            return False  # the decision goes first; the note follows it
-        log(f"job {job_id}: the AdminComment has no decision of node {entry.node} to note isolation={state} in; "
-            "it stays in this node's log only")
-        return True
-    noted = dataclasses.replace(decision, isolation=state, why=why)
-    ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=2)  # 2: read back
-    return record_decision(ctx, directive, noted, config, run, log)
-
-
-def forget_ended(config: HookConfig, ended: list[str], leftovers: list[tuple[str, float]], listed_at: float | None, log: Log,
-                 job_id: str) -> None:
-    """Remove the files of jobs that have ended (their Epilog was killed) and stale temporary files."""
-    for job in ended:
-        jobfiles.remove_job(config.jobs_dir, job)
-    if ended:
-        who = f"job {job_id}" if is_job_id(job_id) else job_id
-        log(f"{who}: reaped the ledger entries and files of jobs that ended: {','.join(ended)}")
-    for name, mtime in leftovers:
-        if mtime < (listed_at or time.time()) - 60:  # a writer that was killed: none takes a minute
-            paths.remove(Path(config.jobs_dir) / name)
-
-
-MAX_ADOPTED_PER_PASS = 64
-_RUNNING_STATES = {"RUNNING", "CONFIGURING", "SUSPENDED"}
-
-
-def still_running(record: dict) -> bool:
-    """Whether a `scontrol --json show job` record is of a job still using its GPUs (no state: assume so)."""
-    state = record.get("job_state")
-    if state is None:
-        return True
-    states = {state} if isinstance(state, str) else set(map(str, state)) if isinstance(state, list) else set()
-    return bool(states & _RUNNING_STATES) and "COMPLETING" not in states
-
-
-def adopt_unknown_jobs(
-    who: str, running: set[str], size: int, config: HookConfig, run: RunCommand, log: Log, budget: Budget
-) -> None:
-    """Mark jobs that run here but left nothing in the jobs directory, with the GPUs Slurm gave them.
-
-    Every Prolog wrapper marks its job, so these are jobs that started before MAPA was enabled,
-    or whose wrapper was killed before its first lines. They use Slurm's indices. Asking Slurm
-    happens in the reconcile pass (off the start path, outside the lock), a bounded number per
-    pass; the mark written for each (pid 0) makes it known to every Prolog, and nothing asks again.
-    """
-    ledger_file = LedgerFile(config.ledger, size)
-    try:
-        known = set(ledger_file.read().holdings)
-    except LedgerCorrupt:
-        known = set()
-    records, _ = jobfiles.scan(config.jobs_dir)
-    # Known: a job file, a readable mark, claims or an Epilog's .ended say what the job uses. A job
-    # whose files cannot be read (an earlier release's mark, a bare pid) is not: it is adopted, and
-    # its mark replaced by one this release reads.
-    told = {job for job, record in records.items()
-            if record.gpus is not None or record.mark is not None or record.claimed or record.ended}
-    unknown = sorted(running - known - told, key=int)
-    adopt_jobs(who, unknown[:MAX_ADOPTED_PER_PASS], size, config, run, log, budget)
-    if len(unknown) > MAX_ADOPTED_PER_PASS:
-        log(f"{who}: {len(unknown) - MAX_ADOPTED_PER_PASS} more unknown jobs are left to the next pass")
-
-
-def adopt_jobs(who: str, jobs: Sequence[str], size: int, config: HookConfig, run: RunCommand, log: Log, budget: Budget) -> None:
-    """Ask Slurm for each job's GPUs here and mark it with them (pid 0), unless its own Prolog has
-    marked it meanwhile; a job that has ended is left to reaping."""
-    for job_id in jobs:
-        try:
-            record = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
-            gpus = slurm_gpus_on_only_node(record)
-        except (CommandFailed, ValueError) as error:
-            log(f"{who}: cannot read job {job_id}, which runs here without a mark ({error})")
-            if budget.for_step(1.0) <= 0:
-                break
-            continue
-        if not still_running(record):
-            continue  # it ended after squeue listed it; its Epilog already freed its entry
-        if gpus is None:
-            log(f"{who}: job {job_id} runs here without a mark; Slurm's GPUs for it cannot be told "
-                "(several nodes, or no readable gres_detail); not adopted")
-            continue
-        gpus = tuple(g for g in gpus if 0 <= g < size)
-        if not jobfiles.write_mark_if_none(config.jobs_dir, job_id, jobfiles.Mark(0, 0, gpus)):
-            continue  # its own Prolog has marked it meanwhile
-        if gpus:
-            log(f"{who}: adopted job {job_id} with Slurm's GPUs {','.join(map(str, gpus))} (it ran without a MAPA choice)")
-
-
-def reconcile_node(config: HookConfig, node: str, run: RunCommand, log: Log, budget: Budget | None = None) -> bool:
-    """One reconcile pass, off the start path: list the node's jobs (one squeue call), adopt jobs
-    no Prolog marked, and under the lock drop the ledger entries and files of jobs that ended
-    without a clean Epilog. mapa-agent runs it every ``reconcile_interval``; without an agent,
-    a Prolog runs it when the last pass is that old (reconcile_if_due). False if squeue failed."""
-    budget = budget or Budget(config.prolog_budget)
-    paths.ensure_trusted_dir(config.jobs_dir)
-    try:
-        graph = load_graph(config, node)
-        size = graph.size
-    except (MapaError, OSError):
-        records, _ = jobfiles.scan(config.jobs_dir)
-        size = max(jobfiles.highest_known_gpu(records) + 1, jobfiles.device_count(), 1)
-    bounded = within_budget(run, budget, config.command_timeout)
-    who = f"reconcile on {node}"
-    listed_at = time.time()
-    try:
-        running = parse_job_ids(bounded(running_jobs_argv(config.squeue, node)))
-    except CommandFailed as error:
-        log(f"{who}: squeue failed ({error}); keeping every ledger entry until the next pass")
-        return False
-    adopt_unknown_jobs(who, running, size, config, bounded, log, budget)
-    ledger_file = LedgerFile(config.ledger, size)
-    try:
-        with ledger_file.locked(timeout=max(budget.left() - 0.2, 0.1)):
-            ledger, ended, leftovers = current_ledger(ledger_file, config, size, "", log, running, listed_at)
-            try:
-                unchanged = ledger_file.read() == ledger
-            except LedgerCorrupt:
-                unchanged = False
-            if not unchanged:
-                ledger_file.write(ledger)
-            forget_ended(config, ended, leftovers, listed_at, log, who)
-    except TimeoutError:
-        log(f"{who}: the ledger's lock was not free; reaping waits for the next pass")
-    touch_reconciled(config)
-    return True
-
-
-def reconciled_path(config: HookConfig) -> Path:
-    return Path(config.ledger).with_name(Path(config.ledger).name + ".reconciled")
-
-
-def touch_reconciled(config: HookConfig) -> None:
-    """Note when the last reconcile pass ran (its file's modification time)."""
-    try:
-        paths.replace_file(reconciled_path(config), b"", mode=0o644)
-    except (OSError, MapaError):
-        pass
-
-
-def reconcile_if_due(config: HookConfig, node: str, size: int, run: RunCommand, log: Log, budget: Budget) -> None:
-    """Without an agent, the Prolog runs a reconcile pass when none ran for reconcile_interval
-    (with an agent, its passes keep the time fresh and no Prolog ever does)."""
-    try:
-        last = os.stat(reconciled_path(config)).st_mtime
-    except OSError:
-        last = 0.0
-    if time.time() - last < config.reconcile_interval or budget.for_step(config.command_timeout) < 0.5:
-        return
-    touch_reconciled(config)  # the Prologs starting meanwhile leave it to this one
-    try:
-        reconcile_node(config, node, run, log, budget)
-    except (OSError, MapaError) as error:
-        log(f"reconcile on {node}: failed ({error})")
-
-
-def record_decision(
-    ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, run: RunCommand, log: Log
-) -> bool:
-    """Add this node's decision to the job's AdminComment, so that sacct keeps it.
-
-    The AdminComment is read afresh each time, so what an admin wrote there meanwhile is kept
-    (with_decision keeps every text that is not MAPA's). The Prologs of a multi-node job run at
-    once and each rewrites the whole AdminComment, so a write can drop another node's decision:
-    for those jobs, read back and write again (merged) until ours is there, a few times at most.
-    """
-    job_id = ctx.job_id
-    for attempt in range(4):
-        try:
-            if attempt:
-                time.sleep(0.05 * attempt + random.random() * 0.1)
-            job = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
-            admin = job.get("admin_comment") or ""
-            admin = admin if isinstance(admin, str) else ""
-            recorded = parse_decisions(admin).get(decision.node)
-            if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy) and (
-                    recorded.isolation == decision.isolation or not decision.isolation):
-                return True
-            # An array task or het component by a name that changes it alone (update_target).
-            run(admin_comment_argv(config.scontrol, update_target(job, job_id), with_decision(admin, directive, decision)))
-            if ctx.nodes_in_job <= 1:
-                return True
-        except ValueError as error:  # the record would not fit, or the answer is not a job record
-            log(f"job {job_id}: could not record the decision in AdminComment ({error}); not recorded")
-            return True
-        except CommandFailed as error:
-            # Refusals that a retry cannot change: the job is gone, or it ended before the record
-            # was written (slurmctld takes no update of a finished job's AdminComment).
-            if "Invalid job id" in str(error) or "already finished" in str(error):
-                log(f"job {job_id}: the AdminComment can no longer be written ({error}); the decision stays in this node's log only")
-                return True
-            log(f"job {job_id}: could not record the decision in AdminComment yet ({error}); it stays in the journal")
-            return False
-    log(f"job {job_id}: the AdminComment kept losing this node's decision; trying again later")
-    return False
 
 
 # --- entry points ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ replaces the file: records are coalesced per job.
 When mapa-agent cannot isolate a job's devices (docs/isolation.md) it writes a note beside it,
 ``journal_dir/JOBID.isolation``, in the same form with ``nodes=0`` and the record
 ``isolation=failed-open why=<reason>``; it is written the same way, into this node's decision
-once that decision is in the AdminComment (hooks.flush_note).
+once that decision is in the AdminComment (admin_comment.flush_note).
 
 Parsing and formatting are pure; the file functions are the only I/O.
 """
