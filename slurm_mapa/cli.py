@@ -12,12 +12,12 @@ import sys
 from typing import Any, Sequence
 
 from . import version_text
-from .core.effbw import EffectiveBandwidthModel, load_model_file, paper_model
+from .core.effbw import EffectiveBandwidthModel, out_of_range
 from .core.explain import alternatives, reported_allocation
 from .core.hardware import HardwareGraph
 from .core.policies import Allocation, NoFit, Request, all_policies, select
 from .errors import InputError, MapaError
-from .hardware.load import load_topology
+from .hardware.load import load_topology, resolve_model
 from .slurm.admin import add_commands as add_admin_commands
 from .slurm.commands import parse_gpu_indices
 from .slurm.directive import parse_directive, to_request
@@ -60,10 +60,6 @@ def _parse_running(text: str | None) -> tuple[tuple[int, ...], ...]:
     return groups
 
 
-def _load_model(path: str | None) -> EffectiveBandwidthModel:
-    return paper_model() if path is None else load_model_file(path)
-
-
 # --- select ---------------------------------------------------------------------------------
 
 
@@ -86,7 +82,15 @@ def allocation_as_dict(result: Allocation | NoFit, graph: HardwareGraph, free: S
         "preserved_bandwidth": placement.preserved_bandwidth,
         "link_counts": dict(zip(model.class_names, placement.link_counts)),
         "model": model.name,
+        "model_basis": model.basis or "unstated",
+        **extrapolation_fields(model, graph, placement.gpus, request),
     }
+
+
+def extrapolation_fields(model: EffectiveBandwidthModel, graph: HardwareGraph, gpus: Sequence[int], request: Request) -> dict[str, Any]:
+    """``extrapolated`` (the effective bandwidth lies outside the model's fitted range) and why."""
+    why = out_of_range(model, graph, tuple(gpus), request.pattern)
+    return {"extrapolated": bool(why), "extrapolated_why": list(why)}
 
 
 def _configured(args: argparse.Namespace) -> dict:
@@ -103,7 +107,7 @@ def _configured(args: argparse.Namespace) -> dict:
 
 def cmd_select(args: argparse.Namespace) -> int:
     graph = load_topology(args.topology)
-    model = _load_model(args.model)
+    model = resolve_model(args.model, graph)
     free = _parse_gpu_list(args.free) if args.free is not None else tuple(graph.gpus)
     _check_on_node(free, graph, "--free")
     directive = parse_directive(args.directive)
@@ -131,6 +135,7 @@ def cmd_select(args: argparse.Namespace) -> int:
                 "effective_bandwidth": alt.placement.effective_bandwidth,
                 "preserved_bandwidth": alt.placement.preserved_bandwidth,
                 "why_not": alt.reason,
+                **extrapolation_fields(model, graph, alt.placement.gpus, request),
             }
             for alt in alternatives(graph, tuple(sorted(free)), request, result, model)
         ]
@@ -160,6 +165,15 @@ def _fmt(value: float | None) -> str:
     return "n/a (1 GPU)" if value is None else f"{value:.3f} GB/s"
 
 
+def extrapolated_text(out: dict[str, Any]) -> str:
+    """`` (EXTRAPOLATED: 8 GPUs (fitted on 2-5))`` after a figure outside its model's fitted range, else ""."""
+    return f" (EXTRAPOLATED: {'; '.join(out['extrapolated_why'])})" if out.get("extrapolated") else ""
+
+
+def model_text(out: dict[str, Any]) -> str:
+    return f"{out['model']}, {out['model_basis']}"
+
+
 def _format_selection(out: dict[str, Any]) -> str:
     req = out["request"]
     lines = [
@@ -173,15 +187,16 @@ def _format_selection(out: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines += [
         f"{out['policy']} ({out['objective']}): GPUs {','.join(map(str, out['gpus']))} (pattern order)",
-        f"  effective bandwidth  {_fmt(out['effective_bandwidth'])}",
+        f"  effective bandwidth  {_fmt(out['effective_bandwidth'])}{extrapolated_text(out)}",
         f"  aggregated bandwidth {_fmt(out['aggregated_bandwidth'])}",
         f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])}",
-        f"  link counts          {', '.join(f'{k}={v}' for k, v in out['link_counts'].items())} ({out['model']})",
+        f"  link counts          {', '.join(f'{k}={v}' for k, v in out['link_counts'].items())} (model {model_text(out)})",
     ]
     if "affinity" in out:
         lines.append(_affinity_text(out["affinity"]))
     for alt in out.get("alternatives", []):
-        lines.append(f"  instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}")
+        mark = " [effective bandwidth extrapolated]" if alt.get("extrapolated") else ""
+        lines.append(f"  instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}{mark}")
     return "\n".join(lines)
 
 
@@ -222,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "--affinity-max-loss of the predicted bandwidth), ignore (default: prefer)")
     sel.add_argument("--affinity-max-loss", type=float, metavar="FRACTION",
                      help="prefer: the fraction of the predicted bandwidth a local choice may give up (default 0.1)")
-    sel.add_argument("--model", help="an effective-bandwidth model file (default: the MAPA paper's DGX-1 V100 model)")
+    sel.add_argument("--model", help="an effective-bandwidth model file or a bundled model's name, e.g. mapa-dgx1-v100 "
+                                     "(default: the topology's own model, docs/engine.md)")
     sel.add_argument("--explain", action="store_true", help="also show the best alternatives and why they lost")
     sel.add_argument("--json", action="store_true", help="machine-readable output")
     sel.set_defaults(handler=cmd_select)

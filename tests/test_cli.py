@@ -65,3 +65,14 @@ def test_topo_show(capsys):
     code, out, _ = run(capsys, "topo", "show", "hgx-h100", "--json")
     data = json.loads(out)
     assert data["links"]["0-7"] == "NVS18" and data["bandwidth_gbps"][0][7] == 450
+
+
+def test_model_takes_a_bundled_name(capsys):
+    code, out, _ = run(capsys, "select", "--topology", "mi250x", "--gpus", "2", "--directive", "sensitive=yes", "--json")
+    own = json.loads(out)
+    assert code == 0 and own["model"] == "derived-mi250x" and own["effective_bandwidth"] > 200
+    code, out, _ = run(capsys, "select", "--topology", "mi250x", "--gpus", "2", "--directive", "sensitive=yes",
+                       "--model", "mapa-dgx1-v100", "--json")
+    paper = json.loads(out)
+    assert code == 0 and paper["model"] == "mapa-dgx1-v100" and abs(paper["effective_bandwidth"] - 58.925036) < 1e-6
+    assert paper["gpus"] == own["gpus"] == [0, 1] and paper["extrapolated"] is True  # xGMI: not the paper's links

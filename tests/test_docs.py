@@ -86,7 +86,7 @@ def test_admin_md_decision_record_parses_and_has_every_field_the_writer_writes()
     assert None not in (decision.effective, decision.aggregated, decision.preserved)
     segment = example.split("#", 1)[1].strip()
     keys = [token.partition("=")[0] for token in segment.split()[1:]]
-    assert keys == ["policy", "free", "slurm", "affinity", "eff", "agg", "pres"]
+    assert keys == ["policy", "free", "slurm", "affinity", "eff", "agg", "pres", "model"]
     # written back, it is the same text: the example is in the writer's own form
     assert decision.text() == segment
 
@@ -111,7 +111,7 @@ def test_admin_md_decision_record_is_the_decision_made_today():
     p = reported_allocation(graph, request, result, model).placement
     made = Decision("dgx1", p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth,
                     free=recorded.free, slurm_gpus=recorded.slurm_gpus,
-                    affinity=affinity_token(config.affinity_mode, config.affinity_max_loss))
+                    affinity=affinity_token(config.affinity_mode, config.affinity_max_loss), model=model.name)
     assert made.text() == example.split("#", 1)[1].strip()
 
 

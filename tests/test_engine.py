@@ -185,3 +185,13 @@ def test_one_bandwidth_per_gpu_set_for_collectives_and_order_for_rank_patterns()
     for alt in alternatives(graph, tuple(range(8)), four, chosen, model):
         best = select("preserve", graph, alt.placement.gpus, sensitive_four, model).placement.effective_bandwidth
         assert alt.placement.effective_bandwidth == pytest.approx(best)
+
+
+def test_the_dgx1_v100_is_still_priced_by_the_papers_model():
+    """Models per server (issue 27) leave the paper's machine alone: its own model is the paper's, so
+    every choice and every pinned value above stays as it was."""
+    from slurm_mapa.hardware.load import model_for_topology
+
+    model = model_for_topology(preset("dgx1-v100"))
+    assert model is paper_model()
+    assert round(model.predict((2, 0, 0)), 6) == 58.925036 and round(model.predict((0, 3, 2)), 6) == 53.608775

@@ -7,6 +7,7 @@ job_submit.lua tests run the plugin under Lua 5.1 (skipped with MAPA_SKIP_LUA=1 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import time
@@ -440,6 +441,64 @@ def test_sacct_and_explain_find_the_record_behind_an_admin_note():
         explain_job(config, "MAPA: checked by ops")
 
 
+def test_the_record_names_the_model_and_marks_an_extrapolated_figure():
+    marked = Decision("dgx1", (0, 1, 3, 5, 7, 2, 4, 6), "preserve", 182.767, 148.0, 0.0, model="mapa-dgx1-v100", extrapolated=True)
+    text = with_decision("", RING_YES, marked)
+    assert text.endswith("eff=182.767 agg=148.000 pres=0.000 model=mapa-dgx1-v100 extrapolated=yes")
+    assert parse_decisions(text) == {"dgx1": marked}
+    within = dataclasses.replace(marked, gpus=(0, 3), effective=58.925, extrapolated=False)
+    assert "extrapolated" not in within.text() and parse_decisions(with_decision("", RING_YES, within))["dgx1"] == within
+    # A record written before these keys existed parses as before: model unknown, not marked.
+    old = "mapa:topology=ring sensitive=yes # dgx1=0,3 policy=preserve free=0-7 eff=58.925 agg=100.000 pres=422.000"
+    (decision,) = parse_decisions(old).values()
+    assert (decision.model, decision.extrapolated, decision.effective) == ("", False, 58.925)
+    # A name that cannot be one token of the record is made one; a forged token is not taken.
+    odd = Decision("n1", (0,), "preserve", model="my model #2 " + "x" * 100)
+    assert parse_decisions(with_decision("", RING_YES, odd))["n1"].model == "my_model__2_" + "x" * 52
+    assert parse_decisions(old + " model=a\u00e9b extrapolated=maybe")["dgx1"].model == ""
+    assert parse_decisions(old + " model=a\u00e9b extrapolated=maybe")["dgx1"].extrapolated is False
+    # The mark and the name count against the AdminComment's size like every other token.
+    busy = Decision("big", tuple(range(64)), "preserve", 1.0, free=tuple(range(64)), running=(tuple(range(64, 128)),),
+                    model="m" * 64, extrapolated=True)
+    text = with_decision("x" * (MAX_ADMIN_COMMENT_CHARS - 600), RING_YES, busy)
+    assert len(text) <= MAX_ADMIN_COMMENT_CHARS
+    assert parse_decisions(text)["big"] == dataclasses.replace(busy, free=(), running=())
+
+
+def test_explain_shows_the_recorded_model_and_mark(capsys):
+    from slurm_mapa.slurm.admin import explain_job
+    from slurm_mapa.slurm.config import config_from_text
+
+    config = config_from_text('[nodes]\n"dgx*" = "dgx1-v100"\n"mi*" = "mi250x"\n')
+    record = ("mapa:topology=ring sensitive=yes # dgx1=0,1,3,5,7,2,4,6 policy=preserve free=0-7 eff=182.767 "
+              "model=mapa-dgx1-v100 extrapolated=yes # mi1=0,1 policy=preserve free=0-7 eff=235.700 model=derived-mi250x")
+    entries = {entry["node"]: entry for entry in explain_job(config, record)}
+    assert entries["dgx1"]["extrapolated"] is True and entries["dgx1"]["model"] == "mapa-dgx1-v100"
+    assert entries["mi1"]["extrapolated"] is False and entries["mi1"]["alternatives_model"] == "derived-mi250x"
+    # mi250x alternatives: 2-GCD rings inside the derived model's range, none marked
+    assert entries["mi1"]["alternatives"] and not any(alt["extrapolated"] for alt in entries["mi1"]["alternatives"])
+    # an old record (no model=) is priced again by the paper's model, as the hooks then did
+    (old,) = explain_job(config, "mapa:topology=ring sensitive=yes # mi1=0,1 policy=preserve free=0-7 eff=58.925")
+    assert old["alternatives_model"] == "mapa-dgx1-v100" and old["model"] is None
+    assert all(alt["extrapolated"] for alt in old["alternatives"])  # xGMI links: outside the paper's links
+
+
+def test_explain_text_says_extrapolated(capsys, monkeypatch, tmp_path):
+    from slurm_mapa.slurm import admin
+
+    record = ("mapa:topology=ring sensitive=yes # dgx1=0,1,3,5,7,2,4,6 policy=preserve free=0-7 eff=182.767 "
+              "model=mapa-dgx1-v100 extrapolated=yes # dgx2=0,3 policy=preserve free=0-7 eff=58.925 model=mapa-dgx1-v100")
+    monkeypatch.setattr(admin, "Runner", lambda timeout: lambda argv: "{}")
+    monkeypatch.setattr(admin, "parse_job_json", lambda text, job: {"admin_comment": record})
+    config = tmp_path / "mapa.toml"
+    config.write_text('[nodes]\n"dgx*" = "dgx1-v100"\n')
+    assert admin.cmd_explain(type("Args", (), {"job": "7", "config": str(config), "json": False})()) == 0
+    out = capsys.readouterr().out
+    assert ("    predicted effective bandwidth 182.767 GB/s EXTRAPOLATED (outside the model's fitted range) "
+            "(model mapa-dgx1-v100)\n") in out
+    assert "    predicted effective bandwidth 58.925 GB/s (model mapa-dgx1-v100)\n" in out
+
+
 # --- properties --------------------------------------------------------------------------------
 
 _WORDS = ["mapa:", "MAPA:", "mapa:topology=ring", "mapa:topology=blob", "#", " # ", " ", "\t", "\n", "n1=0", "n2=1,2",
@@ -460,6 +519,8 @@ decisions = st.builds(
     effective=st.none() | st.integers(0, 8000).map(lambda v: v / 8),
     free=st.lists(st.integers(0, 63), max_size=8, unique=True).map(lambda v: tuple(sorted(v))),
     running=st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=3, unique=True).map(tuple), max_size=3).map(tuple),
+    model=st.sampled_from(["", "mapa-dgx1-v100", "derived-mi250x", "nccl-tests-hgx-h100", "site_model.v2+a"]),
+    extrapolated=st.booleans(),
 )
 directives = st.sampled_from(["topology=ring sensitive=yes", "", "topology=mesh2d:2x2 gpus=4", "topology=custom edges=0-1"]).map(parse_directive)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.effbw import EffectiveBandwidthModel, bundled_model, load_model, matching_model
 from ..core.hardware import HardwareGraph
 from ..errors import InputError
 from ..textfile import read_text
-from .presets import PRESETS, preset
+from .presets import PRESET_MODELS, PRESETS, preset
 from .topofile import Topology, topology_from_toml_text
 
 MAX_TOPOLOGY_FILE_BYTES = 1 << 20
@@ -47,3 +48,23 @@ def load_topology(spec: str) -> HardwareGraph:
     """The hardware graph of a preset name, a TOML topology file, or a saved tool output (see
     :func:`topology_from_text`)."""
     return load_topology_file(spec).graph
+
+
+AUTO_MODEL = "auto"  # the model follows the topology (config `model`, `[models]`; `--model auto`)
+
+
+def model_for_topology(graph: HardwareGraph) -> EffectiveBandwidthModel:
+    """The model that prices ``graph``: a preset's own (PRESET_MODELS) when the graph is that preset,
+    else the bundled model fitted on its link classes at its bandwidths (its GPUs' link generation),
+    else one derived from its links (core.effbw.matching_model)."""
+    name = PRESET_MODELS.get(graph.name)
+    if name is not None and graph == preset(graph.name):
+        return bundled_model(name)
+    return matching_model(graph)
+
+
+def resolve_model(spec: str | None, graph: HardwareGraph) -> EffectiveBandwidthModel:
+    """``spec`` (a model file, a bundled model's name, or ""/None/"auto": the topology's own) for ``graph``."""
+    if not spec or spec == AUTO_MODEL:
+        return model_for_topology(graph)
+    return load_model(spec)

@@ -215,6 +215,23 @@ PRESETS: dict[str, Callable[[], HardwareGraph]] = {
 }
 
 
+# The effective-bandwidth model that prices each preset (data/models/NAME.toml; docs/engine.md):
+# the paper's fitted regression for the machine it was fitted on, published nccl-tests figures
+# where we found them, else a model derived from the links and the DGX-1 efficiency curve.
+PRESET_MODELS: dict[str, str] = {
+    "dgx1-v100": "mapa-dgx1-v100",
+    "dgx1-p100": "derived-dgx1-p100",
+    "summit": "derived-summit",
+    "torus2d-16": "derived-torus2d-16",
+    "cubemesh-16": "derived-cubemesh-16",
+    "dgx-a100": "nccl-tests-dgx-a100",
+    "hgx-h100": "nccl-tests-hgx-h100",
+    "pcie-8": "derived-pcie-8",
+    "mi250x": "derived-mi250x",
+    "mi300x": "derived-mi300x",
+}
+
+
 def preset(name: str) -> HardwareGraph:
     try:
         return PRESETS[name]()

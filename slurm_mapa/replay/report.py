@@ -43,6 +43,7 @@ def summary(result: RunResult) -> dict:
         "out_of_order_arrivals": result.out_of_order,
         "grounded_predictions": result.grounded,
         "extrapolated_predictions": result.extrapolated,
+        "extrapolated": result.extrapolated > 0,  # some effective bandwidths are the model's extrapolations
         "by_gpus": {
             str(gpus): {
                 "jobs": size.jobs,
@@ -51,6 +52,7 @@ def summary(result: RunResult) -> dict:
                 "wait": five(size.wait),
                 "grounded_predictions": size.grounded,
                 "extrapolated_predictions": size.extrapolated,
+                "extrapolated": size.extrapolated > 0,
             }
             for gpus, size in sorted(result.by_gpus.items())
         },
@@ -89,8 +91,28 @@ def _fmt(value, width: int, digits: int = 1) -> str:
     return str(value).rjust(width)
 
 
+MAPA_POLICY = "preserve"
+
+TABLE_LEGEND = """\
+columns: 'preserve (MAPA)' is MAPA's policy (the paper's Preserve); the others are the allocators clusters use
+  today (`mapa-replay policies`). sensitive effective BW: the predicted effective bandwidth (GB/s, by the model
+  named above) of the GPU set each bandwidth-sensitive job of 2+ GPUs got: min, 25th percentile (p25), median,
+  75th (p75), max over those jobs; higher is better. insens.: the median of the same for the other jobs.
+  preserved: the link bandwidth (GB/s) among the GPUs left free, averaged over time (what the next sensitive
+  job can still get); frag: 1 - preserved / the most any free set of that size could keep, averaged (0 = none).
+  wait: seconds from submit to start (mean, and p95: 95th percentile); makespan: first submit to last end."""
+
+BY_GPUS_LEGEND = ("n: the sensitive jobs of that size; p10, med, p90: 10th percentile, median, 90th percentile of "
+                  "their predicted effective bandwidth (and of the insensitive jobs')")
+
+
+def policy_label(result: RunResult) -> str:
+    """The run's label, with MAPA's own policy named as such."""
+    return f"{result.label} (MAPA)" if result.policy == MAPA_POLICY else result.label
+
+
 def table(results: Sequence[RunResult]) -> str:
-    """The comparison table: one line per policy."""
+    """The comparison table: one line per policy, then what its columns mean."""
     head = (
         f"{'policy':<18} {'jobs':>6} | {'sensitive effective BW (GB/s)':^34} | {'insens.':>7} | "
         f"{'preserved':>9} {'frag':>5} | {'wait mean':>9} {'p95':>8} | {'makespan':>9} {'jobs/h':>8}"
@@ -100,12 +122,31 @@ def table(results: Sequence[RunResult]) -> str:
     for r in results:
         f = r.eff_sensitive.five()
         lines.append(
-            f"{r.label:<18} {r.jobs:>6} | "
+            f"{policy_label(r) + _outside_mark(r):<18} {r.jobs:>6} | "
             + " ".join(_fmt(f[k], 6) for k in ("min", "p25", "median", "p75", "max"))
             + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
             + f"{_fmt(r.wait.mean, 9)} {_fmt(r.wait.quantile(0.95), 8)} | {_fmt(r.makespan, 9, 0)} {_fmt(r.throughput_per_hour, 8)}"
         )
+    notes = [f"{r.label}: {outside_text(r)}" for r in results if _outside_mark(r)]
+    if notes:
+        lines.append("* effective bandwidths outside the model's fitted range: " + "; ".join(notes))
+    lines.append(TABLE_LEGEND)
     return "\n".join(lines)
+
+
+def _outside_mark(result: RunResult) -> str:
+    """``*`` after a run whose effective bandwidths include some outside the model's fitted range."""
+    return "*" if result.extrapolated or result.grounded else ""
+
+
+def outside_text(result: RunResult) -> str:
+    """How many of a run's effective bandwidths lie outside the model's fitted range, and how each is reported."""
+    parts = []
+    if result.extrapolated:
+        parts.append(f"{result.extrapolated} EXTRAPOLATED by the model")
+    if result.grounded:
+        parts.append(f"{result.grounded} from the link-bound model instead")
+    return ", ".join(parts)
 
 
 def dropped_text(results: Sequence[RunResult]) -> str:
@@ -134,16 +175,17 @@ def by_gpus_text(results: Sequence[RunResult]) -> str:
         return ""
     head = (f"{'GPUs':>4} {'policy':<18} {'jobs':>6} | {'sensitive eff. BW (GB/s)':^27} | {'insensitive':^20} | {'wait mean':>9}")
     sub = f"{'':>4} {'':<18} {'':>6} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} | {'p10':>6} {'med':>6} {'p90':>6} | {'(s)':>9}"
-    lines = ["by GPUs per node (* = outside the model's fitted range: see the model line above)", head, sub, "-" * len(head)]
+    lines = ["by GPUs per node (* = outside the model's fitted range: see the model line above); " + BY_GPUS_LEGEND,
+             head, sub, "-" * len(head)]
     for gpus in sizes:
         for r in results:
             size = r.by_gpus.get(gpus)
             if size is None:
                 continue
-            mark = "*" if size.grounded or size.extrapolated else " "
+            mark = "*" if size.grounded or size.extrapolated else " "  # the same rule as _outside_mark
             s, i = size.eff_sensitive, size.eff_insensitive
             lines.append(
-                f"{gpus:>3}{mark} {r.label:<18} {size.jobs:>6} | {s.count:>6} "
+                f"{gpus:>3}{mark} {policy_label(r):<18} {size.jobs:>6} | {s.count:>6} "
                 + " ".join(_fmt(s.quantile(q), 6) for q in (0.1, 0.5, 0.9))
                 + " | " + " ".join(_fmt(i.quantile(q), 6) for q in (0.1, 0.5, 0.9))
                 + f" | {_fmt(size.wait.mean, 9)}"

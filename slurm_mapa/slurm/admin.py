@@ -11,7 +11,7 @@ import json
 import socket
 from typing import Any
 
-from ..core.effbw import paper_model
+from ..core.effbw import EffectiveBandwidthModel, bundled_model, bundled_model_names, out_of_range, paper_model
 from ..core.explain import alternatives
 from ..core.policies import Allocation, Request
 from ..core.search import Placement, preserved_bandwidth, score_placement
@@ -84,16 +84,18 @@ def explain_job(config: HookConfig, admin_comment: str) -> list[dict[str, Any]]:
     directive = record_directive(admin_comment)  # MAPA's record may follow an admin's note
     if directive is None:
         raise InputError("the job has no MAPA decision in its AdminComment (did the Prolog run with this config?)")
-    model = paper_model()
     out = []
     for node, decision in parse_decisions(admin_comment).items():
         entry: dict[str, Any] = {"node": node, "gpus": list(decision.gpus), "policy": decision.policy, "fallback": decision.fallback,
                                  "free": list(decision.free), "effective_bandwidth": decision.effective,
+                                 "model": decision.model or None, "extrapolated": decision.extrapolated,
                                  "aggregated_bandwidth": decision.aggregated, "preserved_bandwidth": decision.preserved,
                                  "slurm_gpus": list(decision.slurm_gpus), "affinity": decision.affinity, "job_cpus": decision.job_cpus,
                                  "isolation": decision.isolation, "isolation_why": decision.why}
         if decision.policy != "fallback" and decision.free:
             graph = load_graph(config, node)
+            model = _recorded_model(config, node, graph, decision.model)
+            entry["alternatives_model"] = model.name
             request: Request = to_request(directive, len(decision.gpus))
             chosen: Placement = score_placement(graph, decision.free, request.pattern, decision.gpus, model)
             objective = "effective" if request.sensitive and request.gpus > 1 else "preserved"
@@ -102,11 +104,25 @@ def explain_job(config: HookConfig, admin_comment: str) -> list[dict[str, Any]]:
             allocation = Allocation(policy=decision.policy, placement=chosen, objective=objective)
             entry["alternatives"] = [
                 {"gpus": list(alt.placement.gpus), "why_not": alt.reason,
-                 "effective_bandwidth": alt.placement.effective_bandwidth, "preserved_bandwidth": alt.placement.preserved_bandwidth}
+                 "effective_bandwidth": alt.placement.effective_bandwidth, "preserved_bandwidth": alt.placement.preserved_bandwidth,
+                 "extrapolated": bool(out_of_range(model, graph, alt.placement.gpus, request.pattern))}
                 for alt in alternatives(graph, tuple(decision.free), request, allocation, model)
             ]
         out.append(entry)
     return out
+
+
+def _recorded_model(config: HookConfig, node: str, graph: Any, recorded: str) -> EffectiveBandwidthModel:
+    """The model that priced a recorded decision: the bundled one its ``model=`` names, else the config's for
+    the node. A record without ``model=`` was written when the hooks used the paper's model unless `model`
+    named a file, so that is what prices it again."""
+    from ..hardware.load import resolve_model
+
+    if recorded in bundled_model_names():
+        return bundled_model(recorded)
+    if recorded:
+        return resolve_model(config.model_for(node), graph)
+    return resolve_model(config.model, graph) if config.model not in ("", "auto") else paper_model()
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -131,6 +147,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if entry["fallback"]:
             line += f" (FALLBACK: {entry['fallback']})"
         print(line + f", free then: {','.join(map(str, entry['free']))}")
+        if entry["effective_bandwidth"] is not None:
+            mark = " EXTRAPOLATED (outside the model's fitted range)" if entry["extrapolated"] else ""
+            print(f"    predicted effective bandwidth {entry['effective_bandwidth']:.3f} GB/s{mark} "
+                  f"(model {entry['model'] or 'not recorded'})")
         if entry["slurm_gpus"]:
             print(f"    Slurm's GPUs: {','.join(map(str, entry['slurm_gpus']))}")
         if entry["affinity"]:
@@ -139,7 +159,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if entry["isolation"]:
             print(f"    GPU isolation: {entry['isolation']} ({entry['isolation_why']})")
         for alt in entry.get("alternatives", []):
-            print(f"    instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}")
+            mark = " [effective bandwidth extrapolated]" if alt["extrapolated"] else ""
+            print(f"    instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}{mark}")
     return 0
 
 

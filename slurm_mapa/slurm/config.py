@@ -9,12 +9,16 @@
     prolog_budget = 15.0                       # seconds: the Prolog's whole wall time, whatever Slurm's latency
     scontrol = "/usr/bin/scontrol"
     squeue = "/usr/bin/squeue"
-    model = ""                                 # an effective-bandwidth model file, or the paper's
+    model = "auto"                             # effective-bandwidth model: "auto" (or ""): the topology's own;
+                                               # a bundled model's name or a model file (docs/engine.md)
     health = "auto"                            # "off": do not ask NVML which GPUs are sick
     isolation = "auto"                         # | "off" | "fail-open" | "fail-closed": tasks open only their GPUs;
                                                # auto: fail-open where the topology names the device files (docs/isolation.md)
     isolation_scope = "step"                   # | "task": what the tasks of one step may open (docs/isolation.md)
     dcgm_job_mapping_dir = "/run/dcgm-job-mapping"   # none by default: which job uses each GPU, for dcgm-exporter
+
+    [metrics]                                  # mapa-agent's Prometheus endpoint (slurm/metrics.py); off by default
+    listen = "127.0.0.1:9786"                  # HOST:PORT, [IPv6]:PORT, or "" (off)
 
     [preserve_ahead]                           # only for policy = "preserve-ahead"
     sizes = { 1 = 0.2, 2 = 0.2, 3 = 0.2, 4 = 0.2, 5 = 0.2 }   # GPUs -> weight (default: the paper's)
@@ -28,7 +32,11 @@
     "dgx*" = "dgx1-v100"
     "gpu[0-9]*" = "/etc/slurm/mapa/gpu-node.toml"
 
-The first matching [nodes] entry wins. Other sections (used by mapa-replay) are ignored here.
+    [models]                                   # node-name glob -> model (overrides `model` there)
+    "gpu[0-9]*" = "/etc/slurm/mapa/gpu-node-model.toml"
+
+The first matching [nodes] (and [models]) entry wins. Other sections (used by mapa-replay) are
+ignored here.
 """
 
 from __future__ import annotations
@@ -48,9 +56,9 @@ from ..errors import InputError, MapaError
 from . import paths
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
-_KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "nodes",
+_KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "models", "nodes",
          "preserve_ahead", "prolog_budget", "job_submit_lua", "journal_dir", "reconcile_interval", "admin_comment_rate", "features",
-         "affinity", "isolation", "isolation_scope", "dcgm_job_mapping_dir"}
+         "affinity", "isolation", "isolation_scope", "dcgm_job_mapping_dir", "metrics"}
 HOOK_KEYS = frozenset(_KEYS)  # the top-level keys of the hooks' config (mapa-replay accepts and ignores them)
 # The agent answers within the budget and its client gives up after 25 s; the wrapper then runs
 # the Prolog in-process with the same budget: 25 + 20 s stays inside the 60 s PrologEpilogTimeout
@@ -79,6 +87,7 @@ class HookConfig:
     # other's); "task": each task only its own (a site's choice; it breaks such IPC).
     isolation_scope: str = "step"
     nodes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    models: tuple[tuple[str, str], ...] = ()  # [models]: node-name glob -> model, before `model`
     ahead_sizes: tuple[tuple[int, float], ...] = ()  # empty: preserve-ahead's default (uniform 1..5)
     ahead_tolerance: float = 0.0
     # job_submit.lua is installed: every directive reaches the Prolog in the job comment, so the
@@ -97,6 +106,8 @@ class HookConfig:
     affinity_mode: str = "prefer"
     affinity_max_loss: float = 0.1  # core.affinity.DEFAULT_MAX_LOSS
     feature_insensitive_jobs: str = "none"  # what job_submit.lua has insensitive jobs prefer: none | noring
+    # [metrics] listen: where mapa-agent serves Prometheus metrics, (host, port); None: off.
+    metrics_listen: tuple[str, int] | None = None
 
     def configured_policies(self) -> dict:
         """Policies built with this config's settings, for :func:`~slurm_mapa.core.policies.select`."""
@@ -117,6 +128,28 @@ class HookConfig:
                 return topology
         return None
 
+    def model_for(self, node: str) -> str:
+        """The model setting for ``node``: its first matching [models] entry, else `model`; "" or
+        "auto" mean the topology's own (hardware.load.resolve_model turns it into a model)."""
+        for pattern, model in self.models:
+            if fnmatchcase(node, pattern):
+                return model
+        return self.model
+
+
+def _check_model_setting(value: str, where: str, source: str) -> None:
+    """A model setting is "auto", "", a bundled model's name or a model file (anything with a / or
+    ending in .toml, checked when it is used, like a topology file)."""
+    from ..core.effbw import bundled_model_names
+
+    if value in ("", "auto") or "/" in value or value.endswith(".toml") or value in bundled_model_names():
+        return
+    names = bundled_model_names()
+    close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise InputError(f"{source}: {where}: no bundled model {value!r}{hint} (accepted: \"auto\", a model file path, "
+                     f"or one of {', '.join(names)})")
+
 
 def _validate_with_engine(values: dict[str, Any], source: str) -> None:
     from ..core.policies import all_policies
@@ -129,6 +162,10 @@ def _validate_with_engine(values: dict[str, Any], source: str) -> None:
             parse_directive(values["default_directive"])  # a bad default is the admin's error, found at load
         except InputError as error:
             raise InputError(f"{source}: default_directive {values['default_directive']!r}: {error}") from None
+    if "model" in values:
+        _check_model_setting(values["model"], "model", source)
+    for pattern, model in values.get("models", ()):
+        _check_model_setting(model, f"[models] {pattern!r}", source)
 
 
 def _line_of_key(text: str, key: str) -> str:
@@ -190,6 +227,8 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
             if not isinstance(data[key], str):
                 raise InputError(f"{source}: {key} must be a string (in quotes), got {data[key]!r}")
             values[key] = data[key]
+    if values.get("model") == "auto":
+        values["model"] = ""  # the topology's own model, as the default (hardware.load.resolve_model)
     if values.get("health", "auto") not in ("auto", "off"):
         raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {values['health']!r}")
     if values.get("isolation", "auto") not in ("auto", "off", "fail-open", "fail-closed"):
@@ -199,6 +238,12 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
     if values.get("isolation_scope", "step") not in ("step", "task"):
         raise InputError(f"{source}: isolation_scope must be \"step\" (the tasks of a step may open all of the step's GPUs) "
                          f"or \"task\" (each task only its own), got {values['isolation_scope']!r}")
+    if "models" in data:
+        models = data["models"]
+        if not isinstance(models, dict) or not all(isinstance(v, str) and v for v in models.values()):
+            raise InputError(f'{source}: [models] maps node-name globs to a model ("auto", a bundled model\'s name or a model '
+                             f'file), e.g. "gpu*" = "nccl-tests-hgx-h100"; got {models!r}')
+        values["models"] = tuple(models.items())
     if validate:
         _validate_with_engine(values, source)
     for key in ("ledger", "jobs_dir", "log", "journal_dir", "dcgm_job_mapping_dir"):
@@ -228,6 +273,8 @@ def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = T
             values[key] = float(value)
     if "features" in data:
         values.update(_features_table(data["features"], source))
+    if "metrics" in data:
+        values["metrics_listen"] = _metrics_table(data["metrics"], source)
     if "affinity" in data:
         from ..core.affinity import settings_from_table
 
@@ -266,6 +313,27 @@ def _features_table(table: Any, source: str) -> dict[str, Any]:
                          f"jobs and jobs without a directive prefer mapa_noring<k>), got {insensitive!r}")
     return {"feature_sizes": tuple(sorted(set(sizes))), "feature_threshold": float(threshold), "feature_fleet": tuple(fleet),
             "feature_insensitive_jobs": insensitive}
+
+
+_METRICS_ACCEPTED = ('a table with one key, listen = "HOST:PORT" (an IPv4 address or host name, or [IPv6], and a port '
+                     '1-65535; e.g. "127.0.0.1:9786") or "" (off)')
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+def _metrics_table(table: Any, source: str) -> tuple[str, int] | None:
+    """``[metrics]``: listen = "HOST:PORT" -> (host, port); "" -> None (off)."""
+    if not isinstance(table, dict) or set(table) - {"listen"}:
+        raise InputError(f"{source}: [metrics] takes {_METRICS_ACCEPTED}; got {str(table)[:80]!r}")
+    listen = table.get("listen", "")
+    if not isinstance(listen, str):
+        raise InputError(f"{source}: [metrics] listen must be a string, {_METRICS_ACCEPTED}; got {listen!r}")
+    if listen == "":
+        return None
+    host, colon, port = listen.rpartition(":")
+    if not colon or not _HOST.fullmatch(host) or not port.isascii() or not port.isdigit() or len(port) > 5 \
+            or not 1 <= int(port) <= 65535:
+        raise InputError(f"{source}: [metrics] listen {listen[:80]!r} is not HOST:PORT; accepted: {_METRICS_ACCEPTED}")
+    return (host[1:-1] if host.startswith("[") else host), int(port)
 
 
 # A config is a few lines; bounding the read keeps a huge or endless file from stalling every hook.

@@ -11,6 +11,9 @@ on, ``slurm=`` (the GPUs Slurm picked, whose CPUs the job's cores are taken to b
 ``strict``) say under which rule it was made. When mapa-agent could not
 isolate the job's devices on the node (docs/isolation.md), it adds ``isolation=failed-open`` (the
 job ran without) or ``isolation=refused`` (fail-closed: its task failed) and ``why=<reason>``.
+``model=NAME`` names the effective-bandwidth model that priced ``eff=``, and ``extrapolated=yes``
+says that ``eff=`` lies outside that model's fitted range; records written before these keys
+existed have neither (model unknown, not marked) and parse as before.
 The directive grammar ends a body at `#`, so the record's text up to the first `#` parses as the
 directive. sacct keeps it; mapa-replay and mapa explain read it.
 
@@ -55,7 +58,10 @@ MAX_ADMIN_COMMENT_CHARS = 16384
 # column can hold, so what sacct returns is read whole; with_decision and job_submit.lua write at
 # most MAX_ADMIN_COMMENT_CHARS. Bounds the work on any text, however many `mapa:` words it has.
 MAX_RECORD_SCAN_CHARS = 65536
-DECISION_KEYS = ("policy", "free", "running", "slurm", "cpus", "affinity", "eff", "agg", "pres", "fallback", "isolation", "why")
+DECISION_KEYS = ("policy", "free", "running", "slurm", "cpus", "affinity", "eff", "agg", "pres", "model", "extrapolated", "fallback",
+                 "isolation", "why")
+MAX_MODEL_TOKEN_CHARS = 64
+_MODEL_TOKEN = re.compile(r"[A-Za-z0-9._+-]{1,64}")  # what model_token writes
 ISOLATION_STATES = ("failed-open", "refused")  # what a node's record says when device isolation was not applied
 MAX_WHY_CHARS = 200
 _CPU_LIST = re.compile(r"[0-9]{1,5}(?:-[0-9]{1,5})?(?:,[0-9]{1,5}(?:-[0-9]{1,5})?)*")  # the form format_cpu_list writes
@@ -81,6 +87,8 @@ class Decision:
     job_cpus: str = ""  # the job's CPUs as its cpuset cgroup held them (slurm/jobcpus.py); "": Slurm's GPUs' CPUs
     isolation: str = ""  # "" (applied, or off) or one of ISOLATION_STATES, written by mapa-agent
     why: str = ""  # why isolation was not applied: one token (why_token)
+    model: str = ""  # the effective-bandwidth model that priced `effective` (model_token); "": not recorded
+    extrapolated: bool = False  # `effective` lies outside that model's fitted range
 
     def text(self) -> str:
         parts = [f"{self.node}={','.join(map(str, self.gpus))}", f"policy={self.policy}"]
@@ -97,6 +105,10 @@ class Decision:
         for name, value in (("eff", self.effective), ("agg", self.aggregated), ("pres", self.preserved)):
             if value is not None:
                 parts.append(f"{name}={value:.3f}")
+        if self.model:
+            parts.append(f"model={model_token(self.model)}")
+        if self.extrapolated:
+            parts.append("extrapolated=yes")
         if self.fallback:
             parts.append(f"fallback={self.fallback}")
         if self.isolation:
@@ -104,6 +116,13 @@ class Decision:
         if self.why:
             parts.append(f"why={why_token(self.why)}")
         return " ".join(parts)
+
+
+def model_token(name: str) -> str:
+    """A model's name as one token of a record: characters other than letters, digits and ``._+-``
+    become ``_``; at most MAX_MODEL_TOKEN_CHARS characters."""
+    token = re.sub(r"[^A-Za-z0-9._+-]", "_", name)[:MAX_MODEL_TOKEN_CHARS]
+    return token or "_"
 
 
 def why_token(reason: str) -> str:
@@ -247,10 +266,12 @@ def _decision_in(segment: str) -> Decision | None:
     if len(job_cpus) > 4096 or not _CPU_LIST.fullmatch(job_cpus):
         job_cpus = ""
     isolation = fields.get("isolation", "")
+    model = fields.get("model", "")
     return Decision(
         node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free,
         tuple(group for group in running if group), slurm_gpus, affinity if parse_affinity(affinity) else "", job_cpus,
         isolation if isolation in ISOLATION_STATES else "", fields.get("why", "")[:MAX_WHY_CHARS],
+        model if _MODEL_TOKEN.fullmatch(model) else "", fields.get("extrapolated") == "yes",
     )
 
 

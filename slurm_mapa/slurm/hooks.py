@@ -118,14 +118,15 @@ def choose(
     if graph is not None and not problem:
         try:
             from ..core.affinity import cpus_of_slurms_gpus, select_with_affinity
-            from ..core.effbw import load_model_file, paper_model
+            from ..core.effbw import out_of_range
             from ..core.explain import reported_allocation
             from ..core.policies import Allocation, select
             from ..hardware.gres import format_cpu_list
+            from ..hardware.load import resolve_model
             from .directive import to_request
 
             request = to_request(directive, len(ctx.slurm_gpus))
-            model = load_model_file(config.model) if config.model else paper_model()
+            model = resolve_model(config.model_for(ctx.node), graph)
             job_cpus = None
             if config.affinity_mode != "ignore":
                 job_cpus = ctx.job_cpus if ctx.job_cpus is not None else cpus_of_slurms_gpus(graph, ctx.slurm_gpus)
@@ -143,6 +144,7 @@ def choose(
                     free=free, running=running, slurm_gpus=ctx.slurm_gpus,
                     affinity=affinity_token(config.affinity_mode, config.affinity_max_loss) if job_cpus is not None else "",
                     job_cpus=format_cpu_list(set(ctx.job_cpus)) if job_cpus is not None and ctx.job_cpus is not None else "",
+                    model=model.name, extrapolated=bool(out_of_range(model, graph, p.gpus, request.pattern)),
                 )
             problem = "ledger-has-too-few-free-gpus"
         except (MapaError, OSError) as error:

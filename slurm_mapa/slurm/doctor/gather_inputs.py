@@ -319,8 +319,9 @@ def _trusted_paths(config: HookConfig, config_path: str, spec: str | None, hook_
             wanted.append((str(program), f"mapa.toml's {key}", "program", True))
     if spec is not None and spec not in PRESETS:
         wanted.append((spec, "topology file", "file", True))
-    if config.model:
-        wanted.append((config.model, "model file", "file", True))
+    for model in dict.fromkeys([config.model, *(setting for _, setting in config.models)]):
+        if "/" in model or model.endswith(".toml"):  # else "auto" or a bundled model's name
+            wanted.append((model, "model file", "file", True))
     wanted += [(str(config.jobs_dir), "jobs directory", "dir", True), (str(Path(config.ledger).parent), "ledger directory", "dir", True),
                (str(config.journal), "journal directory", "dir", True),
                (str(Path(agent_socket).parent), "mapa-agent's socket directory", "dir", True),

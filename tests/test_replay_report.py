@@ -1,0 +1,36 @@
+"""The replay's text tables say what their columns mean and name MAPA's policy (issue 27)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+from slurm_mapa.replay.cli import main
+
+
+def _demo_text() -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["run", "--generate", "paper:80", "--topology", "dgx1-v100", "--policies", "baseline,preserve,greedy"]) == 0
+    return out.getvalue()
+
+
+def test_every_column_abbreviation_of_the_tables_is_defined_under_them():
+    text = _demo_text()
+    table, _, rest = text.partition("columns: ")
+    legend = rest.split("\n\n", 1)[0]
+    header = "\n".join(line for line in table.splitlines() if "|" in line and not line.startswith(("baseline", "greedy", "preserve")))
+    for term in sorted(set(re.findall(r"\b(p\d\d|frag|insens\.|preserved|makespan|wait)\b", header))):
+        assert term in legend, (term, legend)
+    by_gpus = text[text.index("by GPUs per node"):]
+    by_gpus_head = by_gpus.split("\n", 3)
+    for term in ("p10", "med", "p90", "n:"):
+        assert term in by_gpus_head[0], by_gpus_head[0]
+
+
+def test_mapas_policy_is_named_as_mapa_in_both_tables():
+    text = _demo_text()
+    rows = [line for line in text.splitlines() if re.match(r"^\s*(\d+\S?\s+)?preserve(?![a-z-])", line)]
+    assert rows and all("preserve (MAPA)" in line for line in rows), rows
+    assert not any("baseline (MAPA)" in line or "greedy (MAPA)" in line for line in text.splitlines())
