@@ -2,7 +2,7 @@
 # Entrypoint of the slurm-mapa cluster image; the first argument picks the role:
 #   mariadb | slurmdbd | slurmctld | slurmd      (init-db: used once at image build time)
 # Configuration is bind-mounted read-only under /etc/slurm-mapa (see compose.yml):
-#   config/     slurm.conf cgroup.conf plugstack.conf slurmdbd.conf mapa.toml
+#   config/     slurm.conf cgroup.conf plugstack.conf slurmdbd.conf mapa.toml prometheus.yml
 #   gres_conf/  <preset>.gres.conf, chosen by $MAPA_PRESET on compute nodes
 # and the repository's slurm_mapa/ package under /opt/slurm-mapa (job_submit.lua, and the code the
 # hooks run; compute nodes write their hook wrappers from it with `mapa hooks` at start), so that a
@@ -64,6 +64,27 @@ start_agent() {
 mapa() {
     /usr/bin/python3 -I -X pycache_prefix=/var/cache/slurm-mapa/pycache -c \
         'import sys; sys.path.insert(0, "/opt/slurm-mapa"); from slurm_mapa.cli import main; sys.exit(main(sys.argv[1:]))' "$@"
+}
+
+# Prometheus (Debian's package) beside slurmctld, as http://prometheus:9090 (compose.yml's alias of
+# this container): it scrapes every node's mapa-agent (config/prometheus.yml) and evaluates the
+# example alert rules (contrib/prometheus/mapa-alerts.yml). Like the releaser it comes back when it
+# dies; its database is the container's own, gone with it.
+start_prometheus() {
+    if ! command -v prometheus >/dev/null; then
+        log "no prometheus in this image (scripts/cluster build installs it); no metrics scraping"
+        return
+    fi
+    install -d -o prometheus -g prometheus /var/lib/prometheus/mapa
+    (
+        set +e
+        while true; do
+            runuser -u prometheus -- prometheus --config.file="$MAPA/config/prometheus.yml" \
+                --storage.tsdb.path=/var/lib/prometheus/mapa --web.listen-address=0.0.0.0:9090 --log.level=warn
+            log "prometheus exited ($?); restarting it"
+            sleep 1
+        done
+    ) &
 }
 
 # `mapa release` (docs/directives.md, placement=require), as the mapa-release systemd unit runs it
@@ -252,6 +273,7 @@ case $ROLE in
         # job_submit.lua with mapa.toml's [features], as an admin writes it with `mapa job-submit-lua`.
         mapa job-submit-lua /etc/slurm/job_submit.lua --config /etc/slurm/mapa.toml >/dev/null
         start_releaser
+        start_prometheus
         exec /usr/sbin/slurmctld -D -i "$@"
         ;;
     slurmd)

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..errors import InputError, MapaError
 from . import jobfiles, spankcheck
@@ -48,6 +48,9 @@ from .config import HookConfig, hook_logger, load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
 from .isolation import Isolator, IsolationError, effective_mode, job_devices_for
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
 
 # One deadline for reading the whole request: a client that trickles a byte every few seconds
 # must not hold a thread (a timeout per recv would let it go on for ever).
@@ -195,6 +198,7 @@ class Agent:
         run: Callable[[float], Callable[[list[str]], str]] = lambda timeout: Runner(timeout=timeout),
         node: str | None = None,
         isolator: Isolator | None = None,
+        metrics: "AgentMetrics | None" = None,
     ) -> None:
         self.config_path = config_path
         self.node = node or os.uname().nodename.split(".")[0]
@@ -202,7 +206,9 @@ class Agent:
         self.isolated: set[tuple[str, str, str]] = set()  # (job, step, asker) whose isolation was logged
         self.noted: set[tuple[str, str]] = set()  # (job, state) whose failed isolation was journaled
         self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.make_runner = run  # tests give a fake Slurm here
+        # Prometheus metrics ([metrics] in mapa.toml, slurm/metrics.py): counted in memory, None when off.
+        self.metrics = metrics
+        self.make_runner = metrics.instrument(run) if metrics is not None else run  # tests give a fake Slurm here
         self.background: Background | None = None  # started by main(); tests drive it directly
         self.public_log = LogLimiter()  # failures of the public socket's requests, per uid
 
@@ -224,6 +230,12 @@ class Agent:
     def isolate(self, pid: int, uid: int, env: Mapping[str, str], public: bool = False) -> str:
         """The answer to a TaskProlog's isolate request from process ``pid`` of user ``uid``
         (``public``: on the socket anyone may use; its failures are logged at a bounded rate)."""
+        answer = self._isolate(pid, uid, env, public)
+        if self.metrics is not None:
+            self.metrics.isolation(answer)
+        return answer
+
+    def _isolate(self, pid: int, uid: int, env: Mapping[str, str], public: bool) -> str:
         config, problem = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
         log = hook_logger(config.log)
         if problem:
@@ -284,7 +296,10 @@ class Agent:
         mode, _ = effective_mode(config, self.node)
         if mode == "off":
             return "done off"
-        return self._isolation_failed(mode, self._limited(hook_logger(config.log), uid), reason, pid, uid)
+        answer = self._isolation_failed(mode, self._limited(hook_logger(config.log), uid), reason, pid, uid)
+        if self.metrics is not None:
+            self.metrics.isolation(answer)
+        return answer
 
     def _limited(self, log: Callable[[str], None], uid: int) -> Callable[[str], None]:
         return lambda text: self.public_log.say(uid, text, log)
@@ -309,10 +324,44 @@ class Agent:
         log(f"isolation: the task of process {pid} (uid {uid}) runs without it (isolation = \"fail-open\"): {reason}")
         return f"done failed-open {reason}"
 
+    def note_prolog(self, env: Mapping[str, str], started_wall: float, started: float) -> None:
+        """Count a Prolog the agent ran, once its answer is back with slurmd: its outcome from the
+        job's ledger entry (one read of a local file; the decision itself is not changed), how long
+        it took, and whether it overran its budget. A CPU-only job, or one whose entry is gone
+        already (it ended), is not counted. Never raises."""
+        if self.metrics is None:
+            return
+        answered = time.monotonic()
+        try:
+            from ..core.policies import all_policies
+            from .job_context import context_from_env
+            from .node_graph import load_graph
+            from .ledger import LedgerFile
+
+            config, _ = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
+            self.metrics.policy = config.policy
+            ctx = context_from_env(env)
+            if not ctx.slurm_gpus:
+                return
+            try:
+                size = load_graph(config, ctx.node).size
+            except (MapaError, OSError):
+                size = 1 << 16  # no topology: the ledger is only checked against a bound
+            holding = LedgerFile(config.ledger, size).read().holdings.get(ctx.job_id)
+            if holding is None:
+                return
+            from .metrics import decision_outcome
+
+            self.metrics.decision(decision_outcome(holding.policy, all_policies()), config.policy,
+                                  holding.since - started_wall if holding.since >= started_wall else None,
+                                  answered - started, config.prolog_budget)
+        except Exception as error:  # noqa: BLE001 - counting must never disturb the agent
+            self.log_errors(f"mapa-agent: metrics: could not count the Prolog of job {env.get('SLURM_JOB_ID', '')[:20]}: {error}")
+
     def warm_up(self, node: str) -> None:
         """Load this node's topology and search tables once, so the first job is as fast as the rest."""
-        from ..core.effbw import load_model_file, paper_model
         from ..core.policies import select
+        from ..hardware.load import resolve_model
         from .directive import parse_directive, to_request
         from .node_graph import load_graph
 
@@ -320,7 +369,7 @@ class Agent:
         if problem:
             return
         graph = load_graph(config, node)
-        model = load_model_file(config.model) if config.model else paper_model()
+        model = resolve_model(config.model_for(node), graph)
         for text in ("topology=ring sensitive=no", "topology=ring sensitive=yes"):
             for size in range(1, min(graph.size, 3) + 1):
                 select(config.policy, graph, range(graph.size), to_request(parse_directive(text), size), model,
@@ -366,14 +415,20 @@ class Background:
 
         config = self._config()
         run = self.agent.make_runner(config.command_timeout)
-        listed = reconcile_node(config, self.node, run, hook_logger(config.log))
-        self.features.publish(config, run, hook_logger(config.log), force=True)  # slurmctld may have restarted
+        log = hook_logger(config.log)
+        metrics = self.agent.metrics
+        listed = reconcile_node(config, self.node, run, metrics.repair_log(log) if metrics is not None else log)
+        if self.features.publish(config, run, log, force=True) and metrics is not None:  # slurmctld may have restarted
+            metrics.feature_published()
         return listed
 
     def publish_features(self) -> bool:
         """After starts and ends: publish the node's features if they changed."""
         config = self._config()
-        return self.features.publish(config, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
+        published = self.features.publish(config, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
+        if published and self.agent.metrics is not None:
+            self.agent.metrics.feature_published()
+        return published
 
     def write_dcgm_mapping(self) -> list[str]:
         """With ``dcgm_job_mapping_dir``: name in dcgm-exporter's job-mapping files the jobs using
@@ -482,6 +537,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if self.server.public:
             self.handle_isolate(conn)
             return
+        started, started_wall = time.monotonic(), time.time()
         try:
             pid, uid = peer_credentials(conn)
             if uid != 0:
@@ -518,6 +574,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 action()
             except Exception as error:  # noqa: BLE001 - the decision is in the ledger and the log already
                 self.server.agent.log_errors(f"mapa-agent: deferred work failed: {error}")
+        if kind == "prolog":
+            self.server.agent.note_prolog(env, started_wall, started)
         if self.server.agent.background is not None:  # a start or an end: records and features
             self.server.agent.background.wake.set()
 
@@ -613,14 +671,19 @@ class PublicAdmission:
         return old
 
 
-def _discard_unread(conn: socket.socket) -> None:
-    """Read and drop what the client has sent, without waiting (at most one request's worth)."""
+def _discard_unread(conn: socket.socket) -> bytes:
+    """Read and drop what the client has sent, without waiting (at most one request's worth);
+    the first bytes read (the request's header, for the metrics)."""
+    first = b""
     try:
         for _ in range(MAX_REQUEST_BYTES // 65536 + 2):
-            if not conn.recv(65536, socket.MSG_DONTWAIT):
-                return
+            chunk = conn.recv(65536, socket.MSG_DONTWAIT)
+            if not chunk:
+                break
+            first = first or chunk[:MAX_HEADER_BYTES]
     except OSError:
-        return
+        pass
+    return first
 
 
 class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -706,7 +769,9 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         now = time.monotonic()
         while self.refused and (now - self.refused[0][0] > 0.2 or len(self.refused) > MAX_HANDLERS):
             _, request = self.refused.pop(0)
-            _discard_unread(request)
+            first = _discard_unread(request)
+            if not self.public and self.agent.metrics is not None and first.startswith(b"MAPA1 prolog "):
+                self.agent.metrics.refused()  # its wrapper runs the Prolog in-process
             self.shutdown_request(request)
 
     def server_close(self) -> None:
@@ -797,6 +862,30 @@ def log_spank_plugin_problems(config_path: str, environ: Mapping[str, str],
         print(f"mapa-agent: could not check the SPANK plugin ({error})", file=sys.stderr, flush=True)
 
 
+def start_metrics(config_path: str, node: str) -> "AgentMetrics | None":
+    """With ``[metrics] listen`` in the config: the node's metrics, served there (read once, at
+    start). None when off, or when they cannot be served (said on stderr; the agent runs on)."""
+    config, problem = load_hook_config({"MAPA_CONFIG": config_path}, validate=False)
+    if problem or config.metrics_listen is None:
+        return None
+    from .metrics import AgentMetrics, read_node_state
+
+    host, port = config.metrics_listen
+    try:
+        metrics = AgentMetrics(node, config.policy,
+                               state=lambda: read_node_state(load_hook_config({"MAPA_CONFIG": config_path}, validate=False)[0], node))
+        port = metrics.serve(host, port).server_port
+    except ImportError:
+        print("mapa-agent: [metrics] listen is set but the prometheus_client module is missing (Debian: "
+              "python3-prometheus-client; pip: slurm-mapa[metrics]); no metrics", file=sys.stderr, flush=True)
+        return None
+    except OSError as error:
+        print(f"mapa-agent: cannot serve metrics on {host}:{port} ({error}); no metrics", file=sys.stderr, flush=True)
+        return None
+    print(f"mapa-agent: metrics on http://{f'[{host}]' if ':' in host else host}:{port}/metrics", file=sys.stderr, flush=True)
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mapa-agent", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.environ.get("MAPA_CONFIG", "/etc/slurm/mapa.toml"), help="the hooks' config (default %(default)s)")
@@ -809,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("mapa-agent: must run as root, like the Prolog it replaces", file=sys.stderr)
         return 2
-    agent = Agent(args.config, node=args.node)
+    agent = Agent(args.config, node=args.node, metrics=start_metrics(args.config, args.node))
     try:
         agent.warm_up(args.node)
     except Exception as error:  # noqa: BLE001 - a cold cache is only slower
@@ -826,6 +915,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         threading.Thread(target=isolation_server.serve_forever, daemon=True, name="mapa-agent isolation").start()
     agent.background = Background(agent, args.node)
+    if agent.metrics is not None:
+        agent.metrics.features = lambda: agent.background.features.last if agent.background is not None else None
     agent.background.start()
     # In a thread of its own: Slurm's commands (bounded timeouts) must not hold up the start.
     threading.Thread(target=log_spank_plugin_problems, args=(args.config, dict(os.environ)), daemon=True,

@@ -1,0 +1,430 @@
+"""mapa-agent's Prometheus metrics (slurm/metrics.py): the pure parts, the node-state gauges against
+a brute force, a live agent's counters against what its jobs got, the endpoint, the [metrics]
+config key, and the Grafana dashboard's and alert rules' metric names."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import re
+import socket
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from test_agent import _eventually
+from test_hooks import FakeSlurm, env_for
+from test_isolation import node  # noqa: F401 - the fixture: a node with a fake /proc and cgroupfs
+
+from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.patterns import make_pattern
+from slurm_mapa.core.policies import all_policies
+from slurm_mapa.errors import InputError
+from slurm_mapa.hardware.presets import preset
+from slurm_mapa.slurm import agent_client
+from slurm_mapa.slurm.agent import Agent, Background, serve, start_metrics
+from slurm_mapa.slurm.commands import CommandFailed
+from slurm_mapa.slurm.config import config_from_text
+from slurm_mapa.slurm.reconcile import reconcile_node
+from slurm_mapa.slurm.jobfiles import write_mark, Mark
+from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerFile
+from slurm_mapa.slurm.metrics import (DECISION_OUTCOMES, ISOLATION_OUTCOMES, REPAIR_KINDS, AgentMetrics, command_name,
+                                      decision_outcome, isolation_outcome, node_state, read_node_state, repairs_in, ring_sizes)
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "contrib" / "grafana" / "mapa-dashboard.json"
+ALERTS = ROOT / "contrib" / "prometheus" / "mapa-alerts.yml"
+
+
+def samples(metrics: AgentMetrics) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of a scrape."""
+    found = {}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for sample in family.samples:
+            found[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return found
+
+
+def value(found, name, **labels) -> float:
+    return found[(name, frozenset(labels.items()))]
+
+
+# --- the pure parts ------------------------------------------------------------------------------
+
+
+def test_decision_outcomes_from_the_ledgers_policy_field():
+    policies = all_policies()
+    assert all(decision_outcome(policy, policies) == "mapa" for policy in policies)
+    assert decision_outcome("fallback", policies) == "fallback"
+    for safe in ("provisional", "recovered", "slurm", "claimed"):
+        assert decision_outcome(safe, policies) == "provisional"
+
+
+@pytest.mark.parametrize("answer, outcome", [
+    ("done cgroup-v1 gpus=4,5 job 12 step batch", "isolated"),
+    ("done cgroup-v2 gpus=0 job 1 step 0", "isolated"),
+    ("done failed-open no topology", "failed-open"),
+    ("error the task's cgroup is gone", "refused"),
+    ("done off", None),
+    ("done off isolation is off", None),
+])
+def test_isolation_outcomes_from_the_answer(answer, outcome):
+    assert isolation_outcome(answer) == outcome
+
+
+def test_ring_sizes_cover_two_to_eight_and_the_node():
+    assert ring_sizes(8) == (2, 3, 4, 5, 6, 7, 8)
+    assert ring_sizes(6) == (2, 3, 4, 5, 6)
+    assert ring_sizes(16) == (2, 3, 4, 5, 6, 7, 8, 16)
+    assert ring_sizes(1) == ()
+
+
+def test_command_names():
+    assert [command_name(a) for a in (["/usr/bin/scontrol", "show"], ["squeue"], ["/bin/sh"], [], None)] == \
+        ["scontrol", "squeue", "other", "other", "other"]
+
+
+def test_repairs_are_read_from_the_reconcile_passes_own_lines(tmp_path):
+    """The texts repairs_in reads are hooks.py's: a real pass that reaps and adopts is counted."""
+    config = config_from_text(f'ledger = "{tmp_path}/ledger.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\n'
+                              'health = "off"\n[nodes]\n"dgx*" = "dgx1-v100"\n')
+    (tmp_path / "jobs").mkdir(mode=0o755)
+    slurm = FakeSlurm()
+    # Job 5 ended without a clean Epilog (Slurm no longer lists it); job 6 runs without a mark.
+    write_mark(config.jobs_dir, "5", Mark(0, 0, (0, 1)))
+    LedgerFile(config.ledger, 8).write(Ledger({"5": Holding((0, 1), "preserve", 1.0, "")}))
+    slurm.running = {"6"}
+    slurm.gres["6"] = ["gpu:2(IDX:2-3)"]
+    metrics = AgentMetrics("dgx1")
+    lines: list[str] = []
+    reconcile_node(config, "dgx1", slurm, metrics.repair_log(lines.append))
+    found = samples(metrics)
+    assert value(found, "mapa_ledger_repairs_total", node="dgx1", kind="reaped") == 1, lines
+    assert value(found, "mapa_ledger_repairs_total", node="dgx1", kind="adopted") == 1, lines
+    (tmp_path / "ledger.json").write_text("{not json")
+    reconcile_node(config, "dgx1", slurm, metrics.repair_log(lines.append))
+    assert value(samples(metrics), "mapa_ledger_repairs_total", node="dgx1", kind="rebuilt") == 1, lines
+    assert repairs_in("reconcile pass: job 7's Prolog died before choosing; it runs on Slurm's GPUs 0,1, now held") == \
+        [("prolog-died", 1)]
+    assert repairs_in("job 9: reaped the ledger entries and files of jobs that ended: 3,4,8") == [("reaped", 3)]
+    assert repairs_in("job 9 on dgx1: dgx1=0,1 policy=preserve") == []
+
+
+# --- the node state against a brute force -------------------------------------------------------
+
+
+def brute_best_ring(graph, free, k, model):
+    """The best predicted effective bandwidth of any k-GPU ring on ``free``: every ordered choice."""
+    ring = make_pattern("ring", k)
+    best = 0.0
+    for gpus in itertools.permutations(sorted(free), k):
+        counts = [0] * len(model.class_names)
+        for a, b in ring.edges:
+            counts[model.classify(graph.links[gpus[a]][gpus[b]])] += 1
+        best = max(best, model.predict(tuple(counts)))
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(["dgx1-v100", "summit", "mi250x"]), seed=st.integers(0, 10**6))
+def test_node_state_matches_the_ledger_and_a_brute_force(name, seed):
+    graph, model = preset(name), paper_model()
+    rng = random.Random(seed)
+    gpus = list(range(graph.size))
+    rng.shuffle(gpus)
+    holdings, start = {}, 0
+    for job in range(rng.randint(0, 3)):
+        take = rng.randint(1, 3)
+        holdings[str(job + 1)] = Holding(tuple(gpus[start:start + take]), rng.choice(["preserve", "fallback", "provisional"]), 1.0)
+        start += take
+    if holdings and rng.random() < 0.3:  # a GPU two jobs really use
+        holdings["99"] = Holding((next(iter(holdings.values())).gpus[0],), "slurm", 1.0)
+    state = node_state(graph, holdings, model, all_policies())
+    owners = [g for h in holdings.values() for g in h.gpus]
+    free = [g for g in range(graph.size) if g not in owners]
+    assert state.size == graph.size and state.jobs == len(holdings)
+    assert sum(state.held.values()) == len(owners)
+    assert state.held["fallback"] == sum(len(h.gpus) for h in holdings.values() if h.policy == "fallback")
+    assert state.shared == len({g for g in owners if owners.count(g) > 1})
+    assert state.free_preserved == pytest.approx(sum(graph.bandwidth(a, b) for a, b in itertools.combinations(free, 2)))
+    assert sorted(state.free_ring) == list(ring_sizes(graph.size))
+    for k in state.free_ring:
+        if k <= 5:  # the brute force is factorial
+            assert state.free_ring[k] == pytest.approx(brute_best_ring(graph, free, k, model) if len(free) >= k else 0.0)
+            assert state.idle_ring[k] == pytest.approx(brute_best_ring(graph, range(graph.size), k, model))
+        assert state.free_ring[k] <= state.idle_ring[k] + 1e-9
+
+
+# --- a live agent ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def metered_agent(tmp_path):
+    config_path = tmp_path / "mapa.toml"
+
+    def configure(extra=""):
+        config_path.write_text(
+            f'ledger = "{tmp_path}/ledger.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\nhealth = "off"\n'
+            f'job_submit_lua = true\n{extra}[nodes]\n"dgx*" = "dgx1-v100"\n')
+        os.chmod(config_path, 0o644)
+
+    configure()
+    slurm = FakeSlurm()
+    metrics = AgentMetrics("dgx1", state=lambda: read_node_state(config_from_text(config_path.read_text()), "dgx1"))
+    agent = Agent(str(config_path), lambda text: None, run=lambda timeout: slurm, node="dgx1", metrics=metrics)
+    agent.background = Background(agent, "dgx1")
+    server = serve(str(tmp_path / "agent" / "agent.sock"), agent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield agent, metrics, server.server_address, slurm, configure
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_live_agent_counts_what_its_jobs_got(metered_agent, tmp_path):
+    agent, metrics, socket_path, slurm, configure = metered_agent
+    slurm.running = {"21", "22"}
+    for job, gpus in (("21", "0,1"), ("22", "2,3,4,5")):
+        assert agent_client.ask_agent("prolog", env_for(job, gpus, "mapa:topology=ring sensitive=yes"), socket_path) == "done"
+    assert agent_client.ask_agent("prolog", env_for("23", ""), socket_path) == "done"  # CPU-only: no decision
+    ledger = LedgerFile(tmp_path / "ledger.json", 8).read()
+    # Counted after the answer went back (off the start path): a moment later.
+    _eventually(lambda: value(samples(metrics), "mapa_prolog_duration_seconds_count", node="dgx1") == 2)
+    found = samples(metrics)
+    assert value(found, "mapa_decisions_total", node="dgx1", outcome="mapa", policy="preserve") == 2
+    for outcome in ("provisional", "fallback", "refused"):
+        assert value(found, "mapa_decisions_total", node="dgx1", outcome=outcome, policy="preserve") == 0
+    assert value(found, "mapa_prolog_duration_seconds_count", node="dgx1") == 2
+    assert value(found, "mapa_decision_duration_seconds_count", node="dgx1") == 2
+    assert value(found, "mapa_prolog_budget_overruns_total", node="dgx1") == 0
+    assert value(found, "mapa_gpus_held", node="dgx1", choice="mapa") == 6 == len(ledger.held())
+    assert value(found, "mapa_gpus_shared", node="dgx1") == 0
+    assert value(found, "mapa_gpus", node="dgx1") == 8 and value(found, "mapa_node_state_ok", node="dgx1") == 1
+    free = ledger.free(8)
+    assert value(found, "mapa_free_ring_effective_bandwidth_gbps", node="dgx1", k="2") == \
+        pytest.approx(brute_best_ring(preset("dgx1-v100"), free, 2, paper_model()))
+    assert value(found, "mapa_free_ring_effective_bandwidth_gbps", node="dgx1", k="3") == 0  # two GPUs are free
+    assert value(found, "mapa_free_preserved_bandwidth_gbps", node="dgx1") == \
+        pytest.approx(preset("dgx1-v100").bandwidth(*free))
+    # Every series carries the node.
+    assert all(dict(labels).get("node") == "dgx1" for _, labels in found)
+    # The reconcile pass's squeue call is counted (the Prologs asked Slurm nothing).
+    assert value(found, "mapa_controller_calls_total", node="dgx1", command="squeue") == 0
+    agent.background.reconcile_once()
+    after = samples(metrics)
+    assert value(after, "mapa_controller_calls_total", node="dgx1", command="squeue") == 1
+    assert value(after, "mapa_controller_call_duration_seconds_count", node="dgx1", command="squeue") == 1
+    slurm.broken.add("squeue")
+    agent.background.reconcile_once()
+    assert value(samples(metrics), "mapa_controller_call_failures_total", node="dgx1", command="squeue") == 1
+
+
+def test_a_fallback_and_a_provisional_choice_are_counted_as_such(metered_agent, tmp_path):
+    agent, metrics, socket_path, slurm, configure = metered_agent
+    env = {**env_for("31", "0,1"), "SLURMD_NODENAME": "nomatch1"}  # no [nodes] entry: the Prolog falls back
+    assert agent_client.ask_agent("prolog", env, socket_path) == "done"
+    _eventually(lambda: value(samples(metrics), "mapa_prolog_duration_seconds_count", node="dgx1") == 1)
+    # A Prolog whose client went away keeps its provisional choice (test_agent's case, here counted).
+    agent.run_hook("prolog", env_for("32", "2,3"), lambda: False)
+    agent.note_prolog(env_for("32", "2,3"), 0.0, 0.0)
+    found = samples(metrics)
+    assert value(found, "mapa_decisions_total", node="dgx1", outcome="fallback", policy="preserve") == 1
+    assert value(found, "mapa_decisions_total", node="dgx1", outcome="provisional", policy="preserve") == 1
+    assert value(found, "mapa_gpus_held", node="dgx1", choice="fallback") == 2
+    assert value(found, "mapa_gpus_held", node="dgx1", choice="provisional") == 2
+    assert value(found, "mapa_prolog_budget_overruns_total", node="dgx1") == 1  # "took" since time 0
+
+
+def test_a_prolog_turned_away_as_busy_is_counted_refused(tmp_path):
+    metrics = AgentMetrics("dgx1")
+    agent = Agent(str(tmp_path / "mapa.toml"), lambda text: None, node="dgx1", metrics=metrics)
+    server = serve(str(tmp_path / "agent" / "agent.sock"), agent, max_handlers=0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        assert agent_client.ask_agent("prolog", env_for("41", "0"), server.server_address) == "error busy"  # it falls back
+        assert agent_client.ask_agent("epilog", env_for("41", "0"), server.server_address) == "error busy"
+        _eventually(lambda: value(samples(metrics), "mapa_decisions_total", node="dgx1", outcome="refused",
+                                  policy="preserve") == 1 and not server.refused)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert value(samples(metrics), "mapa_decisions_total", node="dgx1", outcome="refused", policy="preserve") == 1
+
+
+def test_isolation_answers_are_counted(node):  # noqa: F811 - test_isolation's fixture
+    agent, proc, *_, configure, tmp_path = node
+    agent.metrics = AgentMetrics("dgx1")
+    assert agent.isolate(os.getpid(), 1000, {"SLURM_JOB_ID": "12"}).startswith("done cgroup-v1")
+    proc.add(4000, "slurmstepd", 1, 0, "", exe="/usr/bin/python3")  # no slurmstepd: not isolable
+    assert agent.isolate(os.getpid(), 1000, {"SLURM_JOB_ID": "12"}).startswith("done failed-open")
+    configure("fail-closed")
+    assert agent.isolate(os.getpid(), 1000, {"SLURM_JOB_ID": "12"}).startswith("error")
+    assert agent.isolation_failed("bad request: x", 1, 1000).startswith("error")
+    configure("off")
+    assert agent.isolate(os.getpid(), 1000, {"SLURM_JOB_ID": "12"}) == "done off"
+    found = samples(agent.metrics)
+    assert [value(found, "mapa_isolation_requests_total", node="dgx1", outcome=o) for o in ISOLATION_OUTCOMES] == [1, 1, 2]
+
+
+def test_features_written_and_active_are_shown(metered_agent):
+    agent, metrics, *_ = metered_agent
+    metrics.features = lambda: agent.background.features.last
+    assert value(samples(metrics), "mapa_feature_publications_total", node="dgx1") == 0
+    assert not any(name == "mapa_node_feature_active" for name, _ in samples(metrics))  # nothing published yet
+    publisher = agent.background.features
+
+    def publish(config, run, log, force=False):  # as Publisher.publish after a write slurmctld took
+        publisher.last = ("mapa_ring2", "mapa_noring4")
+        return True
+
+    publisher.publish = publish
+    assert agent.background.publish_features() is True
+    found = samples(metrics)
+    assert value(found, "mapa_feature_publications_total", node="dgx1") == 1
+    assert value(found, "mapa_node_feature_active", node="dgx1", feature="mapa_noring4") == 1
+
+
+def test_an_unreadable_ledger_is_said_and_the_scrape_still_answers(metered_agent, tmp_path):
+    agent, metrics, *_ = metered_agent
+    (tmp_path / "ledger.json").write_text("{torn")
+    found = samples(metrics)
+    assert value(found, "mapa_node_state_ok", node="dgx1") == 0
+    assert not any(name == "mapa_gpus_held" for name, _ in found)
+    assert "not JSON" in metrics.state_problem
+
+
+def test_a_failing_slurm_command_is_counted_and_raises_unchanged():
+    metrics = AgentMetrics("n1")
+
+    def run(argv, timeout=None):
+        if argv[0].endswith("squeue"):
+            raise CommandFailed("squeue timed out after 5 s")
+        return f"ran {argv[1]} within {timeout}"
+
+    call = metrics.instrument(lambda timeout: run)(5.0)
+    assert call(["/usr/bin/scontrol", "show"], timeout=2.0) == "ran show within 2.0"
+    with pytest.raises(CommandFailed, match="timed out"):
+        call(["squeue", "-h"])
+    found = samples(metrics)
+    assert value(found, "mapa_controller_calls_total", node="n1", command="scontrol") == 1
+    assert value(found, "mapa_controller_call_failures_total", node="n1", command="scontrol") == 0
+    assert value(found, "mapa_controller_call_failures_total", node="n1", command="squeue") == 1
+
+
+# --- the endpoint and the config key ------------------------------------------------------------
+
+
+def test_the_endpoint_serves_the_text_format(tmp_path):
+    metrics = AgentMetrics("n1")
+    server = metrics.serve("127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+            assert answer.headers["Content-Type"].startswith("text/plain")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 'mapa_decisions_total{node="n1",outcome="mapa",policy="preserve"} 0.0' in text
+    assert "process_cpu_seconds_total" not in text  # no series without a node label
+
+
+def test_start_metrics_reads_the_config_and_says_why_not(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "mapa.toml"
+    config.write_text("")
+    os.chmod(config, 0o644)
+    assert start_metrics(str(config), "n1") is None  # off by default
+    with socket.socket() as probe:  # a port free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config.write_text(f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+    metrics = start_metrics(str(config), "n1")
+    try:
+        assert metrics is not None and f"metrics on http://127.0.0.1:{port}/metrics" in capsys.readouterr().err
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            assert b'mapa_node_state_ok{node="n1"} 0.0' in answer.read()  # no [nodes] entry for n1
+        assert start_metrics(str(config), "n1") is None  # the port is taken now
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in capsys.readouterr().err
+    finally:
+        metrics.server.shutdown()
+        metrics.server.server_close()
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # not installed
+    assert start_metrics(str(config), "n1") is None
+    assert "python3-prometheus-client" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", None),
+    ('[metrics]\nlisten = ""', None),
+    ('[metrics]\nlisten = "127.0.0.1:9786"', ("127.0.0.1", 9786)),
+    ('[metrics]\nlisten = "0.0.0.0:9786"', ("0.0.0.0", 9786)),
+    ('[metrics]\nlisten = "[::1]:9786"', ("::1", 9786)),
+    ('[metrics]\nlisten = "dgx1.example.org:80"', ("dgx1.example.org", 80)),
+])
+def test_the_metrics_key(text, expected):
+    assert config_from_text(text).metrics_listen == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[metrics]\nlisten = "9786"', "is not HOST:PORT"),
+    ('[metrics]\nlisten = ":9786"', "is not HOST:PORT"),
+    ('[metrics]\nlisten = "host:0"', "is not HOST:PORT"),
+    ('[metrics]\nlisten = "host:65536"', "is not HOST:PORT"),
+    ('[metrics]\nlisten = "a host:80"', "is not HOST:PORT"),
+    ('[metrics]\nlisten = 9786', "listen must be a string"),
+    ('[metrics]\nport = 9786', r"\[metrics\] takes a table with one key, listen"),
+    ('metrics = "127.0.0.1:9786"', r"\[metrics\] takes a table"),
+])
+def test_a_bad_metrics_key_is_refused_in_one_line(text, message):
+    with pytest.raises(InputError, match=message) as error:
+        config_from_text(text, source="mapa.toml")
+    assert str(error.value).startswith("mapa.toml: ") and "\n" not in str(error.value)
+
+
+# --- the dashboard and the alert rules name only series the agent serves ------------------------
+
+
+def served_names() -> set[str]:
+    metrics = AgentMetrics("n1", state=lambda: node_state(preset("dgx1-v100"), {}, paper_model(), all_policies()),
+                           features=lambda: ("mapa_ring2",))
+    return {name for name, _ in samples(metrics)}
+
+
+def mapa_names(text: str) -> set[str]:
+    return set(re.findall(r"\bmapa_[a-z0-9_]+\b", text)) - {"mapa_ring2"}
+
+
+def dashboard_expressions() -> list[str]:
+    board = json.loads(DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in board["panels"] for target in panel.get("targets", [])]
+    exprs += [v["query"]["query"] if isinstance(v.get("query"), dict) else v["query"]
+              for v in board.get("templating", {}).get("list", []) if v.get("type") == "query"]
+    return exprs
+
+
+def test_the_dashboard_queries_only_served_series():
+    exprs = dashboard_expressions()
+    assert len(exprs) >= 10
+    used = set().union(*(mapa_names(expr) for expr in exprs))
+    assert used and used <= served_names(), used - served_names()
+    for name in ("mapa_decisions_total", "mapa_gpus_shared", "mapa_free_ring_effective_bandwidth_gbps",
+                 "mapa_isolation_requests_total", "mapa_controller_calls_total", "mapa_ledger_repairs_total",
+                 "mapa_prolog_duration_seconds_bucket", "mapa_decision_duration_seconds_bucket", "mapa_feature_publications_total"):
+        assert name in used, name
+
+
+def test_the_alert_rules_name_only_served_series():
+    used = mapa_names(ALERTS.read_text())
+    assert {"mapa_gpus_shared", "mapa_decisions_total", "mapa_isolation_requests_total"} <= used
+    assert used <= served_names(), used - served_names()
+
+
+def test_every_outcome_and_kind_is_a_series_from_the_start():
+    found = samples(AgentMetrics("n1"))
+    assert {dict(l)["outcome"] for n, l in found if n == "mapa_decisions_total"} == set(DECISION_OUTCOMES)
+    assert {dict(l)["kind"] for n, l in found if n == "mapa_ledger_repairs_total"} == set(REPAIR_KINDS)
