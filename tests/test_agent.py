@@ -18,7 +18,9 @@ from slurm_mapa.core.policies import Request, select
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.slurm import agent_client
-from slurm_mapa.slurm.agent import Agent, Background, parse_header, parse_payload, serve
+from slurm_mapa.slurm.agent import Agent
+from slurm_mapa.slurm.agent_background import Background
+from slurm_mapa.slurm.agent_server import parse_header, parse_payload, serve
 from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.hooks import run_prolog
 from slurm_mapa.slurm.ledger import LedgerFile

@@ -26,7 +26,8 @@ from test_hooks import FakeSlurm, env_for
 
 from slurm_mapa.errors import InputError
 from slurm_mapa.slurm import agent_client, config as config_module, paths
-from slurm_mapa.slurm.agent import Agent, serve
+from slurm_mapa.slurm.agent import Agent
+from slurm_mapa.slurm.agent_server import serve
 from slurm_mapa.slurm.config import HookConfig, hook_logger, load_hook_config
 from slurm_mapa.slurm.install import PACKAGE_DIR, RETRY_WINDOW_S, check_config, check_interpreter, wrapper_text
 from slurm_mapa.slurm.ledger import LedgerFile

@@ -646,7 +646,8 @@ def test_a_root_request_with_a_path_for_a_job_id_is_refused_in_one_line(tmp_path
     """Security round 3 (low): a root request naming job ../../etc/passwd logged a traceback."""
     import socket as socket_module
 
-    from slurm_mapa.slurm.agent import Agent, serve
+    from slurm_mapa.slurm.agent import Agent
+    from slurm_mapa.slurm.agent_server import serve
 
     errors = []
     config = tmp_path / "mapa.toml"

@@ -20,7 +20,8 @@ import pytest
 from slurm_mapa.errors import InputError
 from slurm_mapa.slurm import agent_client, journal
 from slurm_mapa.slurm.decision import parse_decisions
-from slurm_mapa.slurm.agent import Agent, serve, serve_isolation
+from slurm_mapa.slurm.agent import Agent
+from slurm_mapa.slurm.agent_server import serve, serve_isolation
 from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.install import taskprolog_text
 from slurm_mapa.slurm.isolation import (
@@ -509,7 +510,7 @@ def test_a_failure_is_noted_for_the_jobs_admin_comment_once(node):
 
 
 def test_the_note_reaches_the_admin_comment_after_the_decision(node):
-    from slurm_mapa.slurm.agent import Background
+    from slurm_mapa.slurm.agent_background import Background
     from test_hooks import FakeSlurm
 
     agent, _, cgroupfs, _, _, tmp_path = node
@@ -914,7 +915,7 @@ def test_a_task_of_a_job_unknown_here_asks_for_its_adoption_at_once(node):
 
 
 def test_log_limiter_lets_a_burst_through_then_one_line_per_interval():
-    from slurm_mapa.slurm.agent import LogLimiter
+    from slurm_mapa.slurm.agent_server import LogLimiter
 
     now = [0.0]
     limiter = LogLimiter(burst=3, interval=10.0, clock=lambda: now[0])
@@ -927,7 +928,7 @@ def test_log_limiter_lets_a_burst_through_then_one_line_per_interval():
 
 
 def test_public_admission_limits_each_user_and_job_and_queues_the_rest():
-    from slurm_mapa.slurm.agent import PublicAdmission
+    from slurm_mapa.slurm.agent_server import PublicAdmission
 
     now = [0.0]
     admission = PublicAdmission(per_uid=3, per_job=2, queue_per_uid=2, queue_total=3, clock=lambda: now[0])

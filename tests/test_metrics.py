@@ -29,7 +29,9 @@ from slurm_mapa.core.policies import all_policies
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.slurm import agent_client
-from slurm_mapa.slurm.agent import Agent, Background, serve, start_metrics
+from slurm_mapa.slurm.agent import Agent, start_metrics
+from slurm_mapa.slurm.agent_background import Background
+from slurm_mapa.slurm.agent_server import serve
 from slurm_mapa.slurm.commands import CommandFailed
 from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.reconcile import reconcile_node

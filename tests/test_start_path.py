@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from slurm_mapa.slurm import journal
-from slurm_mapa.slurm.agent import Agent, Background
+from slurm_mapa.slurm.agent import Agent
+from slurm_mapa.slurm.agent_background import Background
 from slurm_mapa.slurm.commands import CommandFailed
 from slurm_mapa.slurm.decision import parse_decisions
 from slurm_mapa.slurm.epilog import run_epilog
