@@ -24,26 +24,11 @@ from slurm_mapa.slurm.agent import Agent
 from slurm_mapa.slurm.agent_server import serve, serve_isolation
 from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.install import taskprolog_text
-from slurm_mapa.slurm.isolation import (
-    DenyRange,
-    IsolationError,
-    Isolator,
-    SlurmCgroup,
-    apply_v1,
-    apply_v2,
-    cgroup_mounts,
-    device_program,
-    device_rules,
-    parse_proc_cgroup,
-    parse_status,
-    prog_attach_attr,
-    prog_load_attr,
-    release_job_v1,
-    gpus_of_step,
-    slurm_gpu_list,
-    v1_rule_lines,
-    v1_writes,
-)
+from slurm_mapa.slurm.isolation import Isolator
+from slurm_mapa.slurm.isolation_bpf import device_program, prog_attach_attr, prog_load_attr
+from slurm_mapa.slurm.isolation_cgroups import apply_v1, apply_v2, release_job_v1, v1_writes
+from slurm_mapa.slurm.isolation_rules import (DenyRange, IsolationError, SlurmCgroup, cgroup_mounts, device_rules, gpus_of_step,
+                                              parse_proc_cgroup, parse_status, slurm_gpu_list, v1_rule_lines)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -839,7 +824,7 @@ def test_mapa_hooks_writes_what_auto_comes_to_on_the_node(tmp_path, capsys):
 
 # --- security round 3: what the root side trusts, and the public socket under a flood -----------
 def test_slurmstepd_binary_problem_trusts_only_roots_own_file(tmp_path):
-    from slurm_mapa.slurm.isolation import slurmstepd_binary_problem
+    from slurm_mapa.slurm.isolation_cgroups import slurmstepd_binary_problem
 
     home = tmp_path / "home"
     home.mkdir()

@@ -41,7 +41,8 @@ from .commands import Runner
 from .config import HookConfig, hook_logger, load_hook_config
 from .epilog import epilog_failing_open
 from .hooks import prolog_failing_open
-from .isolation import Isolator, IsolationError, effective_mode, job_devices_for
+from .isolation import Isolator, effective_mode, job_devices_for
+from .isolation_rules import IsolationError
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -165,7 +166,8 @@ class Agent:
     def job_of(self, pid: int) -> str | None:
         """The Slurm job whose task cgroup process ``pid`` is in, None if none: the public socket's
         cheap first check (one small /proc read), before a thread or a log line is spent on it."""
-        from .isolation import parse_proc_cgroup, read_proc_cgroup
+        from .isolation_cgroups import read_proc_cgroup
+        from .isolation_rules import parse_proc_cgroup
 
         try:
             cgroup = parse_proc_cgroup(read_proc_cgroup(self.isolator.proc, pid))

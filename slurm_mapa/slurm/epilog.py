@@ -52,7 +52,7 @@ def run_epilog(env: Mapping[str, str], config: HookConfig, log: Callable[[str], 
 def release_isolation(job_id: str, log: Callable[[str], None]) -> None:
     """Remove the job's device cgroups (docs/isolation.md), whatever the config says now: it may
     have turned isolation off while the job ran. A cgroup still busy is logged and left."""
-    from .isolation import release_job
+    from .isolation_cgroups import release_job
 
     for problem in release_job(job_id):
         log(f"job {job_id}: device isolation not cleaned up: {problem}")
