@@ -170,9 +170,11 @@ def _measure(tmp_path: Path, graph, truth, *, max_gpus=None, orders="nccl"):
     return plan, plan_file, sorted(str(p) for p in results.iterdir())
 
 
-def _fit_cli(tmp_path, plan_file, files, *extra):
+def _fit_cli(tmp_path, plan_file, files, *extra, capsys=None):
     out = tmp_path / "model.toml"
     assert cli.main(["calibrate", "fit", "--plan", str(plan_file), *files, "--output", str(out), *extra]) == 0
+    if capsys is not None and "--json" in extra:
+        json.loads(capsys.readouterr().out)  # --json: one document on stdout
     return load_model_text(out.read_text(), source=str(out))
 
 
@@ -228,7 +230,7 @@ def test_fit_recovers_the_paper_coefficients_without_noise():
     assert report.rmse < 1e-9 and report.mae < 1e-9 and report.loo_rmse is not None
 
 
-def test_fit_recovers_the_paper_coefficients_through_nccl_outputs(tmp_path):
+def test_fit_recovers_the_paper_coefficients_through_nccl_outputs(tmp_path, capsys):
     model = paper_model()
     graph = load_topology("dgx1-v100")
     plan = make_plan(graph, model, max_gpus=5, orders="all")
@@ -239,7 +241,7 @@ def test_fit_recovers_the_paper_coefficients_through_nccl_outputs(tmp_path):
         # busbw printed with 2 decimals, as nccl-tests does: feed the exact value through the Avg line instead
         path.write_text(synthetic_output(round(model.predict(run.counts), 2), run.gpus))
         files.append(str(path))
-    fitted = _fit_cli(tmp_path, tmp_path / "plan.json", files)
+    fitted = _fit_cli(tmp_path, tmp_path / "plan.json", files, "--json", capsys=capsys)
     for got, paper in zip(fitted.terms, model.terms):
         assert got.coefficient == pytest.approx(paper.coefficient, abs=0.5)  # rounding of the printed table only
 

@@ -334,6 +334,9 @@ def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys, monkeyp
     assert "    Slurm's GPUs: 0,1,2,3\n" in out
     assert "    CPU affinity rule: prefer:0.1, with the CPUs of Slurm's GPUs; alternatives below are ranked without it" in out
     assert "    GPU isolation: failed-open (cannot_set_up_the_devices_cgroup)" in out
+    # --json: one document, the same decision
+    assert admin.cmd_explain(type("Args", (), {"job": "60", "config": str(toml), "json": True})()) == 0
+    assert json.loads(capsys.readouterr().out)[0]["gpus"] == list(first.gpus)
 
 
 def test_unhealthy_gpus_are_left_out_and_logged(setup):
