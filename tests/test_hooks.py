@@ -336,7 +336,7 @@ def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys, monkeyp
     assert "    GPU isolation: failed-open (cannot_set_up_the_devices_cgroup)" in out
     # --json: one document, the same decision
     assert admin.cmd_explain(type("Args", (), {"job": "60", "config": str(toml), "json": True})()) == 0
-    assert json.loads(capsys.readouterr().out)[0]["gpus"] == list(first.gpus)
+    assert json.loads(capsys.readouterr().out)["nodes"][0]["gpus"] == list(first.gpus)
 
 
 def test_unhealthy_gpus_are_left_out_and_logged(setup):
