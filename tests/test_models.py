@@ -308,10 +308,11 @@ def test_the_replay_table_marks_runs_with_figures_outside_the_fitted_range():
     extrapolated = simulate(whole, nodes, "preserve", Options(extrapolate=True), decider=Decider(extrapolate=True))
     grounded = simulate(whole, nodes, "greedy")
     text = report.table([plain, extrapolated, grounded])
-    rows = {line.split()[0]: line for line in text.splitlines()[3:]}
-    assert "preserve" in rows and "preserve*" in rows and "greedy*" in rows
-    assert text.splitlines()[-1] == ("* effective bandwidths outside the model's fitted range: "
-                                     "preserve: 1 EXTRAPOLATED by the model; greedy: 1 from the link-bound model instead")
+    rows = {line.split(" |")[0].rsplit(maxsplit=1)[0]: line for line in text.splitlines()[3:] if " | " in line}
+    assert "preserve (MAPA)" in rows and "preserve (MAPA)*" in rows and "greedy*" in rows
+    footnotes = [line for line in text.splitlines() if line.startswith("* ")]
+    assert footnotes == ["* effective bandwidths outside the model's fitted range: "
+                         "preserve: 1 EXTRAPOLATED by the model; greedy: 1 from the link-bound model instead"]
     assert "*" not in report.table([plain])
     summary = report.summary(extrapolated)
     assert summary["extrapolated"] is True and summary["extrapolated_predictions"] == 1
