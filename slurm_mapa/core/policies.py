@@ -27,7 +27,7 @@ from .allocation import Allocation, NoFit, Policy, Request, order_within
 from .effbw import EffectiveBandwidthModel, paper_model
 from .hardware import HardwareGraph
 from .peers import PEER_POLICIES
-from .search import best_placement
+from .search import SearchLimit, best_placement
 
 
 def baseline(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
@@ -47,19 +47,28 @@ def topo_aware(graph: HardwareGraph, free: tuple[int, ...], request: Request, mo
     return order_within("topo-aware", graph, free, free[: request.gpus], request, model)
 
 
-def greedy(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
-    found = best_placement(graph, free, request.pattern, "aggregated", model)
+def greedy(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, *, limit: SearchLimit | None = None
+) -> Allocation | NoFit:
+    found = best_placement(graph, free, request.pattern, "aggregated", model, limit)
     if found is None:
         return NoFit("greedy", request, free)
     return Allocation(policy="greedy", placement=found, objective="aggregated")
 
 
-def preserve(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def preserve(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, *, limit: SearchLimit | None = None
+) -> Allocation | NoFit:
     objective = "effective" if request.sensitive and request.gpus > 1 else "preserved"
-    found = best_placement(graph, free, request.pattern, objective, model)
+    found = best_placement(graph, free, request.pattern, objective, model, limit)
     if found is None:
         return NoFit("preserve", request, free)
     return Allocation(policy="preserve", placement=found, objective=objective)
+
+
+# The policies whose search a SearchLimit bounds (select passes ``limit`` to these only).
+greedy.takes_limit = True  # type: ignore[attr-defined]
+preserve.takes_limit = True  # type: ignore[attr-defined]
 
 
 POLICIES: dict[str, Policy] = {
@@ -83,12 +92,15 @@ def select(
     model: EffectiveBandwidthModel | None = None,
     configured: Mapping[str, Policy] | None = None,
     running: Iterable[Iterable[int]] = (),
+    limit: SearchLimit | None = None,
 ) -> Allocation | NoFit:
     """Run ``policy`` on ``free`` GPUs of ``graph``; the one entry point the Prolog, replay and CLI share.
 
     ``configured``: policies built with site settings (preserve-ahead's size distribution), used
     instead of the default instance of the same name. ``running``: the GPUs of each job running on
-    the node; only policies that look at them (preserve-ahead) get them.
+    the node; only policies that look at them (preserve-ahead) get them. ``limit``: bounds the
+    search of the policies that take one (preserve, greedy); when it runs out the allocation's
+    ``placement.gap`` says how far from the optimum the choice can be (None: proven optimal).
     """
     chosen_policy = (configured or {}).get(policy) or POLICIES.get(policy) or all_policies().get(policy)
     if chosen_policy is None:
@@ -98,9 +110,12 @@ def select(
         if not 0 <= gpu < graph.size:
             raise InputError(f"free GPU {gpu} is not on {graph.name} (GPUs 0..{graph.size - 1})")
     groups = running_groups(graph, free_tuple, running)
+    extra: dict = {}
     if groups and getattr(chosen_policy, "sees_running", False):
-        return chosen_policy(graph, free_tuple, request, model or paper_model(), running=groups)
-    return chosen_policy(graph, free_tuple, request, model or paper_model())
+        extra["running"] = groups
+    if limit is not None and getattr(chosen_policy, "takes_limit", False):
+        extra["limit"] = limit
+    return chosen_policy(graph, free_tuple, request, model or paper_model(), **extra)
 
 
 def running_groups(graph: HardwareGraph, free: tuple[int, ...], running: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:

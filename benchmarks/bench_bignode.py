@@ -1,0 +1,285 @@
+"""Decision time of Preserve on big nodes: the search before and after issue #28, side by side.
+
+    .venv/bin/python benchmarks/bench_bignode.py [--budget-ms 200] [--before-cap 5] [--before REV] [--quick] [--json FILE]
+
+Each decision is what ``preserve`` asks of the search: a ring of k GPUs, sensitive (highest
+predicted effective bandwidth) or insensitive (highest preserved bandwidth), on a free set of a
+node. Nodes: the presets torus2d-16 and cubemesh-16 (every size 2..15, on the idle node, on the
+free set of issue #28 and on two random free sets per size), and three nodes built here with the
+core's graph constructor: four 8-GPU NVSwitch islands joined by SYS (32 GPUs), a 4x8 2-D torus of
+double NVLink with SYS elsewhere (32 GPUs), and a 64-GPU NVSwitch node (all-to-all).
+
+"after" is this tree's search with ``SearchLimit(seconds=budget, clock=time.perf_counter)``, as a
+Prolog with a 200 ms budget would call it; it reports how many decisions came back with a gap
+(None: proven optimal) and the largest one. "before" is the search of revision REV (default
+HEAD, read with ``git show``), loaded next to the new one in the same process family, run in a
+worker process that is killed after ``--before-cap`` seconds (then counted as "> cap"). Decisions
+that both finish with a proof are compared: they must agree. Last, every decision on the
+DGX-1 V100 (every free set, ring size and sensitivity, without a limit) is compared with before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from itertools import combinations
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from slurm_mapa.core.effbw import paper_model  # noqa: E402
+from slurm_mapa.core.hardware import build_graph  # noqa: E402
+from slurm_mapa.core.links import Bandwidths  # noqa: E402
+from slurm_mapa.core.patterns import make_pattern  # noqa: E402
+from slurm_mapa.core.search import SearchLimit, best_placement, objective_key  # noqa: E402
+from slurm_mapa.core.symmetry import _graph_automorphisms, _twin_classes  # noqa: E402
+from slurm_mapa.hardware.presets import preset  # noqa: E402
+
+ISSUE_FREE_SET = (0, 1, 2, 3, 4, 5, 7, 8, 10, 12, 13, 14, 15)  # torus2d-16, 13 GPUs: 3.7-5.3 s before
+
+
+def nvswitch_islands(islands: int = 4, per_island: int = 8):
+    links = {}
+    for island in range(islands):
+        members = range(island * per_island, (island + 1) * per_island)
+        links.update({(a, b): "NVS18" for a in members for b in members if a < b})
+    return build_graph(f"nvs-islands-{islands}x{per_island}", islands * per_island, links, default_link="SYS",
+                       bandwidths=Bandwidths(nvlink_generation=4), domains=[g // per_island for g in range(islands * per_island)])
+
+
+def torus_2d(rows: int = 4, cols: int = 8):
+    links = {}
+    for r in range(rows):
+        for c in range(cols):
+            a = r * cols + c
+            for b in (r * cols + (c + 1) % cols, ((r + 1) % rows) * cols + c):
+                links[(min(a, b), max(a, b))] = "NV2"
+    return build_graph(f"torus2d-{rows}x{cols}", rows * cols, links, default_link="SYS")
+
+
+def nvswitch_node(size: int = 64):
+    links = {(a, b): "NVS18" for a in range(size) for b in range(a + 1, size)}
+    return build_graph(f"nvs-{size}", size, links, bandwidths=Bandwidths(nvlink_generation=4))
+
+
+def graphs():
+    return {
+        "torus2d-16": preset("torus2d-16"),
+        "cubemesh-16": preset("cubemesh-16"),
+        "nvs-islands-4x8": nvswitch_islands(),
+        "torus2d-4x8": torus_2d(),
+        "nvs-64": nvswitch_node(),
+    }
+
+
+def decisions(quick: bool) -> list[tuple[str, tuple[int, ...], int, bool]]:
+    """(graph, free set, ring size, sensitive), reproducibly (seed 28)."""
+    rng = random.Random(28)
+    cases = []
+    for name, size in graphs().items():
+        n = size.size
+        if n == 16:
+            sizes = range(2, 16)
+        elif n == 32:
+            sizes = [2, 4, 8, 12, 16, 20, 24, 28, 31]
+        else:
+            sizes = [2, 8, 16, 24, 32, 48, 63]
+        if quick:
+            sizes = [k for k in sizes if k in (4, 12, 13, 31, 32)]
+        for k in sizes:
+            free_sets = [tuple(range(n))]
+            if name == "torus2d-16" and k <= len(ISSUE_FREE_SET):
+                free_sets.append(ISSUE_FREE_SET)
+            for _ in range(2 if n == 16 else 1):
+                m = rng.randint(k, n - 1) if k < n else n
+                free_sets.append(tuple(sorted(rng.sample(range(n), m))))
+            for free in free_sets:
+                for sensitive in (True, False):
+                    cases.append((name, free, k, sensitive))
+    return cases
+
+
+def objective(k: int, sensitive: bool) -> str:
+    return "effective" if sensitive and k > 1 else "preserved"
+
+
+# --- the search before, in a worker process --------------------------------------------------
+
+_BEFORE = None
+
+
+def _load_before(rev: str):
+    """The search module of ``rev``, loaded as a sibling of slurm_mapa.core.search."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:slurm_mapa/core/search.py"],
+                          check=True, capture_output=True, text=True).stdout
+    name = "slurm_mapa.core._search_before"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "slurm_mapa.core"
+    sys.modules[name] = module
+    exec(compile(text, f"{rev}:slurm_mapa/core/search.py", "exec"), module.__dict__)
+    return module
+
+
+def _worker_init(rev: str) -> None:
+    global _BEFORE
+    _BEFORE = _load_before(rev)
+
+
+def _before_decision(case):
+    name, free, k, sensitive = case
+    graph = graphs()[name]
+    obj = objective(k, sensitive)
+    start = time.perf_counter()
+    placement = _BEFORE.best_placement(graph, free, make_pattern("ring", k), obj, paper_model())
+    ms = (time.perf_counter() - start) * 1000
+    return ms, objective_key(obj, placement), placement.gpus
+
+
+def dgx1_cases() -> list[tuple[str, tuple[int, ...], int, bool]]:
+    """Every free set, ring size and sensitivity of the paper's DGX-1 V100 (its choices must not change)."""
+    return [("dgx1-v100", free, k, sensitive) for m in range(1, 9) for free in combinations(range(8), m)
+            for k in range(1, m + 1) for sensitive in (True, False)]
+
+
+def _before_dgx1(cases):
+    graph, model = preset("dgx1-v100"), paper_model()
+    return [(_BEFORE.best_placement(graph, free, make_pattern("ring", k), objective(k, s), model).gpus) for _, free, k, s in cases]
+
+
+def dgx1_unchanged(rev: str) -> tuple[int, int]:
+    """(decisions, how many chose the same GPUs in the same order as before)."""
+    cases = dgx1_cases()
+    with mp.get_context("fork").Pool(1, initializer=_worker_init, initargs=(rev,)) as pool:
+        before = pool.apply(_before_dgx1, (cases,))
+    graph, model = preset("dgx1-v100"), paper_model()
+    after = [best_placement(graph, free, make_pattern("ring", k), objective(k, s), model).gpus for _, free, k, s in cases]
+    return len(cases), sum(1 for a, b in zip(after, before) if a == b)
+
+
+def run_before(cases, rev: str, cap: float):
+    results = []
+    ctx = mp.get_context("fork")
+    pool = ctx.Pool(1, initializer=_worker_init, initargs=(rev,))
+    try:
+        for case in cases:
+            try:
+                results.append(pool.apply_async(_before_decision, (case,)).get(timeout=cap))
+            except mp.TimeoutError:
+                results.append(None)
+                pool.terminate()
+                pool = ctx.Pool(1, initializer=_worker_init, initargs=(rev,))
+    finally:
+        pool.terminate()
+    return results
+
+
+# --- the search after, in this process --------------------------------------------------------
+
+
+def run_after(cases, budget_s: float):
+    cache = graphs()
+    results = []
+    for name, free, k, sensitive in cases:
+        graph = cache[name]
+        obj = objective(k, sensitive)
+        pattern = make_pattern("ring", k)
+        limit = SearchLimit(seconds=budget_s, clock=time.perf_counter)
+        start = time.perf_counter()
+        placement = best_placement(graph, free, pattern, obj, paper_model(), limit)
+        ms = (time.perf_counter() - start) * 1000
+        value = objective_key(obj, placement)
+        results.append((ms, value, placement.gpus, placement.gap))
+    return results
+
+
+def summarise(cases, before, after):
+    rows = {}
+    mismatches = []
+    for case, old, new in zip(cases, before, after):
+        row = rows.setdefault(case[0], {"decisions": 0, "before_ms": [], "before_over": 0, "after_ms": [], "speedups": [],
+                                        "gaps": {True: 0, False: 0}, "zero_gaps": 0, "largest": {True: 0.0, False: 0.0},
+                                        "largest_share": 0.0})
+        row["decisions"] += 1
+        ms, value, gpus, gap = new
+        row["after_ms"].append(ms)
+        if old is None:
+            row["before_over"] += 1
+        else:
+            row["before_ms"].append(old[0])
+            row["speedups"].append(old[0] / ms)
+        sensitive = case[3] and case[2] > 1
+        if gap is not None:
+            if gap > 0:
+                row["gaps"][sensitive] += 1
+                row["largest"][sensitive] = max(row["largest"][sensitive], gap)
+                if not sensitive:
+                    row["largest_share"] = max(row["largest_share"], gap / (value[0] + gap))
+            else:
+                row["zero_gaps"] += 1
+        if old is not None and gap is None and (old[1], old[2]) != (value, gpus):
+            mismatches.append((case, old[1:], (value, gpus)))
+    return rows, mismatches
+
+
+def table(rows, cap) -> list[str]:
+    lines = [
+        "| node | decisions | before: median / max ms (finished) | before: over the cap | after: median / max ms | "
+        "speed-up, median (finished) | insensitive with gap > 0: count, largest (share of bound) | "
+        "sensitive with gap > 0: count, largest | gap = 0 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        b, a = row["before_ms"], row["after_ms"]
+        before_text = f"{statistics.median(b):.1f} / {max(b):.0f}" if b else "-"
+        speedup = f"{statistics.median(row['speedups']):.1f}x" if row["speedups"] else "-"
+        share = f"{100 * row['largest_share']:.0f} %"
+        insensitive = f"{row['gaps'][False]}, {row['largest'][False]:.0f} GB/s ({share})" if row["gaps"][False] else "0"
+        sensitive = f"{row['gaps'][True]}, {row['largest'][True]:.0f} GB/s" if row["gaps"][True] else "0"
+        lines.append(f"| {name} | {row['decisions']} | {before_text} | {row['before_over']} (> {cap:.0f} s) | "
+                     f"{statistics.median(a):.1f} / {max(a):.0f} | {speedup} | {insensitive} | {sensitive} | {row['zero_gaps']} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-ms", type=float, default=200.0)
+    parser.add_argument("--before-cap", type=float, default=5.0, help="seconds before a 'before' decision is given up")
+    parser.add_argument("--before", default="HEAD", help="git revision of the search to compare with")
+    parser.add_argument("--quick", action="store_true", help="a few sizes only")
+    parser.add_argument("--json", help="write the per-decision results here")
+    args = parser.parse_args()
+    cases = decisions(args.quick)
+    # Warm-up: imports, the model file, the 16-GPU subset tables, pattern symmetries (what a
+    # long-lived mapa-agent has); what depends on the free set is computed afresh.
+    run_after(cases, args.budget_ms / 1000)
+    _twin_classes.cache_clear()
+    _graph_automorphisms.cache_clear()
+    after = run_after(cases, args.budget_ms / 1000)
+    before = run_before(cases, args.before, args.before_cap)
+    rows, mismatches = summarise(cases, before, after)
+    print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}; "
+          f"{len(cases)} decisions; budget {args.budget_ms:.0f} ms; before = {args.before}, cap {args.before_cap:.0f} s")
+    print("\n".join(table(rows, args.before_cap)))
+    print(f"proven decisions that differ from before: {len(mismatches)}")
+    total, same = dgx1_unchanged(args.before)
+    print(f"dgx1-v100, every free set, ring size and sensitivity: {same} of {total} decisions identical to before")
+    for case, old, new in mismatches[:10]:
+        print("  MISMATCH", case, old, new)
+    if args.json:
+        Path(args.json).write_text(json.dumps([
+            {"node": c[0], "free": c[1], "k": c[2], "sensitive": c[3], "before_ms": o[0] if o else None,
+             "after_ms": round(n[0], 3), "value": n[1], "gap": n[3]} for c, o, n in zip(cases, before, after)], indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
