@@ -48,8 +48,10 @@ def speed(jobs: int, topologies: list[str], nodes: int, policies: tuple[str, ...
             sys.stdout.flush()
 
 
-def sacct_lines(jobs: int, nodes: int):
-    """A synthetic sacct --parsable2 log of the paper workload, line by line."""
+def sacct_lines(jobs: int, nodes: int, recorded: int = 0):
+    """A synthetic sacct --parsable2 log of the paper workload, line by line (``recorded`` > 0: the
+    AdminComment of every ``recorded``-th job also carries a decision record, its lowest GPUs, for
+    the decision audit)."""
     yield "JobID|JobName|User|Account|Partition|Submit|Start|End|State|NodeList|AllocTRES|AdminComment\n"
     base = datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()
 
@@ -65,8 +67,9 @@ def sacct_lines(jobs: int, nodes: int):
         gpus, runtime = rng.randint(1, 5), rng.randint(5, 24)
         net = rng.choice(NETWORKS)
         sens = "yes" if SENSITIVE[net] else "no"
+        record = f" # n{i % nodes}={','.join(map(str, range(gpus)))} policy=preserve" if recorded and i % recorded == 0 else ""
         yield (f"{1000 + i}|{net}|u|acct|gpu|{ts(t)}|{ts(t)}|{ts(t + runtime)}|"
-               f"COMPLETED|n{i % nodes}|billing=1,cpu=1,gres/gpu={gpus},node=1|mapa:topology=ring sensitive={sens}\n")
+               f"COMPLETED|n{i % nodes}|billing=1,cpu=1,gres/gpu={gpus},node=1|mapa:topology=ring sensitive={sens}{record}\n")
 
 
 def memory(jobs: int, policy: str, topo: str, nodes: int) -> None:

@@ -85,6 +85,11 @@ class _Tables:
         self.future_memo: dict[int, float] = {}
         self.job_memo: dict[Pattern, dict[int, tuple[float, float]]] = {}  # pattern -> mask -> (eff, agg)
         self.preserved_memo: dict[int, float] = {}
+        # (policy name, free mask, chosen mask, sensitive) -> the Allocation order_within makes of it, per
+        # pattern: the same set from the same free set comes back under many running jobs' GPUs
+        self.ordered_memo: dict[Pattern, dict[tuple, Allocation]] = {}
+        # pattern -> (free mask, tolerance) -> the (mask, job key) of each set within tolerance of the best
+        self.contenders: dict[Pattern, dict[tuple[int, float], tuple]] = {}
         self.entries = 0
 
     def _count(self) -> None:
@@ -95,6 +100,8 @@ class _Tables:
             self.future_memo.clear()
             self.job_memo.clear()
             self.preserved_memo.clear()
+            self.ordered_memo.clear()
+            self.contenders.clear()
             self.entries = 0
 
     def best_ring(self, k: int, mask: int) -> float:
@@ -228,32 +235,47 @@ def choose_set(
 
     bits = [1 << g for g in free]
     best_key = None
-    best_set: tuple[int, ...] | None = None
+    best_mask = 0
+    # Subsets as masks in the lexicographic order of combinations(free, k); the set is read back
+    # from the winning mask.
     if request.sensitive and k > 1:
-        scored = []
-        top = None
-        job_memo = tables.job_keys(request.pattern)
-        for subset, subset_bits in zip(combinations(free, k), combinations(bits, k)):
-            mask = sum(subset_bits)
-            job = job_memo.get(mask) or tables.job_key(request.pattern, mask)
-            scored.append((subset, mask, job))
-            if top is None or job[0] > top:
-                top = job[0]
-        assert top is not None
-        floor = round(top - tolerance * abs(top), _DIGITS)
-        for subset, mask, job in scored:  # lex order: a later set must be strictly better
-            if job[0] < floor:
-                continue
-            key = (outlook(free_mask ^ mask), job)
-            if best_key is None or key > best_key:
-                best_key, best_set = key, subset
-        return best_set
-    for subset, subset_bits in zip(combinations(free, k), combinations(bits, k)):
+        # The sets within tolerance of the best depend on the free set alone, not on the running
+        # jobs: kept per (pattern, free set, tolerance), so a decision the replay meets again under
+        # other running jobs only weighs their outlooks.
+        contenders_of = tables.contenders.get(request.pattern)
+        if contenders_of is None:
+            contenders_of = tables.contenders[request.pattern] = {}
+        contenders = contenders_of.get((free_mask, tolerance))
+        if contenders is None:
+            scored = []
+            top = None
+            job_memo = tables.job_keys(request.pattern)
+            for subset_bits in combinations(bits, k):
+                mask = sum(subset_bits)
+                job = job_memo.get(mask) or tables.job_key(request.pattern, mask)
+                scored.append((mask, job))
+                if top is None or job[0] > top:
+                    top = job[0]
+            assert top is not None
+            floor = round(top - tolerance * abs(top), _DIGITS)
+            contenders = contenders_of[(free_mask, tolerance)] = tuple((mask, job) for mask, job in scored if job[0] >= floor)
+            tables._count()
+        if len(contenders) == 1:  # no choice left for the outlook to make
+            best_mask = contenders[0][0]
+        else:
+            for mask, job in contenders:  # lex order: a later set must be strictly better
+                key = (outlook(free_mask ^ mask), job)
+                if best_key is None or key > best_key:
+                    best_key, best_mask = key, mask
+        return tuple(g for g in free if best_mask >> g & 1)
+    preserved = tables.preserved_memo.get
+    for subset_bits in combinations(bits, k):
         rest = free_mask ^ sum(subset_bits)
-        key = (outlook(rest), tables.preserved(rest))
+        kept = preserved(rest)
+        key = (outlook(rest), kept if kept is not None else tables.preserved(rest))
         if best_key is None or key > best_key:
-            best_key, best_set = key, subset
-    return best_set
+            best_key, best_mask = key, free_mask ^ rest
+    return tuple(g for g in free if best_mask >> g & 1)
 
 
 def parse_sizes(spec: str | Mapping) -> dict[int, float]:
@@ -319,7 +341,7 @@ def sizes_from_jobs(gpus_per_job: Iterable[int]) -> dict[int, float]:
 
 def make_preserve_ahead(sizes: Mapping[int, float] | None = None, tolerance: float = 0.0, name: str = "preserve-ahead") -> Policy:
     """A preserve-ahead policy for a size distribution ({gpus: weight}, default uniform 1..5) and tolerance."""
-    _normalised(sizes)  # validate now, not at the first decision
+    normalised = _normalised(sizes)  # validate now, not at the first decision
     if tolerance < 0:
         raise InputError(f"preserve-ahead: tolerance must be 0 or more, got {tolerance}")
 
@@ -330,7 +352,16 @@ def make_preserve_ahead(sizes: Mapping[int, float] | None = None, tolerance: flo
         chosen = choose_set(graph, free, request, model, sizes, tolerance, running)
         if chosen is None:
             return NoFit(name, request, free)
-        return order_within(name, graph, free, chosen, request, model)
+        tables = tables_for(graph, model, normalised)
+        memo = tables.ordered_memo.get(request.pattern)
+        if memo is None:
+            memo = tables.ordered_memo[request.pattern] = {}
+        key = (name, _mask_of(free), _mask_of(chosen), request.sensitive)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = order_within(name, graph, free, chosen, request, model)
+            tables._count()
+        return found
 
     policy.__name__ = name.replace("-", "_")
     policy.sees_running = True  # select() hands it the GPUs of the jobs running on the node

@@ -14,7 +14,9 @@ round-robin's stateful path ignores affinity.
 
 from __future__ import annotations
 
-from typing import Sequence
+import heapq
+from math import inf
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ..core.search import score_placement
 from .directives import request_for
@@ -22,24 +24,76 @@ from .jobs import Job
 from .simulate import Decider, Node
 
 _EPS = 1e-6
+_MEMO_LIMIT = 1_000_000  # entries of each audit memo before it starts again (memory stays bounded)
 
 
-def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], decider: Decider) -> dict:
-    by_name = {n.name: n for n in nodes}
+class _OutOfOrder(Exception):
+    """A job starts before an event the streamed audit already took: sort the whole log instead."""
+
+
+def _sorted_events(jobs: Iterable[Job]) -> Iterator[tuple[float, int, int, Job]]:
     events = []
-    for job in jobs:
+    for index, job in enumerate(jobs):
         if job.start is None or job.node is None:
             continue
-        events.append((job.start + job.runtime, 0, job))  # ends first at equal times
-        events.append((job.start, 1, job))
-    events.sort(key=lambda e: (e[0], e[1]))
+        events.append((job.start + job.runtime, 0, index, job))  # ends first at equal times
+        events.append((job.start, 1, index, job))
+    events.sort(key=lambda e: e[:3])  # then the log's order, as a stable sort on (time, kind) gives
+    return iter(events)
+
+
+def _streamed_events(jobs: Iterable[Job]) -> Iterator[tuple[float, int, int, Job]]:
+    """The events of :func:`_sorted_events` in the same order, holding only the jobs running or about
+    to start: a log in submit order has no job that starts before the latest submit seen, so every
+    event earlier than it can be taken. Raises _OutOfOrder on a log where that does not hold."""
+    pending: list = []
+    taken_before = -inf
+    for index, job in enumerate(jobs):
+        if job.start is None or job.node is None:
+            continue
+        end = job.start + job.runtime
+        if min(job.start, end) < taken_before:
+            raise _OutOfOrder
+        heapq.heappush(pending, (end, 0, index, job))
+        heapq.heappush(pending, (job.start, 1, index, job))
+        if job.submit > taken_before:
+            taken_before = job.submit
+            while pending and pending[0][0] < taken_before:
+                yield heapq.heappop(pending)
+    while pending:
+        yield heapq.heappop(pending)
+
+
+def audit(jobs: Iterable[Job], nodes: Sequence[Node], policies: Sequence[str], decider: Decider,
+          again: Callable[[], Iterable[Job]] | None = None) -> dict:
+    """Every recorded decision against what each policy would have chosen (module docstring).
+
+    ``jobs`` is read as a stream when it is in submit order (a sacct log is); otherwise the log is
+    read again with ``again()`` and its events sorted whole (without ``again``, ``jobs`` is kept
+    in a list first).
+    """
+    if again is None:
+        jobs = list(jobs)
+        again = lambda: jobs  # noqa: E731
+    try:
+        return _audit(_streamed_events(jobs), nodes, policies, decider)
+    except _OutOfOrder:
+        return _audit(_sorted_events(again()), nodes, policies, decider)
+
+
+def _audit(events: Iterator[tuple[float, int, int, Job]], nodes: Sequence[Node], policies: Sequence[str],
+           decider: Decider) -> dict:
+    by_name = {n.name: n for n in nodes}
     busy: dict[str, int] = {}
     unknown: dict[str, int] = {}
     skipped: dict[str, int] = {}
     free_sets = {"recorded": 0, "rebuilt": 0, "rebuilt_differs_from_recorded": 0}
     rows = {p: {"same_set": 0, "as_good": 0, "bw_rec": 0.0, "bw_pol": 0.0, "n_bw": 0} for p in policies}
     compared = 0
-    for _, kind, job in events:
+    # memos: a recorded set's best order (per set and request; graph: the node's) and its score in a free set
+    orders: dict = {}
+    scores: dict = {}
+    for _, kind, _, job in events:
         node = job.node
         if kind == 0:
             if job.recorded is not None:
@@ -84,7 +138,16 @@ def audit(jobs: Sequence[Job], nodes: Sequence[Node], policies: Sequence[str], d
             request = request_for(job.shape, job.gpus, job.sensitive)
             rid = decider.request_id(request)
             gid = decider.graph_id(graph)
-            recorded = score_placement(graph, free, request.pattern, _best_order(graph, job, request, decider), decider.model)
+            key = (gid, free_mask, job.recorded, rid)  # the same record in the same state scores the same
+            recorded = scores.get(key)
+            if recorded is None:
+                if len(scores) >= _MEMO_LIMIT:
+                    scores.clear()
+                    orders.clear()
+                order = orders.get((gid, job.recorded, rid))
+                if order is None:
+                    order = orders[(gid, job.recorded, rid)] = _best_order(graph, job, request, decider)
+                recorded = scores[key] = score_placement(graph, free, request.pattern, order, decider.model)
             objective = "effective" if job.sensitive and job.gpus > 1 else "preserved"
             compared += 1
             for policy in policies:

@@ -14,13 +14,14 @@ run quietly, with the status a command killed by SIGPIPE has (141).
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import re
 import sys
 import zlib
 from dataclasses import dataclass, replace
-from math import ceil
+from math import ceil, inf
 from importlib import resources
 from typing import Callable, Iterable, Iterator, Sequence, TextIO
 
@@ -239,16 +240,51 @@ class CsvSink:
         self.handle.write(f"{self.input},{report.csv_row(rec)}\n")
 
 
-def _node_names(source: Source) -> list[str]:
-    names: dict[str, None] = {}
-    for job in source.jobs(ReadStats()):
-        if job.node is not None:
-            names.setdefault(job.node, None)
-    return list(names)
+def log_peak(jobs: Iterable[Job], again: Callable[[], Iterable[Job]] | None = None) -> dict:
+    """What the log itself ran at once: the peak of GPUs in use (recorded start/end) and when.
+
+    The events are (time, end before start, change), taken in sorted order. A log in submit order
+    (as sacct writes it) is read as a stream: no job starts before it was submitted, so every event
+    earlier than the latest submit seen can be taken now, and only the jobs still running or about
+    to start are held. Should a job start before an event already taken (a log out of order), the
+    events are sorted whole instead, from ``again()`` (a second read of the log), or without it
+    from the jobs read so far, which are then kept.
+    """
+    kept: list[Job] | None = [] if again is None else None
+    pending: list = []  # events not yet taken, a heap
+    taken_before = -inf  # every event earlier than this has been taken
+    widest = seen = 0
+    peak = used = 0
+    at = None
+    jobs = iter(jobs)
+    for job in jobs:
+        if kept is not None:
+            kept.append(job)
+        widest = max(widest, job.nodes)
+        if job.start is None:
+            continue
+        if job.start < taken_before:  # out of order: fall back to sorting every event
+            return _log_peak_sorted(again() if again is not None else [*(kept or ()), *jobs])
+        seen += 1
+        gpus = job.gpus * job.nodes
+        heapq.heappush(pending, (job.start, 1, gpus))
+        heapq.heappush(pending, (job.start + job.runtime, 0, -gpus))  # ends sort before starts at the same time
+        if job.submit > taken_before and job.submit <= job.start:
+            taken_before = job.submit
+            while pending and pending[0][0] < taken_before:
+                t, _, change = heapq.heappop(pending)
+                used += change
+                if used > peak:
+                    peak, at = used, t
+    while pending:
+        t, _, change = heapq.heappop(pending)
+        used += change
+        if used > peak:
+            peak, at = used, t
+    return {"peak_gpus": peak, "at": at, "jobs_with_times": seen, "widest_job_nodes": widest}
 
 
-def log_peak(jobs: Iterable[Job]) -> dict:
-    """What the log itself ran at once: the peak of GPUs in use (recorded start/end) and when."""
+def _log_peak_sorted(jobs: Iterable[Job]) -> dict:
     events = []
     widest = 0
     for job in jobs:
@@ -294,10 +330,18 @@ def _build_nodes(args, source: Source, config: Config, label: str) -> tuple[list
     notes: list[str] = []
     nodes_arg = _parse_nodes(args.nodes)
     is_log = source.fmt in LOG_FORMATS
-    peak = log_peak(source.jobs(ReadStats())) if is_log else None
+    seen_names: dict[str, None] = {}  # the log's node names in order of first appearance, noted on the same pass
+
+    def noting(jobs: Iterable[Job]) -> Iterator[Job]:
+        for job in jobs:
+            if job.node is not None:
+                seen_names.setdefault(job.node, None)
+            yield job
+
+    peak = log_peak(noting(source.jobs(ReadStats())), lambda: noting(source.jobs(ReadStats()))) if is_log else None
     if args.cluster:
         nodes = [Node(name, graph_of(topo)) for name, topo in expand_cluster(args.cluster)]
-    elif is_log and (names := _node_names(source)):
+    elif is_log and (names := list(seen_names)):
         nodes = nodes_for(names, config, args.topology)
     elif config.cluster:
         nodes = [Node(name, graph_of(topo)) for name, topo in config.cluster]
@@ -492,9 +536,11 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
             out["table3"] = rows
             parts.append("speed-up over baseline (paper's Table 3: run time at MIN/25th/50th/75th/MAX, throughput)\n" + report.table3_text(rows))
     if source.fmt in ("sacct", "json"):
-        jobs = [j for j in source.jobs(ReadStats()) if j.recorded is not None or j.start is not None]
-        if any(j.recorded is not None for j in jobs):
-            result = audit(jobs, nodes, policies, Decider(options.model, configured=options.configured, extrapolate=extrapolate))
+        if any(j.recorded is not None for j in source.jobs(ReadStats())):  # stops at the first record
+            # streamed: the log is read again (not held) and again only if it is out of submit order
+            result = audit(source.jobs(ReadStats()), nodes, policies,
+                           Decider(options.model, configured=options.configured, extrapolate=extrapolate),
+                           again=lambda: source.jobs(ReadStats()))
             out["recorded_decisions"] = result
             parts.append(report.audit_text(result))
     notes: list[str] = []

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 from typing import Iterator, Sequence
 
 from ..core.patterns import SHAPES
@@ -50,25 +51,10 @@ def generate(
         raise InputError(f"service range {min_service}..{max_service} is empty")
     if load <= 0:
         raise InputError(f"load must be positive, got {load}")
-    rng = random.Random(seed)
     if kind == "paper":
-        span = (min_service + max_service) / 2 * jobs / load
-        drawn = []
-        for i in range(jobs):
-            net = rng.choice(NETWORKS)
-            drawn.append(
-                (
-                    rng.uniform(0, span),
-                    rng.randint(min_gpus, max_gpus),
-                    rng.choice(list(patterns)),
-                    rng.randint(min_service, max_service),
-                    net,
-                )
-            )
-        arrivals = sorted(d[0] for d in drawn)
-        for i, (arrival, (_, gpus, shape, service, net)) in enumerate(zip(arrivals, drawn)):
-            yield Job(str(i), float(round(arrival)), float(service), gpus, shape, SENSITIVE[net], task=f"{net}.sh", source="generator")
+        yield from _paper(jobs, seed, min_gpus, max_gpus, tuple(patterns), min_service, max_service, load)
         return
+    rng = random.Random(seed)
     t = 0.0
     for i in range(jobs):
         t += rng.expovariate(1.0 / mean_gap)
@@ -76,3 +62,57 @@ def generate(
         gpus = min(max_gpus, max(min_gpus, 1 + sum(rng.random() < 0.39 for _ in range(2))))
         service = rng.randint(min_service, max_service)
         yield Job(str(i), round(t, 3), float(service), gpus, rng.choice(list(patterns)), SENSITIVE[net], task=f"{net}.sh", source="generator")
+
+
+# Arrival times per counting pass of the paper workload: 2^21 whole time units (8 MiB of counts).
+ARRIVAL_WINDOW = 1 << 21
+
+
+def _paper(jobs: int, seed: int, min_gpus: int, max_gpus: int, patterns: tuple[str, ...], min_service: int,
+           max_service: int, load: float) -> Iterator[Job]:
+    """The paper workload in memory independent of ``jobs``, the same jobs as drawing them all at once.
+
+    The reference generator draws every job (network, arrival, GPUs, pattern, service), sorts the
+    arrivals and hands the i-th smallest, rounded to a whole time unit, to the i-th job drawn.
+    Rounding keeps the order, so the submit times are the sorted rounded arrivals: counting how
+    many arrivals round to each whole time unit (a pass over the same random draws) gives them in
+    order without keeping the draws; a second pass draws the jobs again and pairs them up. A
+    workload spread over more than ``ARRIVAL_WINDOW`` time units is counted one window per pass.
+    """
+    span = (min_service + max_service) / 2 * jobs / load
+    shapes = list(patterns)
+
+    def arrivals_in(low: int, width: int) -> array:
+        counts = array("I", bytes(4 * width))
+        rng = random.Random(seed)
+        choice, uniform, randint = rng.choice, rng.uniform, rng.randint
+        for _ in range(jobs):  # the same calls as the jobs' draws below, in the same order
+            choice(NETWORKS)
+            offset = round(uniform(0, span)) - low
+            randint(min_gpus, max_gpus)
+            choice(shapes)
+            randint(min_service, max_service)
+            if 0 <= offset < width:
+                counts[offset] += 1
+        return counts
+
+    def submits() -> Iterator[float]:
+        top = round(span)
+        for low in range(0, top + 1, ARRIVAL_WINDOW):
+            counts = arrivals_in(low, min(ARRIVAL_WINDOW, top + 1 - low))
+            for offset, count in enumerate(counts):
+                if count:
+                    value = float(low + offset)
+                    for _ in range(count):
+                        yield value
+
+    rng = random.Random(seed)
+    choice, uniform, randint = rng.choice, rng.uniform, rng.randint
+    times = submits()
+    for i in range(jobs):
+        net = choice(NETWORKS)
+        uniform(0, span)
+        gpus = randint(min_gpus, max_gpus)
+        shape = choice(shapes)
+        service = randint(min_service, max_service)
+        yield Job(str(i), next(times), float(service), gpus, shape, SENSITIVE[net], task=f"{net}.sh", source="generator")

@@ -35,6 +35,11 @@ reported ones (:func:`~slurm_mapa.core.explain.reported_placement`: one number p
 collectives); for a job size outside the model's fitted range the effective bandwidth comes from
 the link-bound model unless the run asks to extrapolate, and the decision says so. Jobs stream through: the simulator keeps
 the queue, the running jobs and fixed-size accumulators, never the whole log.
+
+A decision's cost does not grow with the cluster (issue 28): the nodes are indexed by their number
+of free GPUs, first-fit takes the first node with room from a heap per count, and on clusters of
+``VECTOR_NODES`` nodes or more slurm/prefer/require pick among runs of eligible nodes with array
+operations (:func:`_pick_vector`, the same choice as :func:`slurm_pick`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from math import inf
 from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
 
 from ..core import features as mapa_features
 from ..core import peers
@@ -83,34 +90,73 @@ def slurm_pick(eligible: Sequence[int], free_counts: Sequence[int], n_nodes: int
     """
     if len(eligible) < needed:
         return None
-    ok = set(eligible)
-    runs: list[list[int]] = []
-    current: list[int] = []
-    for i in range(n_nodes):
-        if i in ok:
-            current.append(i)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    best = None
+    return _pick_sorted(sorted({i for i in eligible if 0 <= i < n_nodes}), free_counts, needed)
+
+
+def _pick_sorted(eligible: list[int], free_counts: Sequence[int], needed: int = 1) -> list[int] | None:
+    """:func:`slurm_pick` on eligible nodes already in node order: one pass over them, none over the others."""
+    if len(eligible) < needed:
+        return None
+    best_start = best_end = -1
     best_total = 0
-    for run in runs:
-        if len(run) < needed:
-            continue
-        total = sum(free_counts[i] for i in run)
-        if best is None or total < best_total:
-            best, best_total = run, total
-    if best is None:
-        return sorted(eligible)[:needed]
+    start = 0
+    total = 0
+    last = len(eligible) - 1
+    for pos, i in enumerate(eligible):
+        if pos > start and i != eligible[pos - 1] + 1:  # a gap: the run before it ended
+            start, total = pos, 0
+        total += free_counts[i]
+        if pos == last or eligible[pos + 1] != i + 1:  # the run ends here
+            if pos - start + 1 >= needed and (best_start < 0 or total < best_total):
+                best_start, best_end, best_total = start, pos, total
+    if best_start < 0:
+        return eligible[:needed]
     if needed == 1:
-        node = best[0]
-        for i in best[1:]:
+        node = eligible[best_start]
+        for i in eligible[best_start + 1:best_end + 1]:
             if free_counts[i] < free_counts[node]:
                 node = i
         return [node]
-    return best[:needed]
+    return eligible[best_start:best_start + needed]
+
+
+# From this many nodes on, the simulator indexes the nodes by free GPUs instead of scanning them.
+INDEX_NODES = 32
+# From this many nodes on, slurm/prefer/require pick among the nodes with array operations (the
+# same choice as :func:`_pick_sorted`, which a smaller cluster uses: a Python loop over a few nodes
+# costs less than the array calls).
+VECTOR_NODES = 64
+
+
+def _pick_vector(eligible: np.ndarray, free_counts: np.ndarray, needed: int = 1) -> list[int] | None:
+    """:func:`slurm_pick` with ``eligible`` a boolean array over the cluster's nodes (ndarray methods
+    only: the module-level numpy functions cost more than the work on a few thousand nodes)."""
+    index = eligible.nonzero()[0]
+    k = index.size
+    if k < needed:
+        return None
+    counts = free_counts[index]
+    first = np.empty(k, dtype=bool)  # where a run of consecutive nodes begins
+    first[0] = True
+    np.not_equal(index[1:] - index[:-1], 1, out=first[1:])
+    starts = first.nonzero()[0]
+    if starts.size == 1:  # one run: every eligible node
+        if needed > 1:
+            return index[:needed].tolist()
+        return [int(index[counts.argmin()])]
+    totals = np.add.reduceat(counts, starts)
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1] = k
+    if needed > 1:
+        sufficient = (ends - starts >= needed).nonzero()[0]
+        if not sufficient.size:
+            return index[:needed].tolist()
+        run = sufficient[totals[sufficient].argmin()]  # argmin: the first on ties
+        return index[starts[run]:starts[run] + needed].tolist()
+    run = totals.argmin()
+    low = starts[run]
+    return [int(index[low + counts[low:ends[run]].argmin()])]
 
 
 def policy_names() -> list[str]:
@@ -519,12 +565,59 @@ def simulate(
         k = smallest_size if options.insensitive == "complement-min" else max(job.gpus, smallest_size)
         return (False, k) if fleet_best(k) is not None else None
 
+    feature_memo: dict = {}  # (node type, mask, want) -> has the feature: nodes of one type repeat states
+
     def has_feature(i: int, mask: int, want: tuple[bool, int]) -> bool:
-        good, k = want
-        return mapa_features.has_good(graphs[i], mask, k, fleet[k], decider.model, options.feature_threshold) == good
+        key = (gids[i], mask, want)
+        found = feature_memo.get(key)
+        if found is None:
+            good, k = want
+            found = feature_memo[key] = (
+                mapa_features.has_good(graphs[i], mask, k, fleet[k], decider.model, options.feature_threshold) == good)
+        return found
+
+    # The index that keeps a decision's cost independent of the cluster's size: the nodes by their
+    # number of free GPUs (a set per count, for slurm/prefer/require, which look at every node that
+    # can hold the job), and for first-fit a min-heap of node indices per count (lazy: an entry is
+    # current while the node still has that count), so the first node in node order with room is
+    # found without scanning the others.
+    # A small cluster is scanned, as before: on a few nodes that costs less than keeping the index.
+    count = [s for s in sizes]
+    indexed = n_nodes >= INDEX_NODES
+    by_count: list[set[int]] = [set() for _ in range(largest + 1)]
+    for i, c in enumerate(count):
+        if indexed:
+            by_count[c].add(i)
+    first_fit = choice == "first-fit"
+    heaps: list[list[int]] = [sorted(b) for b in by_count] if first_fit and indexed else []
+    nodes_of_size = [sum(1 for s in sizes if s >= g) for g in range(largest + 1)]  # nodes with >= g GPUs
+    changed_in_pass: dict[int, int] = {}  # node -> its free mask when the scheduling pass began (features are stale in a pass)
+    # Large clusters (slurm/prefer/require): the free counts as an array, and per wanted feature an
+    # array of which nodes published it at the start of the pass (refreshed there for the nodes
+    # that changed since: ``dirty``).
+    vector = choice != "first-fit" and n_nodes >= VECTOR_NODES
+    count_array = np.array(count, dtype=np.int64) if vector else None
+    feature_arrays: dict[tuple[bool, int], np.ndarray] = {}
+    dirty: set[int] = set()
+
+    def features_of(want: tuple[bool, int], published: dict[int, int]) -> np.ndarray:
+        found = feature_arrays.get(want)
+        if found is None:
+            found = feature_arrays[want] = np.array(
+                [has_feature(i, published.get(i, free[i]), want) for i in range(n_nodes)], dtype=bool)
+        return found
+
+    def refresh_features() -> None:
+        """At the start of a pass: the nodes changed since the last one publish their features again."""
+        for want, flags in feature_arrays.items():
+            for i in dirty:
+                key = (gids[i], free[i], want)
+                found = feature_memo.get(key)
+                flags[i] = found if found is not None else has_feature(i, free[i], want)
+        dirty.clear()
 
     wakeups: list[float] = []  # require: when a job's wait bound ends
-    woken: set[str] = set()
+    woken: set[str] = set()  # the queued jobs with a wait bound set
 
     arrivals = _reordered(jobs, options.reorder_window, result)
     pending = next(arrivals, None)
@@ -551,42 +644,81 @@ def simulate(
 
     def set_free(i: int, mask: int) -> None:
         free[i] = mask
+        if vector and by_features:
+            dirty.add(i)
+        c = mask.bit_count()
+        if c != count[i]:
+            if indexed:
+                by_count[count[i]].discard(i)
+                by_count[c].add(i)
+                if first_fit:
+                    heap = heaps[c]
+                    heapq.heappush(heap, i)
+                    if len(heap) > 2 * len(by_count[c]) + 32:  # drop the stale entries now and then
+                        heaps[c] = sorted(by_count[c])
+            count[i] = c
+            if vector:
+                count_array[i] = c
         table = tables[i]
         if table is not None:
             totals[0] -= contribution[i]
             contribution[i] = table[mask]
             totals[0] += contribution[i]
-            best = bests[i][mask.bit_count()]
+            best = bests[i][c]
             totals[1] += best - best_contribution[i]
             best_contribution[i] = best
 
     def pinned(job: Job) -> bool:
         return options.pin_nodes and job.nodes == 1 and job.node is not None and job.node in by_name
 
-    def candidates(job: Job) -> list[int]:
-        if pinned(job):
-            return [by_name[job.node]]
-        return list(range(n_nodes))
-
     def fits_ever(job: Job) -> bool:
-        cands = candidates(job)
-        return sum(1 for i in cands if sizes[i] >= job.gpus) >= job.nodes
+        if pinned(job):
+            return sizes[by_name[job.node]] >= job.gpus and job.nodes <= 1
+        return job.gpus <= largest and nodes_of_size[max(job.gpus, 0)] >= job.nodes
+
+    def eligible(job: Job) -> list[int]:
+        """The candidate nodes with at least the job's GPUs free, in node order."""
+        g = job.gpus
+        if pinned(job):
+            i = by_name[job.node]
+            return [i] if count[i] >= g else []
+        if not indexed:
+            return [i for i in range(n_nodes) if count[i] >= g]
+        found: list[int] = []
+        for c in range(max(g, 0), largest + 1):
+            found.extend(by_count[c])
+        found.sort()
+        return found
+
+    def first_with_room(g: int) -> int | None:
+        """The first node in node order with at least ``g`` free GPUs (the heads of the per-count heaps)."""
+        best = None
+        for c in range(max(g, 0), largest + 1):
+            heap = heaps[c]
+            while heap and count[heap[0]] != c:
+                heapq.heappop(heap)
+            if heap and (best is None or heap[0] < best):
+                best = heap[0]
+        return best
 
     def decide_on(i: int, rid: int):
         return decider.decide(policy, gids[i], free[i], rid, rr_queue[i] if stateful else None,
                               tuple(sorted(groups[i])) if sees_running else (), affinity)
 
-    def chosen_nodes(job: Job, rid: int, t: float, published: list[int] | None) -> tuple[list, int] | None:
+    def chosen_nodes(job: Job, rid: int, t: float, published: dict[int, int] | None) -> tuple[list, int] | None:
         """slurm / prefer / require: the picks, and 1/-1/0 for preference met/missed/none; None: wait."""
-        fits = [i for i in candidates(job) if free[i].bit_count() >= job.gpus]
-        counts = [mask.bit_count() for mask in free]
+        on_array = vector and not pinned(job)
+        fits = (count_array >= job.gpus) if on_array else eligible(job)
         want = wanted(job) if by_features and not pinned(job) else None  # a job kept on its recorded node prefers nothing
         outcome = 0
         order = None
         if want is not None:
             assert published is not None
-            good = [i for i in fits if has_feature(i, published[i], want)]
-            order = slurm_pick(good, counts, n_nodes, job.nodes)
+            if on_array:
+                order = _pick_vector(fits & features_of(want, published), count_array, job.nodes)
+            else:
+                good = [i for i in fits if has_feature(i, published.get(i, free[i]), want)]
+                order = _pick_sorted(good, count, job.nodes)
             outcome = 1
             if order is None:
                 if choice == "require" and want[0] and t - job.submit < options.require_wait:
@@ -596,7 +728,7 @@ def simulate(
                     return None
                 outcome = -1
         if order is None:
-            order = slurm_pick(fits, counts, n_nodes, job.nodes)
+            order = _pick_vector(fits, count_array, job.nodes) if on_array else _pick_sorted(fits, count, job.nodes)
             if order is None:
                 return None
         picks = []
@@ -607,20 +739,22 @@ def simulate(
             picks.append((i, found[0], found[1]))
         return picks, outcome
 
-    def try_start(job: Job, rid: int, t: float, published: list[int] | None = None) -> bool:
+    def try_start(job: Job, rid: int, t: float, published: dict[int, int] | None = None) -> bool:
         outcome = 0
-        if choice == "first-fit":
+        if first_fit:
             picks = []
-            for i in candidates(job):
-                mask = free[i]
-                if mask.bit_count() < job.gpus:
-                    continue
-                found = decide_on(i, rid)
-                if found is None:
-                    continue
-                picks.append((i, found[0], found[1]))
-                if len(picks) == job.nodes:
-                    break
+            first = None if not indexed or pinned(job) or job.nodes > 1 else first_with_room(job.gpus)
+            found = decide_on(first, rid) if first is not None else None
+            if found is not None:  # the usual case: the first node with room takes it
+                picks.append((first, found[0], found[1]))
+            else:  # small cluster, pinned, multi-node, or the policy found no room where the count fits: node order
+                for i in eligible(job):
+                    found = decide_on(i, rid)
+                    if found is None:
+                        continue
+                    picks.append((i, found[0], found[1]))
+                    if len(picks) == job.nodes:
+                        break
             if len(picks) < job.nodes:
                 return False
         else:
@@ -636,10 +770,14 @@ def simulate(
                 result.relaxed += 1
         nonlocal seq
         result.decisions += 1
+        if woken:
+            woken.discard(job.id)  # started: its wait bound is no longer needed (the set stays as small as the queue)
         first = picks[0][1]
         runtime = model.runtime(job.runtime, job.sensitive, job.gpus, first.effective) if model else job.runtime
         end = t + runtime
         for i, decision, new_queue in picks:
+            if published is not None and i not in published:
+                published[i] = free[i]
             set_free(i, free[i] & ~decision.mask)
             if sees_running:
                 groups[i].append(decision.mask)
@@ -653,7 +791,12 @@ def simulate(
         nonlocal head_failed_at, head_job
         scanned = 0
         index = 0
-        published = list(free) if by_features else None  # the features as published at the start of the pass
+        # The features as published at the start of the pass: a node a job started on in this pass
+        # keeps its mask from then (changed_in_pass), every other node's is its free mask.
+        changed_in_pass.clear()
+        published = changed_in_pass if by_features else None
+        if dirty and by_features:
+            refresh_features()
         while index < len(queue):
             job, rid = queue[index]
             if index == 0 and head_job is job and head_failed_at == releases and not options.backfill:

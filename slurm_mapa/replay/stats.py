@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from math import floor, log10
 
@@ -11,13 +12,15 @@ class Dist:
 
     Up to ``exact_limit`` values are kept and quantiles are exact (linear interpolation, as
     numpy's default). Past it the values go into a histogram rounded to 4 significant digits, so
-    memory stays bounded (bandwidths take few distinct values anyway).
+    memory stays bounded (bandwidths take few distinct values anyway). The kept values are a
+    packed array of doubles (8 bytes each, not a list of float objects), so a run's many
+    distributions stay small while exact.
     """
 
     __slots__ = ("values", "hist", "count", "total", "low", "high", "exact_limit")
 
     def __init__(self, exact_limit: int = 100_000) -> None:
-        self.values: list[float] | None = []
+        self.values: array | list | None = array("d")
         self.hist: Counter | None = None
         self.count = 0
         self.total = 0.0
@@ -39,6 +42,8 @@ class Dist:
         if value > self.high:
             self.high = value
         if self.values is not None:
+            if type(value) is not float and type(self.values) is array:
+                self.values = list(self.values)  # keep what was given (an int stays an int), as a list does
             self.values.append(value)
             if len(self.values) > self.exact_limit:
                 self.hist = Counter(self._round(v) for v in self.values)
