@@ -710,3 +710,38 @@ def test_taskprolog_of_a_het_component_reads_its_own_job_file(tmp_path):
     assert "export MAPA_GPUS=4,7,6,5" in out
     (tmp_path / "70").write_text("MAPA_GPUS=1\n")  # both components on this node: the leader's id stays
     assert "export MAPA_GPUS=1" in run_taskprolog(tmp_path, "70", None, env).splitlines()
+
+
+def test_the_prologs_search_is_bounded_and_a_gap_reaches_the_record(setup, monkeypatch):
+    """Each search of a decision gets a SearchLimit of DECISION_SEARCH_S at most (less when the
+    budget is nearly spent); a search that runs out records how far from the optimum it can be."""
+    import dataclasses
+
+    from slurm_mapa.core import policies
+    from slurm_mapa.core.search import SearchLimit
+    from slurm_mapa.slurm.budget import Budget
+    from slurm_mapa.slurm.directive import parse_directive
+    from slurm_mapa.slurm.hooks import DECISION_SEARCH_S, PrologContext, choose, search_seconds
+
+    config, slurm, logs = setup
+    config = dataclasses.replace(config, affinity_mode="ignore")
+    limits: list = []
+    real_select = policies.select
+
+    def spy(*args, **kwargs):
+        limits.append(args[7] if len(args) > 7 else kwargs.get("limit"))
+        return real_select(*args, **kwargs)
+
+    monkeypatch.setattr(policies, "select", spy)
+    slurm.running = {"95"}
+    run_prolog(env_for("95", "0,1", "mapa:topology=ring sensitive=yes"), config, slurm, logs.append)
+    assert limits and all(isinstance(limit, SearchLimit) and 0 < limit.seconds <= DECISION_SEARCH_S for limit in limits)
+    assert search_seconds(Budget(15.0)) == DECISION_SEARCH_S and search_seconds(Budget(1.2)) < DECISION_SEARCH_S
+    assert search_seconds(Budget(0.5)) > 0  # a spent budget still searches a little (then takes the best found)
+    # A 16-GPU mesh, 13 GPUs insensitive: the exact search needs far more than a microsecond.
+    monkeypatch.setattr(policies, "select", real_select)
+    graph = preset("torus2d-16")
+    ctx = PrologContext("96", "torus1", tuple(range(13)), "")
+    decision = choose(ctx, config, graph, parse_directive("topology=ring sensitive=no"), Ledger(), 16, "", search_seconds=1e-6)
+    assert len(decision.gpus) == 13 and decision.policy == "preserve" and decision.gap is not None and decision.gap >= 0
+    assert f" gap={decision.gap:.3f}" in decision.text()

@@ -465,6 +465,17 @@ def test_the_record_names_the_model_and_marks_an_extrapolated_figure():
     assert parse_decisions(text)["big"] == dataclasses.replace(busy, free=(), running=())
 
 
+def test_the_record_says_how_far_a_search_that_ran_out_can_be_from_the_optimum():
+    gapped = Decision("torus1", tuple(range(20)), "preserve", None, 400.0, 610.5, model="derived-torus2d-16", gap=57.25)
+    text = with_decision("", parse_directive("topology=ring sensitive=no"), gapped)
+    assert text.endswith("pres=610.500 model=derived-torus2d-16 gap=57.250")
+    assert parse_decisions(text) == {"torus1": gapped}
+    proven = dataclasses.replace(gapped, gap=None)
+    assert "gap=" not in proven.text() and parse_decisions(with_decision("", RING_YES, proven))["torus1"].gap is None
+    assert parse_decisions(text.replace("gap=57.250", "gap=-1"))["torus1"].gap is None  # not a gap
+    assert parse_decisions(text.replace("gap=57.250", "gap=x"))["torus1"].gap is None
+
+
 def test_explain_shows_the_recorded_model_and_mark(capsys):
     from slurm_mapa.slurm.admin import explain_job
     from slurm_mapa.slurm.config import config_from_text

@@ -283,8 +283,10 @@ def select_with_affinity(
     model=None,
     configured: Mapping | None = None,
     running: Iterable[Iterable[int]] = (),
+    limit=None,
 ) -> tuple[Allocation | NoFit, AffinityExplanation]:
-    """:func:`~.policies.select` under the affinity rule (:func:`decide`); the same arguments plus the job's CPUs."""
+    """:func:`~.policies.select` under the affinity rule (:func:`decide`); the same arguments plus the
+    job's CPUs. ``limit`` (a search.SearchLimit) bounds each search the rule makes."""
     from .policies import select  # here: reading settings (config.py) need not load every policy
 
     running_groups = tuple(tuple(group) for group in running)
@@ -294,7 +296,7 @@ def select_with_affinity(
             raise InputError(f"free GPU {gpu} is not on {graph.name} (GPUs 0..{graph.size - 1})")
 
     def run(subset: tuple[int, ...]) -> Allocation | NoFit:
-        return select(policy, graph, subset, request, model, configured, running_groups)
+        return select(policy, graph, subset, request, model, configured, running_groups, limit)
 
     return decide(run, graph, free_tuple, request, job_cpus, mode, max_loss=max_loss, enforce_binding=enforce_binding, policy=policy)
 

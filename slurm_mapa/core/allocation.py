@@ -18,7 +18,7 @@ from ..errors import InternalError
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern
-from .search import Placement, best_placement, preserved_bandwidth
+from .search import Placement, SearchLimit, best_placement, preserved_bandwidth
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,16 @@ Policy = Callable[[HardwareGraph, tuple[int, ...], Request, EffectiveBandwidthMo
 
 
 def order_within(
-    name: str, graph: HardwareGraph, free: tuple[int, ...], chosen: Iterable[int], request: Request, model: EffectiveBandwidthModel
+    name: str, graph: HardwareGraph, free: tuple[int, ...], chosen: Iterable[int], request: Request, model: EffectiveBandwidthModel,
+    limit: SearchLimit | None = None,
 ) -> Allocation:
-    """A set some policy chose, ordered as the best placement of the pattern on it, scored against ``free``."""
+    """A set some policy chose, ordered as the best placement of the pattern on it, scored against
+    ``free``; with a ``limit`` the order is the best found when it runs out (its ``gap`` says so)."""
     chosen = tuple(sorted(chosen))
     if len(set(chosen)) != request.gpus or not set(chosen) <= set(free):
         raise InternalError(f"{name} picked {chosen} from free {free} for {request.gpus} GPU(s)")
     objective = "effective" if request.sensitive and request.gpus > 1 else "aggregated"
-    inside = best_placement(graph, chosen, request.pattern, objective, model)
+    inside = best_placement(graph, chosen, request.pattern, objective, model, limit)
     assert inside is not None
     placement = Placement(
         gpus=inside.gpus,
@@ -79,5 +81,6 @@ def order_within(
         link_counts=inside.link_counts,
         effective_bandwidth=inside.effective_bandwidth,
         preserved_bandwidth=preserved_bandwidth(graph, set(free) - set(chosen)),
+        gap=inside.gap,
     )
     return Allocation(policy=name, placement=placement, objective=f"set by {name}, order by {objective}")

@@ -18,13 +18,13 @@ from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern
 from .allocation import Allocation, Request
-from .search import Placement, best_placement, objective_key, score_placement
+from .search import Placement, SearchLimit, best_placement, objective_key, score_placement
 
 MAX_SETS_EXPLAINED = 20000
 
 
 def reported_placement(
-    graph: HardwareGraph, pattern: Pattern, placement: Placement, model: EffectiveBandwidthModel
+    graph: HardwareGraph, pattern: Pattern, placement: Placement, model: EffectiveBandwidthModel, limit: SearchLimit | None = None
 ) -> Placement:
     """The placement whose scores are reported for a choice: one number per GPU set for collectives.
 
@@ -32,24 +32,30 @@ def reported_placement(
     predicted effective bandwidth, then aggregated bandwidth, then the lexicographically smallest
     sequence), so every policy that picks the same set reports the same bandwidth. Rank-order
     patterns, 1-GPU jobs and patterns without edges are returned unchanged. The preserved
-    bandwidth depends on the set only and is kept.
+    bandwidth depends on the set only and is kept. With a ``limit`` that runs out (a big set), the
+    better of the order found and the chosen one is reported; the choice's own ``gap`` is kept.
     """
     if not pattern.scored_by_set or pattern.size < 2 or not pattern.edges:
         return placement
-    best = best_placement(graph, placement.gpus, pattern, "effective", model)
+    best = best_placement(graph, placement.gpus, pattern, "effective", model, limit)
     assert best is not None
+    if best.gap is not None and placement.effective_bandwidth is not None and (
+            best.effective_bandwidth is None or best.effective_bandwidth < placement.effective_bandwidth):
+        return placement
     return Placement(
         gpus=best.gpus,
         aggregated_bandwidth=best.aggregated_bandwidth,
         link_counts=best.link_counts,
         effective_bandwidth=best.effective_bandwidth,
         preserved_bandwidth=placement.preserved_bandwidth,
+        gap=placement.gap,
     )
 
 
-def reported_allocation(graph: HardwareGraph, request: Request, chosen: Allocation, model: EffectiveBandwidthModel) -> Allocation:
+def reported_allocation(graph: HardwareGraph, request: Request, chosen: Allocation, model: EffectiveBandwidthModel,
+                        limit: SearchLimit | None = None) -> Allocation:
     """``chosen`` with the placement :func:`reported_placement` reports (what ``eff=`` and ``mapa select`` show)."""
-    placement = reported_placement(graph, request.pattern, chosen.placement, model)
+    placement = reported_placement(graph, request.pattern, chosen.placement, model, limit)
     if placement is chosen.placement:
         return chosen
     return Allocation(policy=chosen.policy, placement=placement, objective=chosen.objective)

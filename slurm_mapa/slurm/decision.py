@@ -89,6 +89,7 @@ class Decision:
     why: str = ""  # why isolation was not applied: one token (why_token)
     model: str = ""  # the effective-bandwidth model that priced `effective` (model_token); "": not recorded
     extrapolated: bool = False  # `effective` lies outside that model's fitted range
+    gap: float | None = None  # the search ran out of time: the optimum is at most this much better (None: proven)
 
     def text(self) -> str:
         parts = [f"{self.node}={','.join(map(str, self.gpus))}", f"policy={self.policy}"]
@@ -109,6 +110,8 @@ class Decision:
             parts.append(f"model={model_token(self.model)}")
         if self.extrapolated:
             parts.append("extrapolated=yes")
+        if self.gap is not None:
+            parts.append(f"gap={self.gap:.3f}")
         if self.fallback:
             parts.append(f"fallback={self.fallback}")
         if self.isolation:
@@ -272,6 +275,7 @@ def _decision_in(segment: str) -> Decision | None:
         tuple(group for group in running if group), slurm_gpus, affinity if parse_affinity(affinity) else "", job_cpus,
         isolation if isolation in ISOLATION_STATES else "", fields.get("why", "")[:MAX_WHY_CHARS],
         model if _MODEL_TOKEN.fullmatch(model) else "", fields.get("extrapolated") == "yes",
+        gap if (gap := number("gap")) is not None and gap >= 0 else None,
     )
 
 

@@ -111,8 +111,11 @@ def choose(
     size: int,
     problem: str,
     unhealthy: frozenset[int] = frozenset(),
+    search_seconds: float | None = None,
 ) -> Decision:
-    """The pure decision: the policy's choice on the free healthy GPUs, or the fail-open fallback."""
+    """The pure decision: the policy's choice on the free healthy GPUs, or the fail-open fallback.
+    ``search_seconds``: how long each search may take (core.search.SearchLimit); past it the best
+    found is taken and the record says how far from the optimum it can be (``gap=``)."""
     free = ledger.free(size, unhealthy)
     running = ledger.running_groups()
     if graph is not None and not problem:
@@ -121,30 +124,33 @@ def choose(
             from ..core.effbw import out_of_range
             from ..core.explain import reported_allocation
             from ..core.policies import Allocation, select
+            from ..core.search import SearchLimit
             from ..hardware.gres import format_cpu_list
             from ..hardware.load import resolve_model
             from .directive import to_request
 
             request = to_request(directive, len(ctx.slurm_gpus))
             model = resolve_model(config.model_for(ctx.node), graph)
+            limit = SearchLimit(seconds=search_seconds, clock=time.monotonic) if search_seconds else None
             job_cpus = None
             if config.affinity_mode != "ignore":
                 job_cpus = ctx.job_cpus if ctx.job_cpus is not None else cpus_of_slurms_gpus(graph, ctx.slurm_gpus)
             if job_cpus is None:
-                result = select(config.policy, graph, free, request, model, config.configured_policies(), running)
+                result = select(config.policy, graph, free, request, model, config.configured_policies(), running, limit)
             else:
                 result, _ = select_with_affinity(
                     config.policy, graph, free, request, job_cpus, config.affinity_mode,
                     max_loss=config.affinity_max_loss, model=model, configured=config.configured_policies(), running=running,
+                    limit=limit,
                 )
             if isinstance(result, Allocation):
-                p = reported_allocation(graph, request, result, model).placement  # a collective's set, in its best order
+                p = reported_allocation(graph, request, result, model, limit).placement  # a collective's set, in its best order
                 return Decision(
                     ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth,
                     free=free, running=running, slurm_gpus=ctx.slurm_gpus,
                     affinity=affinity_token(config.affinity_mode, config.affinity_max_loss) if job_cpus is not None else "",
                     job_cpus=format_cpu_list(set(ctx.job_cpus)) if job_cpus is not None and ctx.job_cpus is not None else "",
-                    model=model.name, extrapolated=bool(out_of_range(model, graph, p.gpus, request.pattern)),
+                    model=model.name, extrapolated=bool(out_of_range(model, graph, p.gpus, request.pattern)), gap=p.gap,
                 )
             problem = "ledger-has-too-few-free-gpus"
         except (MapaError, OSError) as error:
@@ -220,6 +226,15 @@ MAX_CLAIM_RACES = 8  # a claim lost to a Prolog without the lock is rare; more i
 def spread(job_id: str, gpus: Sequence[int]) -> tuple[int, ...]:
     """``gpus`` in an order of this job's own, so Prologs choosing without the lock rarely meet."""
     return tuple(sorted(gpus, key=lambda gpu: zlib.crc32(f"{job_id}:{gpu}".encode())))
+
+
+DECISION_SEARCH_S = 0.2  # each search of a decision; past it, the best found and its proven gap (docs/engine.md)
+
+
+def search_seconds(budget: Budget) -> float:
+    """How long each search of this decision may take: DECISION_SEARCH_S, less when the budget is
+    nearly spent (the search, the commit and the record must all fit)."""
+    return max(min(DECISION_SEARCH_S, budget.for_step(budget.left()) / 4), 0.01)
 
 
 MIN_CLAIM_WAIT_S = 0.5  # without the lock, how long at least to wait for enough GPUs to come free
@@ -395,7 +410,8 @@ def _decide_and_commit(
         snapshot, _, _ = current_ledger(ledger_file, config, size, ctx.job_id, log, running, listed_at, ctx.slurm_gpus)
         try:
             proposal = search_within(budget.for_step(budget.left()),
-                                     lambda: choose(ctx, config, graph, directive, snapshot, size, problem, unhealthy))
+                                     lambda: choose(ctx, config, graph, directive, snapshot, size, problem, unhealthy,
+                                                    search_seconds(budget)))
         except TimeoutError as error:
             proposal = None
             log(f"job {ctx.job_id}: {error}; keeping the provisional choice")
