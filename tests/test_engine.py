@@ -195,3 +195,23 @@ def test_the_dgx1_v100_is_still_priced_by_the_papers_model():
     model = model_for_topology(preset("dgx1-v100"))
     assert model is paper_model()
     assert round(model.predict((2, 0, 0)), 6) == 58.925036 and round(model.predict((0, 3, 2)), 6) == 53.608775
+
+
+@pytest.mark.parametrize("work", [1, 5, 50, 500, None])
+def test_a_limited_reordering_never_reports_worse_than_the_chosen_order(work):
+    """reported_placement re-orders a collective's set; with a limit that runs out it reports the
+    better of the order found and the chosen one, and keeps the choice's own gap."""
+    import dataclasses
+
+    from slurm_mapa.core.explain import reported_placement
+    from slurm_mapa.core.search import SearchLimit, best_placement
+
+    graph, model = preset("torus2d-16"), paper_model()
+    pattern = make_pattern("ring", 9)
+    chosen = best_placement(graph, range(16), pattern, "preserved", model)
+    chosen = dataclasses.replace(chosen, gap=1.5)
+    reported = reported_placement(graph, pattern, chosen, model, SearchLimit(work=work) if work else None)
+    assert sorted(reported.gpus) == sorted(chosen.gpus) and reported.gap == 1.5
+    assert reported.effective_bandwidth >= chosen.effective_bandwidth - 1e-9
+    exact = reported_placement(graph, pattern, chosen, model)
+    assert reported.effective_bandwidth <= exact.effective_bandwidth + 1e-9
