@@ -254,7 +254,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-ms", type=float, default=200.0)
     parser.add_argument("--before-cap", type=float, default=5.0, help="seconds before a 'before' decision is given up")
-    parser.add_argument("--before", default="HEAD", help="git revision of the search to compare with")
+    parser.add_argument("--before", default="2a547b1", help="git revision of the search to compare with (default: the last before issue 28)")
     parser.add_argument("--quick", action="store_true", help="a few sizes only")
     parser.add_argument("--json", help="write the per-decision results here")
     args = parser.parse_args()
