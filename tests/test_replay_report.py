@@ -34,3 +34,30 @@ def test_mapas_policy_is_named_as_mapa_in_both_tables():
     rows = [line for line in text.splitlines() if re.match(r"^\s*(\d+\S?\s+)?preserve(?![a-z-])", line)]
     assert rows and all("preserve (MAPA)" in line for line in rows), rows
     assert not any("baseline (MAPA)" in line or "greedy (MAPA)" in line for line in text.splitlines())
+
+
+def test_each_node_type_is_priced_by_its_own_model_unless_one_is_given():
+    import json
+
+    def replay(*extra: str) -> dict:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["run", "--generate", "paper:60", "--cluster", "a:hgx-h100,b:dgx1-v100", "--policies", "preserve", "--json",
+                         *extra]) == 0
+        return json.loads(out.getvalue())
+
+    own = replay()["model"]
+    assert own["per_node_type"] is True
+    assert [m["name"] for m in own["models"]] == ["mapa-dgx1-v100", "nccl-tests-hgx-h100"]
+    one = replay("--model", "mapa-dgx1-v100")["model"]
+    assert one["per_node_type"] is False and [m["name"] for m in one["models"]] == ["mapa-dgx1-v100"]
+    # On the H100 node alone: its published nccl-tests curve (370 GB/s for 2-4 GPUs, up to 480) prices
+    # every sensitive job, not the DGX-1 regression (58.9 GB/s for a 2-GPU ring).
+    def sensitive(*extra: str) -> dict:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["run", "--generate", "paper:60", "--topology", "hgx-h100", "--policies", "preserve", "--json", *extra]) == 0
+        return json.loads(out.getvalue())["policies"][0]["effective_bw_sensitive"]
+
+    assert sensitive()["min"] >= 370.0 and sensitive()["max"] <= 480.0
+    assert sensitive("--model", "mapa-dgx1-v100")["min"] < 100.0

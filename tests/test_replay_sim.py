@@ -178,9 +178,9 @@ def test_audit_uses_the_free_set_the_prolog_recorded():
 
 def test_simulator_hands_preserve_ahead_the_running_jobs():
     """Replaying preserve-ahead step by step: each decision is select() with the jobs running then."""
-    from slurm_mapa.core.effbw import paper_model
     from slurm_mapa.core.explain import reported_allocation
     from slurm_mapa.core.policies import select
+    from slurm_mapa.hardware.load import model_for_topology
     from slurm_mapa.replay.directives import request_for
 
     graph = preset("torus2d-16")
@@ -201,9 +201,10 @@ def test_simulator_hands_preserve_ahead_the_running_jobs():
         free = [g for g in range(graph.size) if g not in held]
         job = by_id[record.id]
         request = request_for(job.shape, job.gpus, job.sensitive)
-        again = select("preserve-ahead", graph, free, request, running=list(running.values()))
+        # the replay prices each node type with its own model (hardware.load.model_for_topology), as the Prolog does
+        again = select("preserve-ahead", graph, free, request, model_for_topology(graph), running=list(running.values()))
         # the replay reports a collective's set in its best order (core.explain.reported_placement)
-        assert tuple(reported_allocation(graph, request, again, paper_model()).gpus) == tuple(record.gpus), record.id
+        assert tuple(reported_allocation(graph, request, again, model_for_topology(graph)).gpus) == tuple(record.gpus), record.id
         with_running += bool(running)
         running[record.id] = tuple(sorted(record.gpus))
     assert with_running > 40

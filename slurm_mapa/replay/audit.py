@@ -147,7 +147,7 @@ def _audit(events: Iterator[tuple[float, int, int, Job]], nodes: Sequence[Node],
                 order = orders.get((gid, job.recorded, rid))
                 if order is None:
                     order = orders[(gid, job.recorded, rid)] = _best_order(graph, job, request, decider)
-                recorded = scores[key] = score_placement(graph, free, request.pattern, order, decider.model)
+                recorded = scores[key] = score_placement(graph, free, request.pattern, order, decider.model_for(graph))
             objective = "effective" if job.sensitive and job.gpus > 1 else "preserved"
             compared += 1
             for policy in policies:
@@ -196,5 +196,5 @@ def _best_order(graph, job: Job, request, decider: Decider) -> tuple[int, ...]:
 
     # A collective is scored by its set's best order, as every reported number is (core.explain).
     objective = "effective" if (job.sensitive and job.gpus > 1) or request.pattern.scored_by_set else "aggregated"
-    found = best_placement(graph, job.recorded, request.pattern, objective, decider.model)
+    found = best_placement(graph, job.recorded, request.pattern, objective, decider.model_for(graph))
     return found.gpus if found is not None else tuple(job.recorded)

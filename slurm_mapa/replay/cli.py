@@ -25,7 +25,7 @@ from math import ceil, inf
 from importlib import resources
 from typing import Callable, Iterable, Iterator, Sequence, TextIO
 
-from ..core.effbw import EffectiveBandwidthModel, grounded_model, load_model, paper_model
+from ..core.effbw import EffectiveBandwidthModel, grounded_model, load_model
 from .. import version_text
 from ..errors import InputError, MapaError
 from ..hardware.presets import PRESETS
@@ -416,18 +416,34 @@ def _configured_ahead(args, source: Source, config: Config) -> dict | None:
     return {"preserve-ahead": make_preserve_ahead(sizes, tolerance)}
 
 
-def _model(args, config: Config) -> EffectiveBandwidthModel:
-    """--model FILE|NAME, else the config's `model` (the hooks' key), else the paper's model."""
-    if args.model:
+def _model(args, config: Config) -> EffectiveBandwidthModel | None:
+    """--model FILE|NAME, else the config's `model` (the hooks' key); None ("auto", or neither):
+    each node type is priced by its own model, as the Prolog prices it (hardware.load)."""
+    if args.model and args.model != "auto":
         return load_model(args.model)
-    if config.model:
+    if args.model == "auto":
+        return None
+    if config.model and config.model != "auto":
         path = config.model
         if not os.path.isabs(path) and not os.path.isfile(path) and config.source_dir:
             candidate = os.path.join(config.source_dir, path)
             if os.path.isfile(candidate):
                 path = candidate
         return load_model(path)
-    return paper_model()
+    return None
+
+
+def _models_used(model: EffectiveBandwidthModel | None, nodes) -> list[EffectiveBandwidthModel]:
+    """The models that price the replay: the one given, else each node type's own (distinct, by name)."""
+    if model is not None:
+        return [model]
+    from ..hardware.load import model_for_topology
+
+    found: dict[str, EffectiveBandwidthModel] = {}
+    for graph in {node.graph for node in nodes}:
+        chosen = model_for_topology(graph)
+        found.setdefault(chosen.name, chosen)
+    return [found[name] for name in sorted(found)]
 
 
 def _model_line(model: EffectiveBandwidthModel, extrapolate: bool) -> str:
@@ -465,6 +481,7 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
     policies = _policies(args.policies)
     nodes, cluster_notes, peak = _build_nodes(args, source, config, label)
     model = _model(args, config)
+    models = _models_used(model, nodes)
     extrapolate = bool(getattr(args, "extrapolate", False))
     node_choices = _node_choices(args.node_choice)
     if args.require_wait < 0:
@@ -505,7 +522,10 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
                                       "sizes": list(options.feature_sizes) if options.feature_sizes else "2..largest node",
                                       "insensitive_jobs_prefer": options.insensitive,
                                       "require_wait_s": options.require_wait}},
-        "model": {"name": model.name, "fitted_gpus": list(model.fitted_gpus) if model.fitted_gpus else None,
+        "model": {"name": ",".join(m.name for m in models), "per_node_type": model is None,
+                  "fitted_gpus": list(models[0].fitted_gpus) if len(models) == 1 and models[0].fitted_gpus else None,
+                  "models": [{"name": m.name, "basis": m.basis or None, "fitted_gpus": list(m.fitted_gpus) if m.fitted_gpus else None}
+                             for m in models],
                   "outside_fitted_range": "extrapolated" if extrapolate else grounded_model().name},
         "cluster": {"notes": [n for n in cluster_notes if not n.startswith("warning:")],
                     "log_peak_gpus": peak["peak_gpus"] if peak else None},
@@ -516,7 +536,7 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
     header = [f"{label}: {len(nodes)} node(s) ({', '.join(topo_names)}); {source.stats.summary()}"]
     header += _directive_lines(source.stats, share)
     header += cluster_notes
-    header.append(_model_line(model, extrapolate))
+    header += [_model_line(m, extrapolate) for m in models]
     if affinity:
         header.append(_affinity_line(affinity, affinity_max_loss, results))
     parts = ["\n".join(header), report.table(results)]
@@ -819,8 +839,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="run times depend on effective bandwidth (BW:SLOWDOWN points, default: the paper's curve)")
     p.add_argument("--backfill", action="store_true", help="let later jobs start when the queue head does not fit")
     p.add_argument("--model", metavar="FILE|NAME",
-                   help="effective-bandwidth model: a model file or a bundled name (default: the config's `model`, "
-                        "else the MAPA paper's mapa-dgx1-v100)")
+                   help="effective-bandwidth model for every node: a model file or a bundled name (default: the config's "
+                        "`model`, else auto: each node type's own model, as the Prolog prices it)")
     p.add_argument("--extrapolate", action="store_true",
                    help="report the model's own numbers outside the sizes it was fitted on (marked) instead of the link-bound model's")
     p.add_argument("--sensitive-share", type=float, default=None, metavar="F",

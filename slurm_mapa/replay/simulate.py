@@ -212,7 +212,12 @@ class Decider:
         extrapolate: bool = False,
         grounded: LinkBoundModel | None = None,
     ) -> None:
+        # ``model``: one model for every node (--model, the config's `model`); None: each node type
+        # priced by its own (hardware.load.model_for_topology), as the Prolog prices it. ``self.model``
+        # is the one scale node features compare node types on (the Prolog's features do the same).
+        self.fixed_model = model
         self.model = model or paper_model()
+        self._models: dict[HardwareGraph, EffectiveBandwidthModel] = {}
         self.extrapolate = extrapolate
         self.grounded = grounded
         self._reported: dict = {}
@@ -227,6 +232,17 @@ class Decider:
         self.best_preserved: dict[int, list[float] | None] = {}
         self.searches = 0
         self.lookups = 0
+
+    def model_for(self, graph: HardwareGraph) -> EffectiveBandwidthModel:
+        """The model that prices decisions on ``graph``."""
+        if self.fixed_model is not None:
+            return self.fixed_model
+        found = self._models.get(graph)
+        if found is None:
+            from ..hardware.load import model_for_topology
+
+            found = self._models[graph] = model_for_topology(graph)
+        return found
 
     def graph_id(self, graph: HardwareGraph) -> int:
         found = self._graph_index.get(graph)
@@ -277,7 +293,7 @@ class Decider:
                 self.searches += 1
                 graph = self.graphs[gid]
                 free = tuple(i for i in range(graph.size) if mask >> i & 1)
-                result = order_within(policy, graph, free, picked[0], self._request_list[rid], self.model)
+                result = order_within(policy, graph, free, picked[0], self._request_list[rid], self.model_for(graph))
                 found = self._decision(gid, rid, result.placement, chosen)
                 self._store(key, found)
             return found, picked[1]
@@ -290,14 +306,15 @@ class Decider:
         request = self._request_list[rid]
         free = tuple(i for i in range(graph.size) if mask >> i & 1)
         new_queue = None
+        model = self.model_for(graph)
         if running and self.sees_running(policy):
             groups = tuple(tuple(i for i in range(graph.size) if group >> i & 1) for group in running)
 
             def run(subset: tuple[int, ...]):
-                return self.policies[policy](graph, subset, request, self.model, running=groups)
+                return self.policies[policy](graph, subset, request, model, running=groups)
         else:
             def run(subset: tuple[int, ...]):
-                return self.policies[policy](graph, subset, request, self.model)
+                return self.policies[policy](graph, subset, request, model)
         local = None
         if affinity is None:
             result = run(free)
@@ -332,10 +349,11 @@ class Decider:
         key = (gid, used, rid) if pattern.scored_by_set else None
         found = self._reported.get(key) if key is not None else None
         if found is None:
-            shown = reported_placement(graph, pattern, placement, self.model)
+            model = self.model_for(graph)
+            shown = reported_placement(graph, pattern, placement, model)
             effective = shown.effective_bandwidth
             grounded = extrapolated = False
-            if effective is not None and not self.model.fitted_for(pattern.size):
+            if effective is not None and not model.fitted_for(pattern.size):
                 if self.extrapolate:
                     extrapolated = True
                 else:
