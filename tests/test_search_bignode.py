@@ -380,3 +380,31 @@ def test_graph_automorphisms_keep_every_link(graph, data):
         assert any(sigma[g] != g for g in within)
         for a, b in combinations(within, 2):
             assert graph.links[a][b] == graph.links[sigma[a]][sigma[b]]
+
+
+def test_searches_under_one_limit_share_its_end():
+    """SearchLimit.until: a search that starts after the decision's end has passed stops at its
+    first look at the clock, with the best it found and a gap, however much of ``seconds`` it
+    would have had alone. The clock is a counter: each look at it is one unit of time."""
+    import itertools
+
+    from slurm_mapa.core.effbw import paper_model
+    from slurm_mapa.core.patterns import make_pattern
+    from slurm_mapa.core.search import SearchLimit, best_placement
+    from slurm_mapa.hardware.presets import preset
+
+    graph, pattern = preset("torus2d-16"), make_pattern("ring", 13)
+    free = (0, 1, 2, 3, 4, 5, 7, 8, 10, 12, 13, 14, 15)  # the issue's slow case: seconds before the new search
+
+    def looks(until):
+        ticks = itertools.count()
+        found = best_placement(graph, free, pattern, "preserved", paper_model(),
+                               SearchLimit(seconds=1000.0, clock=lambda: next(ticks), until=until))
+        return found, next(ticks)
+
+    ended, ended_looks = looks(until=-1.0)
+    alone, alone_looks = looks(until=None)
+    assert ended is not None and len(ended.gpus) == 13 and ended.gap is not None
+    assert ended_looks < alone_looks
+    proven = best_placement(graph, free, pattern, "preserved", paper_model())
+    assert ended.preserved_bandwidth <= proven.preserved_bandwidth <= ended.preserved_bandwidth + ended.gap

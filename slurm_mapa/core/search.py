@@ -76,11 +76,13 @@ class SearchLimit:
     """How much one decision may search: ``work`` units (search nodes expanded and candidates
     scored; deterministic) and/or ``seconds`` measured with ``clock`` (e.g. time.monotonic). The
     exact search gets :data:`EXACT_SHARE` of either; the rest improves the best found when it
-    cannot finish."""
+    cannot finish. ``until``: a reading of ``clock`` no search under this limit may run past, so
+    that the several searches of one decision share its time."""
 
     work: int | None = None
     seconds: float | None = None
     clock: Callable[[], float] | None = None
+    until: float | None = None
 
     def __post_init__(self) -> None:
         if self.work is not None and (isinstance(self.work, bool) or not isinstance(self.work, int) or self.work < 1):
@@ -113,6 +115,8 @@ class _Meter:
         self.clock = limit.clock if limit is not None and limit.seconds is not None else None
         self.seconds = limit.seconds if self.clock is not None else None
         self.start = self.clock() if self.clock is not None else 0.0
+        if self.seconds is not None and limit is not None and limit.until is not None:
+            self.seconds = max(min(self.seconds, limit.until - self.start), 0.0)
         self.total = inf if limit is None or limit.work is None else limit.work
         self.granted = inf if self.total == inf else max(1, int(self.total * EXACT_SHARE))
         self.left = self.granted

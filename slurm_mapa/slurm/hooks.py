@@ -114,8 +114,8 @@ def choose(
     search_seconds: float | None = None,
 ) -> Decision:
     """The pure decision: the policy's choice on the free healthy GPUs, or the fail-open fallback.
-    ``search_seconds``: how long each search may take (core.search.SearchLimit); past it the best
-    found is taken and the record says how far from the optimum it can be (``gap=``)."""
+    ``search_seconds``: how long its searches may take together (core.search.SearchLimit); past it
+    the best found is taken and the record says how far from the optimum it can be (``gap=``)."""
     free = ledger.free(size, unhealthy)
     running = ledger.running_groups()
     if graph is not None and not problem:
@@ -131,7 +131,10 @@ def choose(
 
             request = to_request(directive, len(ctx.slurm_gpus))
             model = resolve_model(config.model_for(ctx.node), graph)
-            limit = SearchLimit(seconds=search_seconds, clock=time.monotonic) if search_seconds else None
+            # One end for every search of this decision (the affinity rule may search twice, and a
+            # collective's set is re-ordered after): the decision, not each search, gets the time.
+            limit = (SearchLimit(seconds=search_seconds, clock=time.monotonic, until=time.monotonic() + search_seconds)
+                     if search_seconds else None)
             job_cpus = None
             if config.affinity_mode != "ignore":
                 job_cpus = ctx.job_cpus if ctx.job_cpus is not None else cpus_of_slurms_gpus(graph, ctx.slurm_gpus)
@@ -228,12 +231,12 @@ def spread(job_id: str, gpus: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(gpus, key=lambda gpu: zlib.crc32(f"{job_id}:{gpu}".encode())))
 
 
-DECISION_SEARCH_S = 0.2  # each search of a decision; past it, the best found and its proven gap (docs/engine.md)
+DECISION_SEARCH_S = 0.2  # the searches of one decision; past it, the best found and its proven gap (docs/engine.md)
 
 
 def search_seconds(budget: Budget) -> float:
-    """How long each search of this decision may take: DECISION_SEARCH_S, less when the budget is
-    nearly spent (the search, the commit and the record must all fit)."""
+    """How long the searches of this decision may take together: DECISION_SEARCH_S, less when the
+    budget is nearly spent (the search, the commit and the record must all fit)."""
     return max(min(DECISION_SEARCH_S, budget.for_step(budget.left()) / 4), 0.01)
 
 
