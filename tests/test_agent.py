@@ -278,3 +278,22 @@ def test_written_wrappers_run_the_hooks_with_and_without_the_agent(tmp_path, cap
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_ping_is_answered_and_neither_runs_nor_logs_anything(live_agent):
+    """mapa doctor's probe: "done ping" from a live agent; a ping with a payload is refused, and
+    nothing else ever reaches the log or the ledger."""
+    import socket as socket_module
+
+    from slurm_mapa.slurm.doctor.gather_inputs import ask_agent
+
+    server, slurm, config, errors = live_agent
+    assert ask_agent(server.server_address) == "done ping"
+    assert errors == [] and not Path(config.log).exists() and not Path(config.ledger).exists()
+    with socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(server.server_address)
+        payload = b"SLURM_JOB_ID=1\n"
+        sock.sendall(b"MAPA1 ping %d\n" % len(payload) + payload)
+        assert sock.recv(4096).startswith(b"error a ping request carries no variables")
+    assert len(errors) == 1 and "ping" in errors[0]

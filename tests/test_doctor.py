@@ -129,7 +129,7 @@ def healthy(**changes) -> Inputs:
             PathFacts("/run/slurm-mapa-agent", "mapa-agent's socket directory", "dir", mode=0o700),
             PathFacts(SPANK, "SPANK plugin", "program"),
         ),
-        agent_answer="error unknown hook kind 'doctor' (accepted: prolog, epilog, isolate)",
+        agent_answer="done ping",
         isolate_socket=PathFacts("/run/slurm-mapa-isolate/isolate.sock", "isolation socket", "socket", mode=0o666),
     )
     return dataclasses.replace(inputs, **changes)

@@ -51,6 +51,7 @@ FALL_BACK = 3
 # Anyone may connect here (the directory is 755, the socket 666): it takes isolate requests only.
 ISOLATE_SOCKET = "/run/slurm-mapa-isolate/isolate.sock"
 ISOLATE = "isolate"
+PING = "ping"  # root only, no payload: "done ping" from a live agent, nothing run or logged (mapa doctor)
 # The job id is only checked against the task's cgroup; the step's GPUs narrow within the job.
 # MAPA_STEP_ENV=1: sent by the SPANK plugin (root) with the step's SLURM_STEP_GPUS, or without it
 # for a step of no GPUs; believed only from root.

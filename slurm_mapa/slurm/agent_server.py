@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import InputError
-from .agent_client import ISOLATE, ISOLATE_KEYS, KEYS, KINDS, MAX_HEADER_BYTES, MAX_REQUEST_BYTES, MAX_VALUE_BYTES
+from .agent_client import ISOLATE, ISOLATE_KEYS, KEYS, KINDS, MAX_HEADER_BYTES, MAX_REQUEST_BYTES, MAX_VALUE_BYTES, PING
 from .commands import is_job_id
 
 if TYPE_CHECKING:
@@ -173,7 +173,12 @@ class _Handler(socketserver.BaseRequestHandler):
             if uid != 0:
                 conn.sendall(b"error only root may ask mapa-agent\n")
                 return
-            kind, env = read_request(conn, self.server.request_read_timeout, KINDS + (ISOLATE,), KEYS + ISOLATE_KEYS)
+            kind, env = read_request(conn, self.server.request_read_timeout, KINDS + (ISOLATE, PING), KEYS + ISOLATE_KEYS)
+            if kind == PING:
+                if env:
+                    raise InputError("a ping request carries no variables")
+                conn.sendall(b"done ping\n")
+                return
             if kind != ISOLATE and not is_job_id(env.get("SLURM_JOB_ID", "")):
                 raise InputError(f"SLURM_JOB_ID {env.get('SLURM_JOB_ID', '')[:40]!r} is not a job id (accepted: digits)")
         except (InputError, OSError) as error:

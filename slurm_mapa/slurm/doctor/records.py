@@ -15,9 +15,9 @@ TOOL_TIMEOUT_S = 10.0  # each nvidia-smi / rocm-smi call, and NVML discovery
 AGENT_TIMEOUT_S = 2.0  # the mapa-agent probe, connect and answer together
 MAX_TEXT_BYTES = 1 << 20  # a config file; more is an error
 UNLIMITED_TIMEOUT = 65534  # NO_VAL16, what Slurm prints for "no limit" (65535, INFINITE16, alike)
-# A request the agent refuses at once and harmlessly: an unknown kind (it logs one line, "refused a
-# request: unknown hook kind 'doctor'"). The protocol has no ping; this costs the agent a header parse.
-PROBE = b"MAPA1 doctor 0\n"
+# The agent's ping: answered "done ping", nothing run or logged. An agent older than the ping
+# refuses it as an unknown kind (one line in its log), which still shows that it answers.
+PROBE = b"MAPA1 ping 0\n"
 HOOKS = (("Prolog", "prolog", "mapa-prolog-wrapper"), ("Epilog", "epilog", "mapa-epilog-wrapper"),
          ("TaskProlog", "taskprolog", "mapa-taskprolog"))
 NODE_CHECKS = ("hook files", "hooks-current", "spank", "topology", "gres", "discovery", "isolation", "agent", "features")
