@@ -331,8 +331,9 @@ def test_a_prolog_killed_midway_loses_no_gpu(cluster):
     _ensure_agent(cluster, node)
     cluster.exec(node, ["sh", "-c", "printf '#!/bin/sh\\nsleep 4\\nexec /usr/bin/scontrol \"$@\"\\n' > /usr/local/bin/slow-scontrol"
                                     " && chmod 755 /usr/local/bin/slow-scontrol"])
-    # Within command_timeout (5 s).
-    _set_node_config(cluster, node, 'scontrol = "/usr/local/bin/slow-scontrol"\njob_submit_lua = false')
+    # Within command_timeout (5 s). The largest budget: under CI's load the agent took 12 s to reach
+    # scontrol, which left the in-process Prolog too little of the default 15 s to reach it too.
+    _set_node_config(cluster, node, 'scontrol = "/usr/local/bin/slow-scontrol"\njob_submit_lua = false\nprolog_budget = 20')
     try:
         first = cluster.sbatch(HOLDING_JOB.format(gpus=2, sensitive="yes").replace("#MAPA", "# no directive:"), "-w", node)
         agent = _wait_for(cluster, node, ["pgrep", "-f", AGENT_PROCESS], "no mapa-agent runs").split()
