@@ -51,6 +51,20 @@ def read_or_refuse(main, argv, capsys) -> None:
         assert len(lines) == 1 and ": error: " in lines[0], err[-2000:]
 
 
+def each_damaged_copy(original: bytes, path: Path, capsys, *readers) -> None:
+    """Damaged copies of ``original`` written to ``path`` in turn; each reader, a (main, argv) that
+    reads ``path``, must read or refuse every copy."""
+
+    @DAMAGE
+    @given(data=damaged(original))
+    def check(data):
+        path.write_bytes(data)
+        for main, argv in readers:
+            read_or_refuse(main, argv, capsys)
+
+    check()
+
+
 def test_the_examples_are_there():
     """The parametrised tests below run once per example: none may silently run on zero files."""
     assert len(SMI_TEXTS) >= 20 and len(MODELS) >= 3 and len(REPLAY_LOGS) >= 5 and NCCL_OUTPUTS
@@ -58,15 +72,10 @@ def test_the_examples_are_there():
 
 @pytest.mark.parametrize("example", SMI_TEXTS, ids=lambda p: p.name)
 def test_a_damaged_saved_smi_output(example, tmp_path, capsys):
-    @DAMAGE
-    @given(data=damaged(example.read_bytes()))
-    def check(data):
-        path = tmp_path / example.name
-        path.write_bytes(data)
-        read_or_refuse(mapa_main, ["topo", "discover", "--source", "file", "--file", str(path)], capsys)
-        read_or_refuse(mapa_main, ["topo", "show", str(path)], capsys)
-
-    check()
+    path = tmp_path / example.name
+    each_damaged_copy(example.read_bytes(), path, capsys,
+                      (mapa_main, ["topo", "discover", "--source", "file", "--file", str(path)]),
+                      (mapa_main, ["topo", "show", str(path)]))
 
 
 @pytest.fixture(scope="module")
@@ -79,53 +88,31 @@ def preset_files(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("preset", ["dgx1-v100", "mi250x", "torus2d-16"])
 def test_a_damaged_topology_file(preset, preset_files, tmp_path, capsys):
-    original = (preset_files / f"{preset}.toml").read_bytes()
-
-    @DAMAGE
-    @given(data=damaged(original))
-    def check(data):
-        path = tmp_path / "damaged.toml"
-        path.write_bytes(data)
-        read_or_refuse(mapa_main, ["topo", "show", str(path)], capsys)
-        read_or_refuse(mapa_main, ["select", "--topology", str(path), "--gpus", "2"], capsys)
-
-    check()
+    path = tmp_path / "damaged.toml"
+    each_damaged_copy((preset_files / f"{preset}.toml").read_bytes(), path, capsys,
+                      (mapa_main, ["topo", "show", str(path)]),
+                      (mapa_main, ["select", "--topology", str(path), "--gpus", "2"]))
 
 
 @pytest.mark.parametrize("example", MODELS, ids=lambda p: p.name)
 def test_a_damaged_model_file(example, tmp_path, capsys):
-    @DAMAGE
-    @given(data=damaged(example.read_bytes()))
-    def check(data):
-        path = tmp_path / example.name
-        path.write_bytes(data)
-        read_or_refuse(mapa_main, ["select", "--topology", "dgx1-v100", "--gpus", "3", "--model", str(path)], capsys)
-
-    check()
+    path = tmp_path / example.name
+    each_damaged_copy(example.read_bytes(), path, capsys,
+                      (mapa_main, ["select", "--topology", "dgx1-v100", "--gpus", "3", "--model", str(path)]))
 
 
 @pytest.mark.parametrize("example", REPLAY_LOGS, ids=lambda p: p.name)
 def test_a_damaged_replay_log(example, tmp_path, capsys):
-    @DAMAGE
-    @given(data=damaged(example.read_bytes()))
-    def check(data):
-        path = tmp_path / example.name
-        path.write_bytes(data)
-        read_or_refuse(replay_main, ["run", str(path), "--nodes", "2", "--policies", "preserve", "--json"], capsys)
-
-    check()
+    path = tmp_path / example.name
+    each_damaged_copy(example.read_bytes(), path, capsys,
+                      (replay_main, ["run", str(path), "--nodes", "2", "--policies", "preserve", "--json"]))
 
 
 def test_a_damaged_replay_config(tmp_path, capsys):
-    @DAMAGE
-    @given(data=damaged((BUNDLED / "replay" / "demo.toml").read_bytes()))
-    def check(data):
-        path = tmp_path / "demo.toml"
-        path.write_bytes(data)
-        read_or_refuse(replay_main, ["run", str(BUNDLED / "replay" / "sample-sacct.txt"), "--config", str(path),
-                                     "--policies", "preserve", "--json"], capsys)
-
-    check()
+    path = tmp_path / "demo.toml"
+    each_damaged_copy((BUNDLED / "replay" / "demo.toml").read_bytes(), path, capsys,
+                      (replay_main, ["run", str(BUNDLED / "replay" / "sample-sacct.txt"), "--config", str(path),
+                                     "--policies", "preserve", "--json"]))
 
 
 @pytest.mark.parametrize("example", NCCL_OUTPUTS, ids=lambda p: p.name)
@@ -136,14 +123,9 @@ def test_a_damaged_nccl_tests_output(example, tmp_path, capsys):
     plan = tmp_path / "plan" / "plan.json"
     assert plan.is_file(), sorted(p.name for p in (tmp_path / "plan").iterdir())
 
-    @DAMAGE
-    @given(data=damaged(example.read_bytes()))
-    def check(data):
-        path = tmp_path / example.name
-        path.write_bytes(data)
-        read_or_refuse(mapa_main, ["calibrate", "fit", "--plan", str(plan), str(path)], capsys)
-
-    check()
+    path = tmp_path / example.name
+    each_damaged_copy(example.read_bytes(), path, capsys,
+                      (mapa_main, ["calibrate", "fit", "--plan", str(plan), str(path)]))
 
 
 def test_damage_is_not_a_no_op():

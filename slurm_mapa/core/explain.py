@@ -10,7 +10,7 @@ Owns the explanation of a choice; imports .allocation, .effbw, .hardware, .patte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 from math import comb
 
@@ -42,14 +42,7 @@ def reported_placement(
     if best.gap is not None and placement.effective_bandwidth is not None and (
             best.effective_bandwidth is None or best.effective_bandwidth < placement.effective_bandwidth):
         return placement
-    return Placement(
-        gpus=best.gpus,
-        aggregated_bandwidth=best.aggregated_bandwidth,
-        link_counts=best.link_counts,
-        effective_bandwidth=best.effective_bandwidth,
-        preserved_bandwidth=placement.preserved_bandwidth,
-        gap=placement.gap,
-    )
+    return replace(best, preserved_bandwidth=placement.preserved_bandwidth, gap=placement.gap)
 
 
 def reported_allocation(graph: HardwareGraph, request: Request, chosen: Allocation, model: EffectiveBandwidthModel,

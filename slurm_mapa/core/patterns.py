@@ -204,6 +204,19 @@ def _adjacency(pattern: Pattern) -> list[list[tuple[float, ...]]]:
     return [[tuple(sorted(cell)) for cell in row] for row in lists]
 
 
+def twin_links(class_of: list[int]) -> tuple[list[int], dict[int, list[int]]]:
+    """From each vertex's twin class (its lowest twin): each vertex's next lower twin (-1: none)
+    and the classes' members in order."""
+    classes: dict[int, list[int]] = {}
+    for v, representative in enumerate(class_of):
+        classes.setdefault(representative, []).append(v)
+    twin_prev = [-1] * len(class_of)
+    for members in classes.values():
+        for earlier, later in zip(members, members[1:]):
+            twin_prev[later] = earlier
+    return twin_prev, classes
+
+
 def _symmetry(pattern: Pattern) -> PatternSymmetry:
     size = pattern.size
     adj = _adjacency(pattern)
@@ -217,13 +230,7 @@ def _symmetry(pattern: Pattern) -> PatternSymmetry:
             if class_of[u] == u and are_twins(u, v):
                 class_of[v] = u
                 break
-    classes: dict[int, list[int]] = {}
-    for v in range(size):
-        classes.setdefault(class_of[v], []).append(v)
-    twin_prev = [-1] * size
-    for members in classes.values():
-        for earlier, later in zip(members, members[1:]):
-            twin_prev[later] = earlier
+    twin_prev, classes = twin_links(class_of)
     return PatternSymmetry(
         twin_prev=tuple(twin_prev),
         automorphisms=tuple(_monotone_automorphisms(adj, class_of, size)),

@@ -39,7 +39,7 @@ Owns Placement, SearchLimit, best_placement and the objectives; imports .effbw, 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import combinations
 from math import comb, inf
@@ -225,14 +225,7 @@ def best_placement(
 
 
 def _with_gap(placement: Placement, upper: float, value: float) -> Placement:
-    return Placement(
-        gpus=placement.gpus,
-        aggregated_bandwidth=placement.aggregated_bandwidth,
-        link_counts=placement.link_counts,
-        effective_bandwidth=placement.effective_bandwidth,
-        preserved_bandwidth=placement.preserved_bandwidth,
-        gap=_gap(upper, value),
-    )
+    return replace(placement, gap=_gap(upper, value))
 
 
 def _best_preserving(

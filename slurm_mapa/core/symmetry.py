@@ -27,7 +27,7 @@ from functools import lru_cache
 from typing import Iterable
 
 from .hardware import HardwareGraph
-from .patterns import Pattern, PatternSymmetry
+from .patterns import Pattern, PatternSymmetry, twin_links
 
 
 @lru_cache(maxsize=16)
@@ -120,13 +120,7 @@ def search_symmetry(pattern: Pattern) -> PatternSymmetry:
             if class_of[u] == u and same:
                 class_of[v] = u
                 break
-    classes: dict[int, list[int]] = {}
-    for v in range(size):
-        classes.setdefault(class_of[v], []).append(v)
-    twin_prev = [-1] * size
-    for members in classes.values():
-        for earlier, later in zip(members, members[1:]):
-            twin_prev[later] = earlier
+    twin_prev, classes = twin_links(class_of)
     return PatternSymmetry(
         twin_prev=tuple(twin_prev),
         automorphisms=tuple(_monotone_automorphisms(adjacent, class_of, twin_prev, size)),
