@@ -52,7 +52,7 @@ start_agent() {
         set +e  # the agent exiting (or killed: status 137) must not end this loop
         while true; do
             /usr/bin/python3 -I -X pycache_prefix=/var/cache/slurm-mapa/pycache -c \
-                'import sys; sys.path.insert(0, "/opt/slurm-mapa"); from slurm_mapa.slurm.agent import main; sys.exit(main())' \
+                'import sys; sys.path.insert(0, "/opt/slurm-mapa"); from slurm_mapa.slurm.agent.service import main; sys.exit(main())' \
                 --config /etc/slurm/mapa.toml
             log "mapa-agent exited ($?); restarting it"
             sleep 1

@@ -18,9 +18,9 @@ from .core.hardware import HardwareGraph
 from .core.policies import Allocation, NoFit, Request, all_policies, select
 from .errors import InputError, MapaError
 from .hardware.load import load_topology, resolve_model
-from .slurm.admin import add_commands as add_admin_commands
-from .slurm.commands import parse_gpu_indices
-from .slurm.directive import parse_directive, to_request
+from .slurm.admin.status import add_commands as add_admin_commands
+from .slurm.text.commands import parse_gpu_indices
+from .slurm.text.directive import parse_directive, to_request
 
 EXIT_NO_FIT = 1
 EXIT_BAD_INPUT = 2
@@ -244,11 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     sel.set_defaults(handler=cmd_select)
 
     add_admin_commands(commands)
-    from .slurm.install import add_commands as add_hook_commands
+    from .slurm.admin.install import add_commands as add_hook_commands
     add_hook_commands(commands)
-    from .slurm.doctor import add_commands as add_doctor_commands
+    from .slurm.admin.doctor import add_commands as add_doctor_commands
     add_doctor_commands(commands)
-    from .slurm.release import add_commands as add_release_commands
+    from .slurm.admin.release import add_commands as add_release_commands
     add_release_commands(commands)
     from .calibrate.commands import add_commands as add_calibrate_commands
     add_calibrate_commands(commands)

@@ -636,7 +636,7 @@ class Simulation:
             out = open(self.dir / "agent.out", "ab")
             isolate = ["--isolate-socket", str(self.isolate_dir / "isolate.sock")] if self.isolate_dir else []
             self.agent = subprocess.Popen(
-                [self.sc.python, "-m", "slurm_mapa.slurm.agent", "--config", str(self.config), "--socket", str(self.socket),
+                [self.sc.python, "-m", "slurm_mapa.slurm.agent.service", "--config", str(self.config), "--socket", str(self.socket),
                  "--node", NODE, *isolate],
                 cwd=self.sc.package_root, env={"PYTHONPATH": self.sc.package_root, "PATH": "/usr/bin:/bin"},
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)

@@ -17,13 +17,13 @@ from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Request, select
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.presets import preset
-from slurm_mapa.slurm import agent_client
-from slurm_mapa.slurm.agent import Agent
-from slurm_mapa.slurm.agent_background import Background
-from slurm_mapa.slurm.agent_server import parse_header, parse_payload, serve
+from slurm_mapa.slurm.agent import client as agent_client
+from slurm_mapa.slurm.agent.service import Agent
+from slurm_mapa.slurm.agent.background import Background
+from slurm_mapa.slurm.agent.server import parse_header, parse_payload, serve
 from slurm_mapa.slurm.config import config_from_text
-from slurm_mapa.slurm.hooks import run_prolog
-from slurm_mapa.slurm.ledger import LedgerFile
+from slurm_mapa.slurm.hooks.prolog import run_prolog
+from slurm_mapa.slurm.node_state.ledger import LedgerFile
 
 CLIENT = Path(agent_client.__file__)
 
@@ -87,8 +87,8 @@ def test_without_an_agent_the_client_says_fall_back(tmp_path):
 def test_the_client_imports_nothing_but_built_in_modules():
     # Its speed is the point: no package module and no stdlib module read from disk except _socket.
     probe = ("import sys; before = set(sys.modules); "
-             f"sys.path.insert(0, {str(CLIENT.parent)!r}); import agent_client; "
-             "print(sorted(name for name in set(sys.modules) - before - {'agent_client'} "
+             f"sys.path.insert(0, {str(CLIENT.parent)!r}); import {CLIENT.stem}; "
+             f"print(sorted(name for name in set(sys.modules) - before - {{{CLIENT.stem!r}}} "
              "if getattr(sys.modules[name].__spec__, 'origin', None) not in ('built-in', 'frozen')))")
     added = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, check=True).stdout
     assert set(eval(added)) <= {"_socket"}, added
@@ -191,7 +191,7 @@ def test_a_prolog_whose_client_went_away_keeps_only_its_provisional_choice(tmp_p
 
 # --- mapa hooks: the wrappers Slurm runs ---------------------------------------------------------
 
-from slurm_mapa.slurm.install import slurm_conf_lines, wrapper_text  # noqa: E402
+from slurm_mapa.slurm.admin.install import slurm_conf_lines, wrapper_text  # noqa: E402
 
 
 def test_wrapper_text_literal():
@@ -205,8 +205,8 @@ def test_wrapper_text_literal():
         "MAPA_CONFIG=/etc/slurm/mapa.toml\n"
         "export MAPA_CONFIG MAPA_WRAPPER_STARTED\n"
         "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
-        "/usr/bin/python3 -I -S /opt/site/slurm_mapa/slurm/agent_client.py epilog && exit 0\n"
-        "/usr/bin/python3 -I -c 'import sys; sys.path.insert(0, \"/opt/site\"); from slurm_mapa.slurm.epilog import epilog_main; "
+        "/usr/bin/python3 -I -S /opt/site/slurm_mapa/slurm/agent/client.py epilog && exit 0\n"
+        "/usr/bin/python3 -I -c 'import sys; sys.path.insert(0, \"/opt/site\"); from slurm_mapa.slurm.hooks.epilog import epilog_main; "
         "sys.exit(epilog_main())'\n"
         "# Killed by a signal (the OOM killer, say) early enough to stay inside Slurm's timeout: once more;\n"
         "# that run finds what the first one left and finishes it.\n"
@@ -214,7 +214,7 @@ def test_wrapper_text_literal():
         "read -r now rest < /proc/uptime || now=0\n"
         'if [ "$status" -gt 128 ] && [ $(( ${now%.*} - ${MAPA_WRAPPER_STARTED%.*} )) -lt 30 ]; then\n'
         "  MAPA_HOOK_RETRY_AFTER_SIGNAL=$((status - 128)) /usr/bin/python3 -I -c 'import sys; sys.path.insert(0, \"/opt/site\"); "
-        "from slurm_mapa.slurm.epilog import epilog_main; sys.exit(epilog_main())'\n"
+        "from slurm_mapa.slurm.hooks.epilog import epilog_main; sys.exit(epilog_main())'\n"
         "fi\n"
         "exit 0\n"
     )
@@ -285,7 +285,7 @@ def test_a_ping_is_answered_and_neither_runs_nor_logs_anything(live_agent):
     nothing else ever reaches the log or the ledger."""
     import socket as socket_module
 
-    from slurm_mapa.slurm.doctor.gather_inputs import ask_agent
+    from slurm_mapa.slurm.admin.doctor.gather_inputs import ask_agent
 
     server, slurm, config, errors = live_agent
     assert ask_agent(server.server_address) == "done ping"

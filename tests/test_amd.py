@@ -284,7 +284,7 @@ TASKPROLOG = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data" / "hook
 def _taskprolog(tmp_path, content, *, kfd="/nonexistent/kfd", vendor="auto", step_gpus=None):
     import subprocess
 
-    from slurm_mapa.slurm.install import taskprolog_text
+    from slurm_mapa.slurm.admin.install import taskprolog_text
 
     script = taskprolog_text(str(tmp_path), vendor).replace("KFD=/dev/kfd\n", f"KFD={kfd}\n")
     path = tmp_path / "taskprolog"
@@ -314,7 +314,7 @@ def test_taskprolog_stays_nvidia_without_kfd_or_when_told(tmp_path):
     assert out[0] == "export CUDA_VISIBLE_DEVICES=0,3" and not any("ROCR" in line for line in out)
     assert _taskprolog(tmp_path, "MAPA_GPUS=0,3\n", kfd="/dev/null", vendor="nvidia")[0] == "export CUDA_VISIBLE_DEVICES=0,3"
     assert _taskprolog(tmp_path, "MAPA_GPUS=1;reboot\n", kfd="/dev/null") == []
-    from slurm_mapa.slurm.install import taskprolog_text
+    from slurm_mapa.slurm.admin.install import taskprolog_text
 
     with pytest.raises(InputError, match="GPU vendor"):
         taskprolog_text("/run/x", "intel")

@@ -140,7 +140,7 @@ def test_the_prolog_asks_amd_smi_on_nodes_with_the_amdgpu_driver(tmp_path, monke
     import importlib.util
 
     from slurm_mapa.slurm.config import HookConfig
-    from slurm_mapa.slurm.hooks import gpu_health_probe
+    from slurm_mapa.slurm.hooks.prolog import gpu_health_probe
 
     kfd = tmp_path / "kfd"
     kfd.write_text("")
@@ -150,7 +150,7 @@ def test_the_prolog_asks_amd_smi_on_nodes_with_the_amdgpu_driver(tmp_path, monke
 
 
 def test_the_gpu_count_of_an_amd_node_comes_from_its_render_nodes(tmp_path):
-    from slurm_mapa.slurm.jobfiles import device_count
+    from slurm_mapa.slurm.node_state.job_files import device_count
 
     (tmp_path / "dri").mkdir()
     for name in ("renderD128", "renderD129", "card0", "card1"):

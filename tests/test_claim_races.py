@@ -19,11 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.slurm import epilog, hooks, jobfiles, paths
-from slurm_mapa.slurm.budget import Budget
-from slurm_mapa.slurm.commands import CommandFailed
+from slurm_mapa.slurm.hooks import epilog
+from slurm_mapa.slurm.hooks import prolog as hooks
+from slurm_mapa.slurm.node_state import job_files as jobfiles
+from slurm_mapa.slurm import trusted_files as paths
+from slurm_mapa.slurm.hooks.budget import Budget
+from slurm_mapa.slurm.text.commands import CommandFailed
 from slurm_mapa.slurm.config import HookConfig
-from slurm_mapa.slurm.ledger import LedgerFile
+from slurm_mapa.slurm.node_state.ledger import LedgerFile
 
 SIZE = 8
 

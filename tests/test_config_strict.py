@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from slurm_mapa.cli import main as mapa_main
 from slurm_mapa.errors import MapaError
-from slurm_mapa.replay.cli import _load_config as load_replay_config
+from slurm_mapa.replay.cluster_spec import _load_config as load_replay_config
 from slurm_mapa.replay.cli import main as replay_main
 from slurm_mapa.slurm.config import HOOK_KEYS, HookConfig, config_from_text, load_admin_config, load_hook_config
 

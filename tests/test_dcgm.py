@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurm_mapa.slurm import dcgm, paths
-from slurm_mapa.slurm.dcgm import mapping_files, write_mapping
+from slurm_mapa.slurm.agent import dcgm
+from slurm_mapa.slurm import trusted_files as paths
+from slurm_mapa.slurm.agent.dcgm import mapping_files, write_mapping
 
 OTHER_UID = 12345
 _EXPORTER_NAME = re.compile(r"^\d+(\.\d+)?$")  # validGPUFile in dcgm-exporter's hpc.go

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from slurm_mapa.core.patterns import SHAPES, make_pattern
 from slurm_mapa.errors import InputError
-from slurm_mapa.slurm.directive import (
+from slurm_mapa.slurm.text.directive import (
     MAX_DIRECTIVE_LINES,
     MAX_LINE_CHARS,
     Directive,

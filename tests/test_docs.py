@@ -11,9 +11,9 @@ import pytest
 from slurm_mapa.cli import main as mapa_main
 from slurm_mapa.hardware.presets import PRESETS
 from slurm_mapa.slurm.config import HookConfig
-from slurm_mapa.slurm.decision import Decision, parse_decisions
-from slurm_mapa.slurm.install import needed_hook_timeout
-from slurm_mapa.slurm.install import slurm_conf_lines
+from slurm_mapa.slurm.text.decision import Decision, parse_decisions
+from slurm_mapa.slurm.admin.install import needed_hook_timeout
+from slurm_mapa.slurm.admin.install import slurm_conf_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -96,8 +96,8 @@ def test_admin_md_decision_record_is_the_decision_made_today():
     from slurm_mapa.core.effbw import paper_model
     from slurm_mapa.core.explain import reported_allocation
     from slurm_mapa.hardware.presets import preset
-    from slurm_mapa.slurm.decision import affinity_token
-    from slurm_mapa.slurm.directive import parse_comment, to_request
+    from slurm_mapa.slurm.text.decision import affinity_token
+    from slurm_mapa.slurm.text.directive import parse_comment, to_request
 
     example = _record_example()
     recorded = parse_decisions(example)["dgx1"]

@@ -17,10 +17,10 @@ from slurm_mapa.hardware.gres import CpuLayout, gres_conf_text
 from slurm_mapa.hardware.load import load_topology_file
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.hardware.topofile import Topology
-from slurm_mapa.slurm import doctor
-from slurm_mapa.slurm.doctor import checks as doctor_checks, gather_inputs, records, slurm_text
-from slurm_mapa.slurm.doctor import FAIL, OK, WARN, Inputs, PathFacts, run_checks
-from slurm_mapa.slurm.install import job_submit_text, taskprolog_text, wrapper_text
+from slurm_mapa.slurm.admin import doctor
+from slurm_mapa.slurm.admin.doctor import checks as doctor_checks, gather_inputs, records, slurm_text
+from slurm_mapa.slurm.admin.doctor import FAIL, OK, WARN, Inputs, PathFacts, run_checks
+from slurm_mapa.slurm.admin.install import job_submit_text, taskprolog_text, wrapper_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

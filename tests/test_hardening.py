@@ -25,12 +25,14 @@ from test_agent import FAKE_SCONTROL
 from test_hooks import FakeSlurm, env_for
 
 from slurm_mapa.errors import InputError
-from slurm_mapa.slurm import agent_client, config as config_module, paths
-from slurm_mapa.slurm.agent import Agent
-from slurm_mapa.slurm.agent_server import serve
+from slurm_mapa.slurm import config as config_module
+from slurm_mapa.slurm.agent import client as agent_client
+from slurm_mapa.slurm import trusted_files as paths
+from slurm_mapa.slurm.agent.service import Agent
+from slurm_mapa.slurm.agent.server import serve
 from slurm_mapa.slurm.config import HookConfig, hook_logger, load_hook_config
-from slurm_mapa.slurm.install import PACKAGE_DIR, RETRY_WINDOW_S, check_config, check_interpreter, wrapper_text
-from slurm_mapa.slurm.ledger import LedgerFile
+from slurm_mapa.slurm.admin.install import PACKAGE_DIR, RETRY_WINDOW_S, check_config, check_interpreter, wrapper_text
+from slurm_mapa.slurm.node_state.ledger import LedgerFile
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid and the hooks' checks need root")
 
@@ -100,7 +102,7 @@ def test_the_agent_sets_umask_022_whatever_started_it(tmp_path):
     config = _write_config(tmp_path / "mapa.toml", tmp_path)
     sock = tmp_path / "agent" / "agent.sock"
     agent = subprocess.Popen(
-        [PYTHON, "-c", "import sys; from slurm_mapa.slurm.agent import main; sys.exit(main(sys.argv[1:]))",
+        [PYTHON, "-c", "import sys; from slurm_mapa.slurm.agent.service import main; sys.exit(main(sys.argv[1:]))",
          "--config", str(config), "--socket", str(sock), "--node", "dgx1"],
         umask=0, cwd=str(PACKAGE_DIR.parent), stderr=subprocess.PIPE, text=True,
     )
@@ -153,7 +155,7 @@ def test_an_untrusted_config_is_refused_and_the_prolog_falls_back(tmp_path, monk
 def _prolog_falls_back_with(config: Path, tmp_path: Path, monkeypatch, expected: str) -> None:
     """Run the in-process Prolog body with the config at ``config``. A refused config means the
     defaults (/var/lib, /run, /var/log of this machine), so they are pointed into tmp_path here."""
-    from slurm_mapa.slurm.hooks import prolog_failing_open
+    from slurm_mapa.slurm.hooks.prolog import prolog_failing_open
 
     @dataclass(frozen=True)
     class Defaults(HookConfig):

@@ -15,15 +15,16 @@ from slurm_mapa.core.order import prefix_order
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Request, select
 from slurm_mapa.hardware.presets import preset
-from slurm_mapa.slurm.commands import CommandFailed, parse_gpu_indices, parse_job_ids
+from slurm_mapa.slurm.text.commands import CommandFailed, parse_gpu_indices, parse_job_ids
 from slurm_mapa.slurm.config import HookConfig, config_from_text
-from slurm_mapa.slurm.decision import Decision, parse_decisions, with_decision
-from slurm_mapa.slurm.epilog import run_epilog
-from slurm_mapa.slurm.hooks import run_prolog
-from slurm_mapa.slurm.reconcile import reconcile_node, touch_reconciled
-from slurm_mapa.slurm.directive import parse_directive
-from slurm_mapa.slurm.jobfiles import Mark, mark_for, mark_is_live, mark_path, process_start_time, write_job_file, write_mark
-from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json
+from slurm_mapa.slurm.text.decision import Decision, parse_decisions, with_decision
+from slurm_mapa.slurm.hooks.epilog import run_epilog
+from slurm_mapa.slurm.hooks.prolog import run_prolog
+from slurm_mapa.slurm.hooks.reconcile import reconcile_node
+from slurm_mapa.slurm.node_state import NodeState
+from slurm_mapa.slurm.text.directive import parse_directive
+from slurm_mapa.slurm.node_state.job_files import Mark, mark_for, mark_is_live, mark_path, process_start_time, write_job_file, write_mark
+from slurm_mapa.slurm.node_state.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json
 from slurm_mapa.errors import InputError
 
 TASKPROLOG = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data" / "hooks" / "mapa-taskprolog"
@@ -112,7 +113,7 @@ def test_finished_jobs_are_reaped_by_the_reconcile_pass_not_the_prolog(setup):
     old = time.time() - 3600
     os.utime(mark_path(config.jobs_dir, "5"), (old, old))
     slurm.running = {"12"}
-    touch_reconciled(config)  # mapa-agent's passes keep this fresh: no Prolog lists jobs itself
+    NodeState.of(config).touch_reconciled()  # mapa-agent's passes keep this fresh: no Prolog lists jobs itself
     decision = run_prolog(env_for("12", "1,2", "mapa:sensitive=yes"), config, slurm, logs.append)
     assert not {0, 3} & set(decision.gpus) and not [c for c in slurm.calls if "squeue" in c[0]]
     assert reconcile_node(config, "dgx1", slurm, logs.append)
@@ -304,7 +305,7 @@ def test_taskprolog_without_a_job_file_drops_what_the_batch_node_exported(tmp_pa
 
 
 def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys, monkeypatch):
-    from slurm_mapa.slurm.admin import explain_job, node_status
+    from slurm_mapa.slurm.admin.status import explain_job, node_status
 
     config, slurm, logs = setup
     slurm.running = {"60", "61"}
@@ -322,7 +323,7 @@ def test_status_and_explain_read_what_the_prolog_recorded(setup, capsys, monkeyp
     assert report[0]["alternatives"] and all(alt["why_not"] for alt in report[0]["alternatives"])
     assert (report[0]["slurm_gpus"], report[0]["affinity"], report[0]["isolation"]) == ([0, 1, 2, 3], "prefer:0.1", "")
     # The text form says under which rule the choice was made, and an isolation note when there is one.
-    from slurm_mapa.slurm import admin
+    from slurm_mapa.slurm.admin import status as admin
 
     noted = slurm.admin["60"] + " isolation=failed-open why=cannot_set_up_the_devices_cgroup"
     slurm.admin["60"] = noted
@@ -388,7 +389,7 @@ def test_a_killed_writer_never_leaves_a_torn_ledger(tmp_path):
     path = tmp_path / "ledger.json"
     writer = (
         "import sys, itertools\n"
-        "from slurm_mapa.slurm.ledger import Ledger, LedgerFile, Holding\n"
+        "from slurm_mapa.slurm.node_state.ledger import Ledger, LedgerFile, Holding\n"
         "f = LedgerFile(sys.argv[1], 8)\n"
         "for i in itertools.count():\n"
         "    f.write(Ledger({str(j): Holding((j,), 'preserve', float(i), 'x' * 5000) for j in range(i % 8)}))\n"
@@ -424,7 +425,7 @@ def test_jobs_running_without_a_ledger_entry_are_adopted_with_slurms_gpus(setup)
 
 
 def test_gres_detail_parsing():
-    from slurm_mapa.slurm.commands import slurm_gpus_on_only_node
+    from slurm_mapa.slurm.text.commands import slurm_gpus_on_only_node
 
     assert slurm_gpus_on_only_node({"gres_detail": ["gpu:2(IDX:0-1)"]}) == (0, 1)
     assert slurm_gpus_on_only_node({"gres_detail": ["gpu:a100:3(IDX:0-1,3)"]}) == (0, 1, 3)
@@ -457,7 +458,7 @@ def test_reaping_keeps_entries_written_after_the_job_list_was_asked_for():
 
 
 def test_a_job_that_ended_after_squeue_listed_it_is_not_adopted(setup):
-    from slurm_mapa.slurm.reconcile import still_running
+    from slurm_mapa.slurm.hooks.reconcile import still_running
 
     assert still_running({"job_state": ["RUNNING"]}) and still_running({"job_state": "SUSPENDED"}) and still_running({})
     assert not still_running({"job_state": ["COMPLETED", "COMPLETING"]}) and not still_running({"job_state": ["RUNNING", "COMPLETING"]})
@@ -573,8 +574,8 @@ def test_the_jobs_own_cpus_from_its_cgroup_win_over_slurms_gpus(setup):
     those decide, and the record names them (cpus=), so a replay can make the same choice."""
     import dataclasses
 
-    from slurm_mapa.slurm.directive import parse_directive
-    from slurm_mapa.slurm.hooks import PrologContext, choose
+    from slurm_mapa.slurm.text.directive import parse_directive
+    from slurm_mapa.slurm.hooks.prolog import PrologContext, choose
 
     config, _, _ = setup
     strict = dataclasses.replace(config, affinity_mode="strict")
@@ -590,7 +591,7 @@ def test_the_jobs_own_cpus_from_its_cgroup_win_over_slurms_gpus(setup):
 
 
 def test_the_prolog_asks_for_the_jobs_cpus_with_the_pid_that_asked(setup, monkeypatch):
-    from slurm_mapa.slurm import jobcpus
+    from slurm_mapa.slurm.hooks import job_cpus as jobcpus
 
     config, slurm, logs = setup
     slurm.running = {"91"}
@@ -620,7 +621,7 @@ def test_a_job_with_a_mark_of_an_earlier_release_is_adopted_and_held(setup, old_
 
 
 def test_a_readable_mark_is_never_replaced_by_adoption(setup):
-    from slurm_mapa.slurm.jobfiles import write_mark_if_none
+    from slurm_mapa.slurm.node_state.job_files import write_mark_if_none
 
     config, _, _ = setup
     config.jobs_dir.mkdir(mode=0o755)
@@ -649,8 +650,8 @@ def test_a_root_request_with_a_path_for_a_job_id_is_refused_in_one_line(tmp_path
     """Security round 3 (low): a root request naming job ../../etc/passwd logged a traceback."""
     import socket as socket_module
 
-    from slurm_mapa.slurm.agent import Agent
-    from slurm_mapa.slurm.agent_server import serve
+    from slurm_mapa.slurm.agent.service import Agent
+    from slurm_mapa.slurm.agent.server import serve
 
     errors = []
     config = tmp_path / "mapa.toml"
@@ -719,9 +720,9 @@ def test_the_prologs_search_is_bounded_and_a_gap_reaches_the_record(setup, monke
 
     from slurm_mapa.core import policies
     from slurm_mapa.core.search import SearchLimit
-    from slurm_mapa.slurm.budget import Budget
-    from slurm_mapa.slurm.directive import parse_directive
-    from slurm_mapa.slurm.hooks import DECISION_SEARCH_S, PrologContext, choose, search_seconds
+    from slurm_mapa.slurm.hooks.budget import Budget
+    from slurm_mapa.slurm.text.directive import parse_directive
+    from slurm_mapa.slurm.hooks.prolog import DECISION_SEARCH_S, PrologContext, choose, search_seconds
 
     config, slurm, logs = setup
     config = dataclasses.replace(config, affinity_mode="ignore")

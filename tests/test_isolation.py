@@ -18,16 +18,17 @@ from pathlib import Path
 import pytest
 
 from slurm_mapa.errors import InputError
-from slurm_mapa.slurm import agent_client, journal
-from slurm_mapa.slurm.decision import parse_decisions
-from slurm_mapa.slurm.agent import Agent
-from slurm_mapa.slurm.agent_server import serve, serve_isolation
+from slurm_mapa.slurm.agent import client as agent_client
+from slurm_mapa.slurm.node_state import journal
+from slurm_mapa.slurm.text.decision import parse_decisions
+from slurm_mapa.slurm.agent.service import Agent
+from slurm_mapa.slurm.agent.server import serve, serve_isolation
 from slurm_mapa.slurm.config import config_from_text
-from slurm_mapa.slurm.install import taskprolog_text
-from slurm_mapa.slurm.isolation import Isolator
-from slurm_mapa.slurm.isolation_bpf import device_program, prog_attach_attr, prog_load_attr
-from slurm_mapa.slurm.isolation_cgroups import apply_v1, apply_v2, release_job_v1, v1_writes
-from slurm_mapa.slurm.isolation_rules import (DenyRange, IsolationError, SlurmCgroup, cgroup_mounts, device_rules, gpus_of_step,
+from slurm_mapa.slurm.admin.install import taskprolog_text
+from slurm_mapa.slurm.isolation.isolator import Isolator
+from slurm_mapa.slurm.isolation.bpf import device_program, prog_attach_attr, prog_load_attr
+from slurm_mapa.slurm.isolation.cgroups import apply_v1, apply_v2, release_job_v1, v1_writes
+from slurm_mapa.slurm.isolation.rules import (DenyRange, IsolationError, SlurmCgroup, cgroup_mounts, device_rules, gpus_of_step,
                                               parse_proc_cgroup, parse_status, slurm_gpu_list, v1_rule_lines)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def test_status_and_mountinfo_parsers():
 def test_a_step_gets_the_mapa_gpus_paired_with_slurms_like_the_taskprolog_exports():
     """Issue 24: a step (or a task, whose SLURM_STEP_GPUS Slurm narrows) gets MAPA's GPUs paired
     one to one with the GPUs Slurm gave it, never "the job's first k"."""
-    from slurm_mapa.slurm.jobfiles import JobMapping
+    from slurm_mapa.slurm.node_state.job_files import JobMapping
 
     mapping = JobMapping((4, 7, 6, 5), (0, 1, 2, 3), (7, 6, 5, 4))  # Slurm's 0 is MAPA's 7, 1 is 6, ...
     assert gpus_of_step((4, 7, 6, 5), mapping, "0", "0,1") == (7, 6)
@@ -495,7 +496,7 @@ def test_a_failure_is_noted_for_the_jobs_admin_comment_once(node):
 
 
 def test_the_note_reaches_the_admin_comment_after_the_decision(node):
-    from slurm_mapa.slurm.agent_background import Background
+    from slurm_mapa.slurm.agent.background import Background
     from test_hooks import FakeSlurm
 
     agent, _, cgroupfs, _, _, tmp_path = node
@@ -522,7 +523,7 @@ def test_the_note_reaches_the_admin_comment_after_the_decision(node):
 
 def test_a_note_waits_while_its_decision_is_in_the_journal(node, tmp_path):
     from slurm_mapa.slurm.config import load_hook_config
-    from slurm_mapa.slurm.admin_comment import flush_note
+    from slurm_mapa.slurm.hooks.admin_comment import flush_note
     from test_hooks import FakeSlurm
 
     config, _ = load_hook_config({"MAPA_CONFIG": str(tmp_path / "mapa.toml")})
@@ -540,7 +541,7 @@ def test_auto_isolates_only_where_the_topology_names_the_device_files(node, tmp_
     from slurm_mapa.hardware.presets import preset
     from slurm_mapa.hardware.topofile import graph_to_toml
     from slurm_mapa.slurm.config import HookConfig
-    from slurm_mapa.slurm.isolation import effective_mode
+    from slurm_mapa.slurm.isolation.isolator import effective_mode
 
     discovered = tmp_path / "dgx1-discovered.toml"
     discovered.write_text(graph_to_toml(preset("dgx1-v100"), minor_numbers=list(range(8))))
@@ -824,7 +825,7 @@ def test_mapa_hooks_writes_what_auto_comes_to_on_the_node(tmp_path, capsys):
 
 # --- security round 3: what the root side trusts, and the public socket under a flood -----------
 def test_slurmstepd_binary_problem_trusts_only_roots_own_file(tmp_path):
-    from slurm_mapa.slurm.isolation_cgroups import slurmstepd_binary_problem
+    from slurm_mapa.slurm.isolation.cgroups import slurmstepd_binary_problem
 
     home = tmp_path / "home"
     home.mkdir()
@@ -900,7 +901,7 @@ def test_a_task_of_a_job_unknown_here_asks_for_its_adoption_at_once(node):
 
 
 def test_log_limiter_lets_a_burst_through_then_one_line_per_interval():
-    from slurm_mapa.slurm.agent_server import LogLimiter
+    from slurm_mapa.slurm.agent.server import LogLimiter
 
     now = [0.0]
     limiter = LogLimiter(burst=3, interval=10.0, clock=lambda: now[0])
@@ -913,7 +914,7 @@ def test_log_limiter_lets_a_burst_through_then_one_line_per_interval():
 
 
 def test_public_admission_limits_each_user_and_job_and_queues_the_rest():
-    from slurm_mapa.slurm.agent_server import PublicAdmission
+    from slurm_mapa.slurm.agent.server import PublicAdmission
 
     now = [0.0]
     admission = PublicAdmission(per_uid=3, per_job=2, queue_per_uid=2, queue_total=3, clock=lambda: now[0])
@@ -1110,7 +1111,7 @@ V2_SLUID = "0::/system.slice/slurmstepd.scope/sEKNKTV3WPV500/step_0/user/task_2\
 
 
 def test_a_sluid_job_directory_is_a_slurm_task_path_whose_job_a_mark_names(node):
-    from slurm_mapa.slurm.jobfiles import Mark, job_of_sluid, mark_text, parse_mark, write_mark
+    from slurm_mapa.slurm.node_state.job_files import Mark, job_of_sluid, mark_text, parse_mark, write_mark
 
     cgroup = parse_proc_cgroup(V2_SLUID)
     assert (cgroup.version, cgroup.job_id, cgroup.sluid, cgroup.step, cgroup.task) == (2, "", "sEKNKTV3WPV500", "0", "2")
@@ -1133,8 +1134,8 @@ def test_a_sluid_job_directory_is_a_slurm_task_path_whose_job_a_mark_names(node)
 
 def test_the_prolog_and_its_wrapper_keep_the_jobs_sluid_in_the_mark(tmp_path):
     from slurm_mapa.slurm.config import HookConfig
-    from slurm_mapa.slurm.hooks import run_prolog
-    from slurm_mapa.slurm.jobfiles import mark_path, parse_mark
+    from slurm_mapa.slurm.hooks.prolog import run_prolog
+    from slurm_mapa.slurm.node_state.job_files import mark_path, parse_mark
 
     config = HookConfig(ledger=tmp_path / "l.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),))
     env = {"SLURM_JOB_ID": "31", "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": "", "SLURM_JOB_SLUID": "sEKNKTV3WPV500"}

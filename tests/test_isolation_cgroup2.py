@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.slurm.isolation_cgroups import apply_v2, check_v2_job_cgroup_owner, read_proc_cgroup, release_job
-from slurm_mapa.slurm.isolation_rules import NVIDIA_MAJOR, IsolationError, SlurmCgroup, cgroup_mounts, device_rules, parse_proc_cgroup
+from slurm_mapa.slurm.isolation.cgroups import apply_v2, check_v2_job_cgroup_owner, read_proc_cgroup, release_job
+from slurm_mapa.slurm.isolation.rules import NVIDIA_MAJOR, IsolationError, SlurmCgroup, cgroup_mounts, device_rules, parse_proc_cgroup
 
 MINORS = range(8)  # /dev/nvidia0../dev/nvidia7
 JOB_GPUS = (0, 1, 2, 3)  # the job's: 4-7 denied at job_J

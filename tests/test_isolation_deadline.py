@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.slurm import agent_client
+from slurm_mapa.slurm.agent import client as agent_client
 
 SOURCE = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data" / "spank" / "spank_mapa_isolate.c"
 FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"]  # as containers/Dockerfile builds it

@@ -2,7 +2,7 @@
 
 Every line of tests/data/directives/corpus.tsv, plus generated inputs, goes through the plugin
 (tests/lua/run_cases.lua loads it with a mocked ``slurm`` table) and through
-:mod:`slurm_mapa.slurm.directive`; both must give the same verdict and the same text: the same
+:mod:`slurm_mapa.slurm.text.directive`; both must give the same verdict and the same text: the same
 normalised directive (stored as ``admin_comment = "mapa:<normalised>"``), or the same error
 message (sent with ``slurm.log_user``), or no directive at all.
 
@@ -26,7 +26,7 @@ import pytest
 
 from slurm_mapa.core.patterns import SHAPES, make_pattern
 from slurm_mapa.errors import InputError
-from slurm_mapa.slurm.directive import MAX_LINE_CHARS, comment_with_directive, directive_in_comment, parse_comment, parse_directive, parse_directive_lines
+from slurm_mapa.slurm.text.directive import MAX_LINE_CHARS, comment_with_directive, directive_in_comment, parse_comment, parse_directive, parse_directive_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "slurm_mapa" / "data" / "slurm" / "job_submit.lua"
@@ -509,7 +509,7 @@ def test_generated_comments_lua_matches_python(tmp_path: Path) -> None:
 
 
 def _configured_plugin(tmp_path: Path, sizes: tuple[int, ...], insensitive_jobs: str = "none") -> Path:
-    from slurm_mapa.slurm.install import job_submit_text
+    from slurm_mapa.slurm.admin.install import job_submit_text
 
     plugin = tmp_path / "job_submit.lua"
     plugin.write_text(job_submit_text(sizes, insensitive_jobs), encoding="latin-1")
@@ -682,7 +682,7 @@ def _foreign_mapa_words(count: int) -> str:
 
 def _python_admin_text(text: str) -> str:
     """The admin's text by decision.py's rule, stripped as the plugin strips it."""
-    from slurm_mapa.slurm.decision import find_record
+    from slurm_mapa.slurm.text.decision import find_record
 
     start = find_record(text)
     return (text if start is None else text[:start]).strip(_BLANKS)

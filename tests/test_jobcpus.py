@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.slurm.jobcpus import cpuset_file, read_job_cpus
+from slurm_mapa.slurm.hooks.job_cpus import cpuset_file, read_job_cpus
 
 CONTAINER = "5c50a8db76447857d58bad36d5fa5eaa577bde32543d802703bc483ff20d8755"
 IN_JOB_V1 = (f"12:devices:/docker/{CONTAINER}\n"

@@ -28,17 +28,17 @@ from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import all_policies
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.presets import preset
-from slurm_mapa.slurm import agent_client
-from slurm_mapa.slurm.agent import Agent, start_metrics
-from slurm_mapa.slurm.agent_background import Background
-from slurm_mapa.slurm.agent_server import serve
-from slurm_mapa.slurm.commands import CommandFailed
+from slurm_mapa.slurm.agent import client as agent_client
+from slurm_mapa.slurm.agent.service import Agent, start_metrics
+from slurm_mapa.slurm.agent.background import Background
+from slurm_mapa.slurm.agent.server import serve
+from slurm_mapa.slurm.text.commands import CommandFailed
 from slurm_mapa.slurm.config import config_from_text
-from slurm_mapa.slurm.reconcile import reconcile_node
-from slurm_mapa.slurm.jobfiles import write_mark, Mark
-from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerFile
-from slurm_mapa.slurm.metrics import (DECISION_OUTCOMES, ISOLATION_OUTCOMES, REPAIR_KINDS, AgentMetrics, command_name,
-                                      decision_outcome, isolation_outcome, node_state, read_node_state, repairs_in, ring_sizes)
+from slurm_mapa.slurm.hooks.reconcile import reconcile_node
+from slurm_mapa.slurm.node_state.job_files import write_mark, Mark
+from slurm_mapa.slurm.node_state.ledger import Holding, Ledger, LedgerFile
+from slurm_mapa.slurm.agent.metrics import (DECISION_OUTCOMES, ISOLATION_OUTCOMES, REPAIR_KINDS, AgentMetrics, command_name,
+                                      decision_outcome, isolation_outcome, node_gauges, read_node_gauges, repairs_in, ring_sizes)
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "contrib" / "grafana" / "mapa-dashboard.json"
@@ -148,7 +148,7 @@ def test_node_state_matches_the_ledger_and_a_brute_force(name, seed):
         start += take
     if holdings and rng.random() < 0.3:  # a GPU two jobs really use
         holdings["99"] = Holding((next(iter(holdings.values())).gpus[0],), "slurm", 1.0)
-    state = node_state(graph, holdings, model, all_policies())
+    state = node_gauges(graph, holdings, model, all_policies())
     owners = [g for h in holdings.values() for g in h.gpus]
     free = [g for g in range(graph.size) if g not in owners]
     assert state.size == graph.size and state.jobs == len(holdings)
@@ -179,7 +179,7 @@ def metered_agent(tmp_path):
 
     configure()
     slurm = FakeSlurm()
-    metrics = AgentMetrics("dgx1", state=lambda: read_node_state(config_from_text(config_path.read_text()), "dgx1"))
+    metrics = AgentMetrics("dgx1", state=lambda: read_node_gauges(config_from_text(config_path.read_text()), "dgx1"))
     agent = Agent(str(config_path), lambda text: None, run=lambda timeout: slurm, node="dgx1", metrics=metrics)
     agent.background = Background(agent, "dgx1")
     server = serve(str(tmp_path / "agent" / "agent.sock"), agent)
@@ -392,7 +392,7 @@ def test_a_bad_metrics_key_is_refused_in_one_line(text, message):
 
 
 def served_names() -> set[str]:
-    metrics = AgentMetrics("n1", state=lambda: node_state(preset("dgx1-v100"), {}, paper_model(), all_policies()),
+    metrics = AgentMetrics("n1", state=lambda: node_gauges(preset("dgx1-v100"), {}, paper_model(), all_policies()),
                            features=lambda: ("mapa_ring2",))
     return {name for name, _ in samples(metrics)}
 

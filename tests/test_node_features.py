@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slurm_mapa.errors import InputError
-from slurm_mapa.slurm.commands import (
+from slurm_mapa.slurm.text.commands import (
     CommandFailed,
     active_features_argv,
     parse_active_features,
@@ -13,8 +13,8 @@ from slurm_mapa.slurm.commands import (
     show_node_argv,
 )
 from slurm_mapa.slurm.config import HookConfig, config_from_text
-from slurm_mapa.slurm.features import Publisher, merged_features
-from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerFile
+from slurm_mapa.slurm.agent.features import Publisher, merged_features
+from slurm_mapa.slurm.node_state.ledger import Holding, Ledger, LedgerFile
 
 # `scontrol --oneliner show node dgx1` as Slurm 24.11 prints it (abridged in the middle).
 SHOW_NODE = ("NodeName=dgx1 Arch=x86_64 CoresPerSocket=20 CPUAlloc=0 CPUEfctv=80 CPUTot=80 CPULoad=0.52 "
@@ -152,7 +152,7 @@ def test_mapa_job_submit_lua_writes_the_plugin_with_the_configs_settings(tmp_pat
     import os
 
     from slurm_mapa.cli import main as mapa_main
-    from slurm_mapa.slurm.install import JOB_SUBMIT_LUA, job_submit_text
+    from slurm_mapa.slurm.admin.install import JOB_SUBMIT_LUA, job_submit_text
 
     shipped = JOB_SUBMIT_LUA.read_text()
     text = job_submit_text((2, 4), "noring")
@@ -176,7 +176,7 @@ def test_mapa_job_submit_lua_writes_the_plugin_with_the_configs_settings(tmp_pat
 
 
 def test_mapa_hooks_prints_the_slurm_conf_lines_node_choice_needs():
-    from slurm_mapa.slurm.install import feature_conf_lines
+    from slurm_mapa.slurm.admin.install import feature_conf_lines
 
     assert feature_conf_lines(()) == ""
     assert feature_conf_lines((2, 4)) == (

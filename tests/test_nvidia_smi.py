@@ -14,14 +14,9 @@ import pytest
 from slurm_mapa.core.hardware import HardwareGraph
 from slurm_mapa.errors import InputError
 from slurm_mapa.cli import main as commands_main
-from slurm_mapa.hardware.nvidia_smi import (
-    format_gpu_list,
-    format_topo_matrix,
-    nvlink_generation_of,
-    parse_discovery,
-    parse_gpu_list,
-    parse_topo_matrix,
-)
+from slurm_mapa.hardware.nvidia_smi import parse_discovery, parse_gpu_list, parse_topo_matrix
+from slurm_mapa.hardware.nvidia_smi_format import format_gpu_list, format_topo_matrix
+from slurm_mapa.hardware.nvlink import nvlink_generation_of
 from slurm_mapa.hardware.presets import PRESETS, preset
 from slurm_mapa.hardware.topofile import graph_vendor
 

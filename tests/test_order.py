@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from slurm_mapa.core.order import prefix_order
 from slurm_mapa.hardware.presets import PRESETS, preset
-from slurm_mapa.slurm.jobfiles import JobMapping, job_file_text, parse_job_mapping
+from slurm_mapa.slurm.node_state.job_files import JobMapping, job_file_text, parse_job_mapping
 
 NAMES = sorted(PRESETS)
 

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slurm_mapa.cli import main
-from slurm_mapa.slurm import commands
-from slurm_mapa.slurm.release import (
+from slurm_mapa.slurm.text import commands
+from slurm_mapa.slurm.admin.release import (
     JSON_BATCH,
     NodeLine,
     WaitingJob,

@@ -146,7 +146,7 @@ def test_the_by_size_table_shows_medians_marks_the_best_policy_and_names_mapa(tm
     from matplotlib import pyplot
 
     from slurm_mapa.replay import plots
-    from slurm_mapa.replay.simulate import RunResult, SizeStats
+    from slurm_mapa.replay.results import RunResult, SizeStats
 
     results = []
     for policy, samples in (("baseline", {2: [10.0, 20.0, 30.0], 3: [5.0]}), ("preserve", {2: [40.0, 50.0, 60.0], 3: [4.0]})):

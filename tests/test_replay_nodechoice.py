@@ -11,7 +11,8 @@ from slurm_mapa.core.hardware import build_graph
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.replay.cli import main
 from slurm_mapa.replay.jobs import Job
-from slurm_mapa.replay.simulate import Node, Options, simulate, slurm_pick
+from slurm_mapa.replay.node_pick import slurm_pick
+from slurm_mapa.replay.simulate import Node, Options, simulate
 
 # Six GPUs on PCIe, one double-NVLink pair (0-1): the only good 2-GPU ring.
 ONE_PAIR = build_graph("one-pair-6", 6, {(0, 1): "NV2"}, default_link="PHB")

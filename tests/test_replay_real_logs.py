@@ -82,7 +82,7 @@ def test_nodeless_log_is_refused_naming_the_options(capsys, nodeless_log):
 
 
 def test_nodes_auto_sizes_from_the_logs_peak_and_says_so(capsys, nodeless_log):
-    from slurm_mapa.replay.cli import log_peak
+    from slurm_mapa.replay.cluster_spec import log_peak
 
     peak = log_peak(read_sacct_text(nodeless_log.read_text().splitlines()))
     assert peak["peak_gpus"] == 16 + 12 and peak["widest_job_nodes"] == 2

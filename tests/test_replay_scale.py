@@ -14,10 +14,11 @@ from slurm_mapa.replay import report
 from slurm_mapa.replay import generate as generate_module
 from slurm_mapa.replay import simulate as simulate_module
 from slurm_mapa.replay.audit import _audit, _sorted_events, audit
-from slurm_mapa.replay.cli import _log_peak_sorted, log_peak
+from slurm_mapa.replay.cluster_spec import _log_peak_sorted, log_peak
 from slurm_mapa.replay.generate import NETWORKS, SENSITIVE, generate
 from slurm_mapa.replay.jobs import Job
-from slurm_mapa.replay.simulate import Decider, Node, Options, _pick_sorted, _pick_vector, simulate, slurm_pick
+from slurm_mapa.replay.node_pick import _pick_sorted, _pick_vector, slurm_pick
+from slurm_mapa.replay.simulate import Decider, Node, Options, simulate
 from slurm_mapa.replay.stats import Dist
 
 DGX = preset("dgx1-v100")

@@ -229,7 +229,7 @@ def test_audit_remakes_a_choice_under_the_affinity_rule_it_was_recorded_with():
     from slurm_mapa.core.affinity import cpus_of_slurms_gpus, select_with_affinity
     from slurm_mapa.core.policies import select
     from slurm_mapa.replay.directives import read_intent, request_for
-    from slurm_mapa.slurm.decision import Decision
+    from slurm_mapa.slurm.text.decision import Decision
 
     graph, request = preset("dgx1-v100"), request_for("ring", 2, True)
     free = (0, 1, 2, 3, 5, 6)

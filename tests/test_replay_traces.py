@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from slurm_mapa.errors import InputError
-from slurm_mapa.replay.cli import _detect, main
+from slurm_mapa.replay.cli import main
 from slurm_mapa.replay.jobs import ReadStats
+from slurm_mapa.replay.sources import _detect
 from slurm_mapa.replay.traces import FRACTIONAL, read_helios, read_openb, read_pai, read_philly
 
 KW = dict(rules=[], default_shape="ring", default_sensitive=False)

@@ -18,16 +18,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurm_mapa.slurm import jobfiles
-from slurm_mapa.slurm.commands import Runner
+from slurm_mapa.slurm.node_state import job_files as jobfiles
+from slurm_mapa.slurm.text.commands import Runner
 from slurm_mapa.slurm.config import config_from_text
-from slurm_mapa.slurm.epilog import run_epilog
-from slurm_mapa.slurm.budget import Budget
-from slurm_mapa.slurm.hooks import fallback_gpus, prolog_failing_open, run_prolog
-from slurm_mapa.slurm.reconcile import reconcile_node
-from slurm_mapa.slurm.jobfiles import JobRecords, Mark, mark_for, mark_path, write_job_file, write_mark
-from slurm_mapa.slurm.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json, reconcile
-from slurm_mapa.slurm.paths import UnsafePath
+from slurm_mapa.slurm.hooks.epilog import run_epilog
+from slurm_mapa.slurm.hooks.budget import Budget
+from slurm_mapa.slurm.hooks.prolog import fallback_gpus, prolog_failing_open, run_prolog
+from slurm_mapa.slurm.hooks.reconcile import reconcile_node
+from slurm_mapa.slurm.node_state.job_files import JobRecords, Mark, mark_for, mark_path, write_job_file, write_mark
+from slurm_mapa.slurm.node_state.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json, reconcile
+from slurm_mapa.slurm.trusted_files import UnsafePath
 
 from test_hooks import FakeSlurm, env_for
 
@@ -172,7 +172,7 @@ def test_an_unexpected_error_still_leaves_a_safe_job_file(tmp_path, monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("slurm_mapa.slurm.hooks.load_graph", broken)
+    monkeypatch.setattr("slurm_mapa.slurm.hooks.prolog.load_graph", broken)
     prolog_failing_open(env_for("9", "4,5"), {"MAPA_CONFIG": str(config_path)}, make_runner=lambda timeout: FakeSlurm())
     log = (tmp_path / "log").read_text()
     assert "internal error" in log and "RuntimeError: a bug" in log
@@ -193,7 +193,7 @@ def test_a_gpu_shared_after_a_killed_prolog_stays_held_until_both_jobs_end(tmp_p
     decision = run_prolog(env_for("3", "0,1"), config, slurm, logs.append)
     ledger = LedgerFile(config.ledger, 8).read()
     assert ledger.shared() == {4: ["1", "2"]} and not {3, 4, 5} & set(decision.gpus)
-    from slurm_mapa.slurm.admin import node_status
+    from slurm_mapa.slurm.admin.status import node_status
 
     status = node_status(config, "dgx1")
     assert status["shared"] == {"4": ["1", "2"]} and not {3, 4, 5} & set(status["free"])
@@ -252,7 +252,7 @@ def test_a_prolog_run_that_was_taken_over_writes_nothing_more(tmp_path):
 
 
 def test_the_in_process_budget_counts_from_the_wrappers_start(tmp_path):
-    from slurm_mapa.slurm.hooks import seconds_since_wrapper_start
+    from slurm_mapa.slurm.hooks.prolog import seconds_since_wrapper_start
 
     uptime = tmp_path / "uptime"
     uptime.write_text("1000.50 2000.00\n")
@@ -416,7 +416,7 @@ def hold_lock(config):
 
 
 def test_an_epilog_that_cannot_lock_still_removes_the_job_files(tmp_path, monkeypatch):
-    monkeypatch.setattr("slurm_mapa.slurm.epilog.LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr("slurm_mapa.slurm.hooks.epilog.LOCK_WAIT_S", 0.3)
     config = make_config(tmp_path)
     slurm, logs = FakeSlurm(), []
     slurm.running = {"5"}
@@ -436,7 +436,7 @@ def test_an_epilog_that_cannot_lock_still_removes_the_job_files(tmp_path, monkey
 
 def test_an_epilog_that_cannot_lock_leaves_word_that_the_job_ended_even_when_squeue_fails(tmp_path, monkeypatch):
     """Stale entries of ended jobs used to fill the ledger while squeue failed, forcing sharing."""
-    monkeypatch.setattr("slurm_mapa.slurm.epilog.LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr("slurm_mapa.slurm.hooks.epilog.LOCK_WAIT_S", 0.3)
     config = make_config(tmp_path)
     slurm, logs = FakeSlurm(), []
     slurm.running = {"5"}
@@ -469,7 +469,7 @@ def test_a_requeued_job_clears_the_word_that_its_earlier_run_ended(tmp_path):
 def test_a_commit_never_takes_a_gpu_claimed_after_the_ledger_was_read(tmp_path):
     """A Prolog without the lock claims GPU 0 between a lock holder's read and its write: the
     holder must not write GPU 0 (the claim file decides who has it)."""
-    from slurm_mapa.slurm.hooks import ClaimTaken, commit
+    from slurm_mapa.slurm.node_state import ClaimTaken, NodeState
 
     config = make_config(tmp_path)
     config.jobs_dir.mkdir(mode=0o755)
@@ -478,18 +478,18 @@ def test_a_commit_never_takes_a_gpu_claimed_after_the_ledger_was_read(tmp_path):
     snapshot = Ledger()  # read before the claim
     assert jobfiles.claim(config.jobs_dir, "2", (0,), 1) == (0,)
     with pytest.raises(ClaimTaken):
-        commit(config, ledger_file, snapshot, "1", Holding((0, 1), "preserve", time.time(), ""), [].append)
+        NodeState.of(config).commit(ledger_file, snapshot, "1", Holding((0, 1), "preserve", time.time(), ""), [].append)
     assert sorted(p.name for p in config.jobs_dir.iterdir()) == [".claim-0"]  # nothing of job 1's, GPU 1 not kept
-    commit(config, ledger_file, snapshot, "1", Holding((1, 2), "preserve", time.time(), ""), [].append)
+    NodeState.of(config).commit(ledger_file, snapshot, "1", Holding((1, 2), "preserve", time.time(), ""), [].append)
     assert {p.name: p.read_text() for p in config.jobs_dir.iterdir() if p.name.startswith(".claim-")} == {
         ".claim-0": "2\n", ".claim-1": "1\n", ".claim-2": "1\n"}
 
 
 def test_a_prolog_chooses_again_when_a_gpu_is_claimed_between_its_read_and_its_write(tmp_path, monkeypatch):
-    from slurm_mapa.slurm import hooks
+    from slurm_mapa.slurm.node_state import NodeState
 
     config = make_config(tmp_path)
-    real = hooks.current_ledger
+    real = NodeState.current
     raced: list[str] = []
 
     def read_then_lose_the_race(*args, **kwargs):
@@ -500,7 +500,7 @@ def test_a_prolog_chooses_again_when_a_gpu_is_claimed_between_its_read_and_its_w
             write_job_file(config.jobs_dir, "2", (0, 1))
         return result
 
-    monkeypatch.setattr(hooks, "current_ledger", read_then_lose_the_race)
+    monkeypatch.setattr(NodeState, "current", read_then_lose_the_race)
     slurm, logs = FakeSlurm(), []
     slurm.running = {"1", "2"}
     # Its client goes away after the provisional record: that record is what the job runs on.
@@ -619,11 +619,11 @@ def test_with_a_shared_gpu_the_policy_still_decides_and_never_uses_it(tmp_path):
 def test_the_prolog_wrapper_marks_the_job_before_any_python_starts(tmp_path):
     """The shell's mark names the wrapper (live while it runs, dead after) and Slurm's GPUs;
     strange job ids or GPU lists, or a jobs directory that is a symlink, get no mark."""
-    from slurm_mapa.slurm.install import _MARK_JOB
+    from slurm_mapa.slurm.admin.install import _MARK_JOB
 
     jobs = tmp_path / "jobs"
     jobs.mkdir(mode=0o755)
-    check = ("import sys; from slurm_mapa.slurm.jobfiles import parse_mark, mark_is_live; "
+    check = ("import sys; from slurm_mapa.slurm.node_state.job_files import parse_mark, mark_is_live; "
              "m = parse_mark(open(sys.argv[1], 'rb').read()); print(m.pid, m.slurm_gpus, mark_is_live(m))")
     script = f"JOBS_DIR={jobs}\n{_MARK_JOB}\n{sys.executable} -c \"{check}\" {jobs}/.prolog-42\necho wrapper $$\n"
     done = subprocess.run(["sh", "-c", script], env={"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "0,3", "PATH": os.defpath},
@@ -641,7 +641,7 @@ def test_the_prolog_wrapper_marks_the_job_before_any_python_starts(tmp_path):
 def test_the_epilog_wrapper_says_the_job_ended_before_any_python_starts(tmp_path):
     """Even when every Python run of the Epilog is killed, the next Prolog learns the job ended;
     the Prolog wrapper of a requeued job clears it; strange ids or a symlinked directory: nothing."""
-    from slurm_mapa.slurm.install import _END_JOB, _MARK_JOB
+    from slurm_mapa.slurm.admin.install import _END_JOB, _MARK_JOB
 
     jobs = tmp_path / "jobs"
     jobs.mkdir(mode=0o755)
@@ -733,7 +733,7 @@ def test_a_prolog_run_again_without_the_lock_takes_back_its_own_claims(tmp_path)
 def test_searches_left_behind_cannot_pile_up():
     """At most N searches run at once; a Prolog that gets no slot within its budget gives up at
     once with a TimeoutError (and keeps its provisional choice), and a finished search frees its slot."""
-    from slurm_mapa.slurm.budget import search_within
+    from slurm_mapa.slurm.hooks.budget import search_within
 
     slots = threading.BoundedSemaphore(2)
     release = threading.Event()
@@ -760,7 +760,7 @@ def test_searches_left_behind_cannot_pile_up():
 def test_the_prolog_wrappers_shell_mark_keeps_a_sluid_and_only_a_sluid(tmp_path):
     """Slurm 25.11+ hands the Prolog SLURM_JOB_SLUID; 26.05 names the job's cgroup v2 directory by
     it. The first mark keeps it (mapa-agent finds the job of a task by it); anything else is left out."""
-    from slurm_mapa.slurm.install import _MARK_JOB
+    from slurm_mapa.slurm.admin.install import _MARK_JOB
 
     jobs = tmp_path / "jobs"
     jobs.mkdir(mode=0o755)

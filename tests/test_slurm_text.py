@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from slurm_mapa.errors import InputError
 from slurm_mapa.replay.jobs import ReadStats
 from slurm_mapa.replay.sacct import read_sacct_text
-from slurm_mapa.slurm.commands import (
+from slurm_mapa.slurm.text.commands import (
     MAX_GPU_INDEX,
     MAX_GPU_LIST_CHARS,
     MAX_OUTPUT_BYTES,
@@ -33,7 +33,7 @@ from slurm_mapa.slurm.commands import (
     parse_job_json,
     slurm_gpus_on_only_node,
 )
-from slurm_mapa.slurm.decision import (
+from slurm_mapa.slurm.text.decision import (
     MAX_ADMIN_COMMENT_CHARS,
     MAX_RECORD_SCAN_CHARS,
     AdminComment,
@@ -45,7 +45,7 @@ from slurm_mapa.slurm.decision import (
     split_admin_comment,
     with_decision,
 )
-from slurm_mapa.slurm.directive import parse_comment, parse_directive, parse_directive_lines
+from slurm_mapa.slurm.text.directive import parse_comment, parse_directive, parse_directive_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "slurm_mapa" / "data" / "slurm" / "job_submit.lua"
@@ -283,7 +283,7 @@ def test_old_records_read_as_before():
 
 
 def test_an_isolation_note_is_part_of_the_nodes_decision():
-    from slurm_mapa.slurm.decision import MAX_WHY_CHARS, why_token
+    from slurm_mapa.slurm.text.decision import MAX_WHY_CHARS, why_token
 
     directive = parse_directive("topology=ring sensitive=yes")
     reason = "cannot set up the devices cgroup /sys/fs/cgroup/devices/mapa/job_12: [Errno 30] Read-only # file system"
@@ -299,7 +299,7 @@ def test_an_isolation_note_is_part_of_the_nodes_decision():
 
 
 def test_the_record_names_slurms_gpus_and_the_affinity_rule():
-    from slurm_mapa.slurm.decision import affinity_token, parse_affinity
+    from slurm_mapa.slurm.text.decision import affinity_token, parse_affinity
 
     text = Decision("dgx1", (0, 3), "preserve", slurm_gpus=(6, 7), affinity=affinity_token("prefer", 0.25)).text()
     assert text == "dgx1=0,3 policy=preserve slurm=6,7 affinity=prefer:0.25"
@@ -423,7 +423,7 @@ def test_find_record_takes_the_first_mapa_word_that_parses(text):
 
 
 def test_sacct_and_explain_find_the_record_behind_an_admin_note():
-    from slurm_mapa.slurm.admin import explain_job
+    from slurm_mapa.slurm.admin.status import explain_job
     from slurm_mapa.slurm.config import config_from_text
 
     header = "JobID|JobName|Submit|Start|End|NodeList|AllocTRES|Comment|AdminComment"
@@ -477,7 +477,7 @@ def test_the_record_says_how_far_a_search_that_ran_out_can_be_from_the_optimum()
 
 
 def test_explain_shows_the_recorded_model_and_mark(capsys):
-    from slurm_mapa.slurm.admin import explain_job
+    from slurm_mapa.slurm.admin.status import explain_job
     from slurm_mapa.slurm.config import config_from_text
 
     config = config_from_text('[nodes]\n"dgx*" = "dgx1-v100"\n"mi*" = "mi250x"\n')
@@ -495,7 +495,7 @@ def test_explain_shows_the_recorded_model_and_mark(capsys):
 
 
 def test_explain_text_says_extrapolated(capsys, monkeypatch, tmp_path):
-    from slurm_mapa.slurm import admin
+    from slurm_mapa.slurm.admin import status as admin
 
     record = ("mapa:topology=ring sensitive=yes # dgx1=0,1,3,5,7,2,4,6 policy=preserve free=0-7 eff=182.767 "
               "model=mapa-dgx1-v100 extrapolated=yes # dgx2=0,3 policy=preserve free=0-7 eff=58.925 model=mapa-dgx1-v100")
@@ -636,7 +636,7 @@ def test_each_array_task_and_het_component_is_read_and_updated_alone():
     to ARRAY_TASK or HETJOB+OFFSET."""
     import json
 
-    from slurm_mapa.slurm.commands import CommandFailed, admin_comment_argv, parse_job_json, update_target
+    from slurm_mapa.slurm.text.commands import CommandFailed, admin_comment_argv, parse_job_json, update_target
 
     for job_id, target, admin in (("22", "22_2", "c"), ("25", "22_1", "b"), ("24", "22_0", "a")):
         record = parse_job_json(json.dumps(ARRAY_22), job_id)
@@ -660,7 +660,7 @@ def test_the_prolog_of_an_array_task_writes_its_own_record_only(tmp_path):
     import json
 
     from slurm_mapa.slurm.config import HookConfig
-    from slurm_mapa.slurm.hooks import run_prolog
+    from slurm_mapa.slurm.hooks.prolog import run_prolog
 
     config = HookConfig(ledger=tmp_path / "l.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),))
     calls = []

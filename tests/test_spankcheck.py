@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurm_mapa.slurm import spankcheck
-from slurm_mapa.slurm.install import SPANK_SOURCE, spank_build_argv
-from slurm_mapa.slurm.spankcheck import (
+from slurm_mapa.slurm.isolation import spank_plugin as spankcheck
+from slurm_mapa.slurm.admin.install import SPANK_SOURCE, spank_build_argv
+from slurm_mapa.slurm.isolation.spank_plugin import (
     check_installed_spank_plugins,
     elf_u32_symbol,
     parse_slurm_version,
@@ -378,7 +378,7 @@ def test_mapa_hooks_warns_of_a_plugin_built_for_another_release(plugin, tmp_path
 
 
 def test_mapa_agent_logs_the_problem_once_at_start(plugin, tmp_path):
-    from slurm_mapa.slurm.agent import log_spank_plugin_problems
+    from slurm_mapa.slurm.agent.service import log_spank_plugin_problems
 
     installed = _patched(plugin, tmp_path / "spank_mapa_isolate.so", _another_release(_headers_version()))
     slurm_conf = _node(tmp_path, f"optional {installed}\n")

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.slurm import journal
-from slurm_mapa.slurm.agent import Agent
-from slurm_mapa.slurm.agent_background import Background
-from slurm_mapa.slurm.commands import CommandFailed
-from slurm_mapa.slurm.decision import parse_decisions
-from slurm_mapa.slurm.epilog import run_epilog
-from slurm_mapa.slurm.hooks import run_prolog
-from slurm_mapa.slurm.reconcile import touch_reconciled
+from slurm_mapa.slurm.node_state import journal
+from slurm_mapa.slurm.agent.service import Agent
+from slurm_mapa.slurm.agent.background import Background
+from slurm_mapa.slurm.text.commands import CommandFailed
+from slurm_mapa.slurm.text.decision import parse_decisions
+from slurm_mapa.slurm.hooks.epilog import run_epilog
+from slurm_mapa.slurm.hooks.prolog import run_prolog
+from slurm_mapa.slurm.node_state import NodeState
 
 from test_hooks import FakeSlurm, env_for
 
@@ -151,7 +151,7 @@ def test_the_in_process_prolog_without_an_agent_still_records_and_reconciles_whe
     assert "dgx1=" in slurm.admin["41"] and list(config.journal.iterdir()) == []
     assert [c for c in slurm.calls if "squeue" in c[0]]  # no pass had run: this Prolog ran one
     slurm.calls.clear()
-    touch_reconciled(config)
+    NodeState.of(config).touch_reconciled()
     slurm.running.add("42")
     run_prolog(env_for("42", "1", "mapa:"), config, slurm, logs.append)
     assert not [c for c in slurm.calls if "squeue" in c[0]]  # a pass ran less than reconcile_interval ago

@@ -2,7 +2,7 @@
 
 Slurm numbers a job's GPUs on a node and hands a step or a task the GPUs it picks, lowest indices
 first. The Prolog pairs Slurm's indices, in ascending order, with MAPA's GPUs in the order below
-(slurm/jobfiles.py keeps the pairing), so that what Slurm hands out first is what MAPA links best:
+(the job file of slurm/node_state keeps the pairing), so that what Slurm hands out first is what MAPA links best:
 the first two GPUs are a best-linked pair, each next GPU is the one that best closes the ring of
 those before it, and so consecutive GPUs (local ranks r and r+1 of `--gpus-per-task=1`) are link
 neighbours wherever the set allows. Greedy, O(k^2): the Prolog runs it for every job.

@@ -29,7 +29,7 @@ from typing import Any, Callable, Collection, Iterator
 from ..core.hardware import build_graph
 from ..core.links import Bandwidths
 from ..errors import InputError
-from .nvidia_smi import infer_domains
+from .domains import infer_domains
 from .nvml import HealthReport
 from .topofile import RENDER_MINOR_BASE, Topology
 

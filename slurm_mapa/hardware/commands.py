@@ -18,7 +18,8 @@ from pathlib import Path
 from ..errors import InputError
 from ..textfile import read_text
 from .gres import PRESET_CPU_LAYOUTS, CpuLayout, gres_conf_text
-from .nvidia_smi import format_topo_matrix, parse_discovery
+from .nvidia_smi import parse_discovery
+from .nvidia_smi_format import format_topo_matrix
 from .load import MAX_TOPOLOGY_FILE_BYTES, load_topology_file
 from .presets import PRESETS, preset
 from .topofile import Topology, topology_to_dict, topology_to_toml

@@ -1,8 +1,9 @@
-"""``nvidia-smi topo -m`` and ``nvidia-smi -L``: a strict parser and a formatter.
+"""``nvidia-smi topo -m`` and ``nvidia-smi -L``: a strict parser.
 
 Pure functions only: text in, a :class:`SmiTopology` out (the hardware graph plus the facts the
-text carries: NICs and their links, CPU and NUMA affinity), and a graph back to text (the mock
-``nvidia-smi`` prints that text, and it round-trips through the parser to the same graph).
+text carries: NICs and their links, CPU and NUMA affinity). The way back, a graph printed as
+this text, is :mod:`.nvidia_smi_format`; the mock ``nvidia-smi`` prints it, and it round-trips
+through the parser to the same graph.
 
 What the parser accepts, from real pastes (tests/data/nvidia-smi/):
 
@@ -31,29 +32,22 @@ The NVLink generation (bandwidth per link) comes from the GPU model (``-L``); wi
 reading uses 25 GB/s per link (NVLink 2 to 4) and says in ``notes`` that this is a guess.
 
 NVSwitch: nvidia-smi prints a pair on an NVSwitch fabric as ``NV<n>`` like a direct link. A GPU
-whose ``NV`` counts add up to more NVLink ports than it has (:func:`nvlink_ports` of its
-generation, at least its largest single bond) must sit on a switch; pairs of two such GPUs
-become ``NVS<n>``. A 2-GPU NVSwitch system cannot be told from a bridged pair this way.
+whose ``NV`` counts add up to more NVLink ports than it has (:func:`~.nvlink.nvlink_ports` of
+its generation, at least its largest single bond) must sit on a switch; pairs of two such GPUs
+become ``NVS<n>`` (:mod:`.nvlink`). A 2-GPU NVSwitch system cannot be told from a bridged pair this way.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field, replace
 
 from ..core.hardware import HardwareGraph, build_graph
-from ..core.links import PCIE_LEVELS, Bandwidths, Link, parse_link
+from ..core.links import Bandwidths, parse_link
 from ..errors import InputError
+from .domains import infer_domains
+from .nvlink import FALLBACK_GENERATION, classify_switches, generation_guess_note, nvlink_generation_of, nvlink_ports
 from .pasted import without_trailing_prompt
-
-# NVLink ports per GPU, by NVLink generation (P100 4, V100 6, A100 12, H100 18, B200 18).
-NVLINK_PORTS = {1: 4, 2: 6, 3: 12, 4: 18, 5: 18}
-# The generation a reading without a GPU model assumes (its per-link bandwidth, 25 GB/s, is
-# that of NVLink 2, 3 and 4 alike).
-FALLBACK_GENERATION = 2
-# Without a known generation, a GPU with more NVLinks than any GPU has ports is on a switch.
-MAX_NVLINK_PORTS = max(NVLINK_PORTS.values())
 
 ATTRIBUTE_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 _GPU_LABEL = re.compile(r"^GPU(\d+)$")
@@ -96,13 +90,6 @@ class GpuListEntry:
     uuid: str
 
 
-def nvlink_ports(generation: int | None) -> int:
-    """NVLink ports of one GPU of this generation (the most any GPU has when unknown)."""
-    if generation is None:
-        return MAX_NVLINK_PORTS
-    return NVLINK_PORTS.get(generation, MAX_NVLINK_PORTS)
-
-
 def _where(number: int, line: str) -> str:
     return f"line {number}: {line.rstrip()!r}"
 
@@ -141,9 +128,77 @@ def parse_topo_matrix(
 
 
 _SGR = re.compile(r"\x1b\[[0-9;]*m")
+_Row = tuple[int, str, list[str]]  # a matrix row: its line number, its device label, its cells
 
 
 def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -> SmiTopology:
+    # The steps read the text from the top (preamble, header, rows, what follows, the cells, the
+    # attribute values): the first fault met is the one reported.
+    lines, header_at = _find_header(text)
+    models = _preamble_models(lines[:header_at])
+    if nvlink_generation is None and models:
+        nvlink_generation = _common_generation(models)
+    header = lines[header_at]
+    _check_header(header, header_at)
+    rows, end = _matrix_rows(lines, header_at)
+    _check_trailer(lines, end)
+    nic_names = _nic_legend(lines, end)
+    labels, attributes, gpu_rows, nic_rows = _check_rows(rows, lines, header_at, header)
+    tokens, values = _link_cells(rows, lines, labels, gpu_rows, attributes)
+    gpu_count = len(gpu_rows)
+    columns = _attribute_values(values, rows, lines, gpu_count, attributes)
+    gpu_links = {
+        (a, b): _canonical(tokens[(a, b)]) for a in range(gpu_count) for b in range(a + 1, gpu_count)
+    }
+    gpu_links = classify_switches(gpu_links, gpu_count, nvlink_ports(nvlink_generation))
+    cpu = tuple(columns["CPU Affinity"]) if "CPU Affinity" in columns else None
+    numa = tuple(columns["NUMA Affinity"]) if "NUMA Affinity" in columns else None
+    gpu_numa = tuple(columns["GPU NUMA ID"]) if "GPU NUMA ID" in columns else None
+    graph_affinity = cpu if cpu is not None and all(value not in ("", "N/A") for value in cpu) else None
+    if models and len(models) != gpu_count:
+        raise InputError(
+            f"nvidia-smi topo -m: the `nvidia-smi -L` lines before the matrix list {len(models)} GPUs but the "
+            f"matrix has {gpu_count}; expected the same GPUs in both"
+        )
+    graph = build_graph(
+        name,
+        gpu_count,
+        gpu_links,
+        bandwidths=Bandwidths(nvlink_generation=nvlink_generation or FALLBACK_GENERATION),
+        domains=infer_domains(gpu_count, gpu_links, cpu, numa),
+        cpu_affinity=graph_affinity,
+    )
+    notes = []
+    if nvlink_generation is None and any(parse_link(token).is_nvlink for token in gpu_links.values()):
+        notes.append(generation_guess_note(models))
+    nics = tuple(label for _, label, _ in nic_rows)
+    if nic_names:
+        numbered = {nic for nic in nics if re.match(r"^NIC\d+$", nic)}
+        if set(nic_names) != numbered:
+            raise InputError(
+                f"nvidia-smi topo -m: the NIC Legend names {', '.join(sorted(nic_names)) or 'nothing'} but the "
+                f"matrix has the NIC rows {', '.join(sorted(numbered)) or 'none'}; expected one legend entry per NIC<n>"
+            )
+    nic_links = {
+        (labels[a], labels[b]): _canonical(token)
+        for (a, b), token in tokens.items()
+        if a < b and (a >= gpu_count or b >= gpu_count)
+    }
+    return SmiTopology(
+        graph=graph,
+        nics=nics,
+        nic_names=nic_names,
+        nic_links=nic_links,
+        cpu_affinity=cpu,
+        numa_affinity=numa,
+        gpu_numa_id=gpu_numa,
+        notes=tuple(notes),
+        gpu_models=tuple(models),
+    )
+
+
+def _find_header(text: str) -> tuple[list[str], int]:
+    """The lines of the text and the index of the header line (the first that is not preamble)."""
     # nvidia-smi underlines the header with terminal escapes even when its output is not a
     # terminal (seen on an H100, 2026): drop those; any other control sequence is refused.
     text = without_trailing_prompt(_SGR.sub("", text))
@@ -163,10 +218,11 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
             "nvidia-smi topo -m: no header line naming the columns (GPU0 GPU1 ...) found; "
             "expected the output of `nvidia-smi topo -m`"
         )
-    models = _preamble_models(lines[:header_at])
-    if nvlink_generation is None and models:
-        nvlink_generation = _common_generation(models)
-    header = lines[header_at]
+    return lines, header_at
+
+
+def _check_header(header: str, header_at: int) -> None:
+    """The header names GPU0 and is not itself a matrix row."""
     header_words = header.split()
     if "GPU0" not in _despace(header) or (len(header_words) > 1 and header_words[1] == "X"):
         raise InputError(
@@ -175,8 +231,11 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
             f"line naming nvidia-smi and `nvidia-smi -L` lines may come before it"
         )
 
-    # The matrix rows: a device label and its cells, up to the legend (blank lines are skipped).
-    rows: list[tuple[int, str, list[str]]] = []
+
+def _matrix_rows(lines: list[str], header_at: int) -> tuple[list[_Row], int]:
+    """The matrix rows, (line number, device label, cells) each, up to the legend (blank lines are
+    skipped), and the index of the line where the matrix ends."""
+    rows: list[_Row] = []
     number = header_at + 1
     while number < len(lines):
         line = lines[number]
@@ -194,9 +253,13 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
                 f"(expected a matrix row starting with GPU<n>, NIC<n> or a NIC name such as mlx5_0)"
             )
         rows.append((number, label, cells[1:]))
-    _check_trailer(lines, number)
-    nic_names = _nic_legend(lines, number)
+    return rows, number
 
+
+def _check_rows(
+    rows: list[_Row], lines: list[str], header_at: int, header: str
+) -> tuple[list[str], tuple[str, ...], list[_Row], list[_Row]]:
+    """The rows checked against each other and the header: (labels, attribute columns, GPU rows, NIC rows)."""
     if not rows:
         raise InputError(f"nvidia-smi topo -m, {_where(header_at + 1, header)}: no matrix rows follow the header")
     labels = [label for _, label, _ in rows]
@@ -243,7 +306,14 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
                 f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: expected the row of GPU{position}, "
                 f"found {label} (GPU rows must be GPU0, GPU1, ... in order)"
             )
+    return labels, attributes, gpu_rows, nic_rows
 
+
+def _link_cells(
+    rows: list[_Row], lines: list[str], labels: list[str], gpu_rows: list[_Row], attributes: tuple[str, ...]
+) -> tuple[dict[tuple[int, int], str], list[list[str]]]:
+    """The link token of every pair (checked: X on the diagonal only, known, symmetric) and the
+    attribute values of each GPU row."""
     size = len(labels)
     tokens: dict[tuple[int, int], str] = {}
     values: list[list[str]] = []
@@ -297,8 +367,13 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
                 f"nvidia-smi topo -m, {_where(line_no, lines[line_no - 1])}: {labels[a]}-{labels[b]} is "
                 f"{token} but {labels[b]}-{labels[a]} is {other}; expected a symmetric matrix"
             )
+    return tokens, values
 
-    gpu_count = len(gpu_rows)
+
+def _attribute_values(
+    values: list[list[str]], rows: list[_Row], lines: list[str], gpu_count: int, attributes: tuple[str, ...]
+) -> dict[str, list[str]]:
+    """Each attribute column's value per GPU, checked (the same columns in every GPU row)."""
     counts = {len(values[gpu]) for gpu in range(gpu_count)}
     if len(counts) > 1:
         for gpu in range(1, gpu_count):
@@ -320,65 +395,7 @@ def _parse_topo_matrix(text: str, *, name: str, nvlink_generation: int | None) -
     for column, entries in columns.items():
         for gpu, value in enumerate(entries):
             _check_attribute(column, value, rows[gpu][0], lines[rows[gpu][0] - 1])
-
-    gpu_links = {
-        (a, b): _canonical(tokens[(a, b)]) for a in range(gpu_count) for b in range(a + 1, gpu_count)
-    }
-    gpu_links = _classify_switches(gpu_links, gpu_count, nvlink_ports(nvlink_generation))
-    cpu = tuple(columns["CPU Affinity"]) if "CPU Affinity" in columns else None
-    numa = tuple(columns["NUMA Affinity"]) if "NUMA Affinity" in columns else None
-    gpu_numa = tuple(columns["GPU NUMA ID"]) if "GPU NUMA ID" in columns else None
-    graph_affinity = cpu if cpu is not None and all(value not in ("", "N/A") for value in cpu) else None
-    if models and len(models) != gpu_count:
-        raise InputError(
-            f"nvidia-smi topo -m: the `nvidia-smi -L` lines before the matrix list {len(models)} GPUs but the "
-            f"matrix has {gpu_count}; expected the same GPUs in both"
-        )
-    graph = build_graph(
-        name,
-        gpu_count,
-        gpu_links,
-        bandwidths=Bandwidths(nvlink_generation=nvlink_generation or FALLBACK_GENERATION),
-        domains=infer_domains(gpu_count, gpu_links, cpu, numa),
-        cpu_affinity=graph_affinity,
-    )
-    notes = []
-    if nvlink_generation is None and any(parse_link(token).is_nvlink for token in gpu_links.values()):
-        notes.append(generation_guess_note(models))
-    nics = tuple(label for _, label, _ in nic_rows)
-    if nic_names:
-        numbered = {nic for nic in nics if re.match(r"^NIC\d+$", nic)}
-        if set(nic_names) != numbered:
-            raise InputError(
-                f"nvidia-smi topo -m: the NIC Legend names {', '.join(sorted(nic_names)) or 'nothing'} but the "
-                f"matrix has the NIC rows {', '.join(sorted(numbered)) or 'none'}; expected one legend entry per NIC<n>"
-            )
-    nic_links = {
-        (labels[a], labels[b]): _canonical(token)
-        for (a, b), token in tokens.items()
-        if a < b and (a >= gpu_count or b >= gpu_count)
-    }
-    return SmiTopology(
-        graph=graph,
-        nics=nics,
-        nic_names=nic_names,
-        nic_links=nic_links,
-        cpu_affinity=cpu,
-        numa_affinity=numa,
-        gpu_numa_id=gpu_numa,
-        notes=tuple(notes),
-        gpu_models=tuple(models),
-    )
-
-
-def generation_guess_note(models: list[str] | tuple[str, ...] = ()) -> str:
-    """What a reading without a known NVLink generation says about its bandwidths."""
-    unknown = f" ({', '.join(sorted(set(models)))} is not in the model table)" if models else ""
-    return (
-        f"NVLink generation unknown{unknown}: read at 25 GB/s per link and direction (NVLink 2-4: V100, "
-        f"A100, H100, H200, H20); NVLink 1 (P100) is 20, NVLink 5 (B200, GB200, B300, GB300) 50 - "
-        f"save `nvidia-smi -L` with the matrix (or pass it with --gpu-list) to know"
-    )
+    return columns
 
 
 def _preamble_models(lines: list[str]) -> list[str]:
@@ -501,95 +518,10 @@ def _nic_legend(lines: list[str], start: int) -> dict[str, str]:
     return names
 
 
-def _classify_switches(links: dict[tuple[int, int], str], size: int, ports: int) -> dict[tuple[int, int], str]:
-    """Turn ``NV<n>`` pairs between GPUs that have more NVLinks than ports into ``NVS<n>``."""
-    totals = [0] * size
-    largest = [0] * size
-    for (a, b), token in links.items():
-        link = parse_link(token)
-        if link.is_nvlink:
-            for gpu in (a, b):
-                totals[gpu] += link.links
-                largest[gpu] = max(largest[gpu], link.links)
-    # A GPU has at least as many ports as its largest bond (a GPU newer than the table).
-    on_switch = [totals[gpu] > max(ports, largest[gpu]) for gpu in range(size)]
-    result = {}
-    for (a, b), token in links.items():
-        link = parse_link(token)
-        if link.kind == "nvlink" and on_switch[a] and on_switch[b]:
-            result[(a, b)] = f"NVS{link.links}"
-        else:
-            result[(a, b)] = token
-    return result
-
-
-def infer_domains(
-    size: int, links: dict[tuple[int, int], str], cpu: tuple[str, ...] | None, numa: tuple[str, ...] | None
-) -> list[int]:
-    """Domains: the NUMA Affinity column, else groups of equal CPU affinity, else socket groups
-    read from the matrix.
-
-    Without CPU columns: a PCIe path short of ``SYS`` (PIX, PXB, PHB, NODE) puts two GPUs in one
-    domain, ``SYS`` in two. NVLink cells hide the PCIe path, and NVLinks may cross sockets (a
-    DGX-1's cube-mesh does), so an NVLink pair joins two groups only when no ``SYS`` pair
-    would end up inside the joined group.
-    """
-    if numa is not None and all(value.isdigit() for value in numa):
-        return [int(value) for value in numa]
-    if cpu is not None and all(value not in ("", "N/A") for value in cpu):
-        order: dict[str, int] = {}
-        return [order.setdefault(value, len(order)) for value in cpu]
-    parent = list(range(size))
-
-    def find(gpu: int) -> int:
-        while parent[gpu] != gpu:
-            parent[gpu] = parent[parent[gpu]]
-            gpu = parent[gpu]
-        return gpu
-
-    apart = {(a, b) for (a, b), token in links.items() if token == "SYS"}
-    for (a, b), token in sorted(links.items()):
-        if token in ("PIX", "PXB", "PHB", "NODE"):
-            parent[find(a)] = find(b)
-    for (a, b), token in sorted(links.items()):
-        if token in PCIE_LEVELS or find(a) == find(b):
-            continue
-        group_a = {gpu for gpu in range(size) if find(gpu) == find(a)}
-        group_b = {gpu for gpu in range(size) if find(gpu) == find(b)}
-        if not any((min(x, y), max(x, y)) in apart for x in group_a for y in group_b):
-            parent[find(a)] = find(b)
-    order = {}
-    return [order.setdefault(find(gpu), len(order)) for gpu in range(size)]
-
-
 # --- nvidia-smi -L ----------------------------------------------------------------------------
 
 _GPU_LIST_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: (GPU-[0-9A-Fa-f-]+)\)\s*$")
 _MIG_LIST_LINE = re.compile(r"^\s+MIG .+\(UUID: MIG-[^)]*\)\s*$")
-
-# Model name words -> NVLink generation, for boards whose links carry the generation's full
-# per-link rate. Sources: NVIDIA's data sheets (P100 NVLink 1; V100, Quadro GV100 NVLink 2;
-# A100, A800, A30 NVLink 3; H100, H800, H200, H20, GH200 NVLink 4; B100, B200, B300, GB200,
-# GB300 NVLink 5: 18 links, 1.8 TB/s per GPU both ways). Bridged workstation boards (A40,
-# RTX A6000: 112.5 GB/s both ways over the bridge) are left out: the reading notes the guess instead.
-_MODEL_GENERATIONS = (
-    ("P100", 1),
-    ("V100", 2),
-    ("GV100", 2),
-    ("A100", 3),
-    ("A800", 3),
-    ("A30", 3),
-    ("H100", 4),
-    ("H800", 4),
-    ("H200", 4),
-    ("H20", 4),
-    ("GH200", 4),
-    ("B100", 5),
-    ("B200", 5),
-    ("B300", 5),
-    ("GB200", 5),
-    ("GB300", 5),
-)
 
 
 def parse_gpu_list(text: str) -> list[GpuListEntry]:
@@ -610,82 +542,6 @@ def parse_gpu_list(text: str) -> list[GpuListEntry]:
     if not entries:
         raise InputError("nvidia-smi -L: no GPU lines; expected 'GPU <n>: <model> (UUID: GPU-...)' per GPU")
     return entries
-
-
-def nvlink_generation_of(model: str) -> int | None:
-    """The NVLink generation of a GPU model name (``Tesla V100-SXM2-32GB`` -> 2), None if unknown."""
-    words = re.split(r"[^A-Za-z0-9]+", model.upper())
-    for word in words:
-        for key, generation in _MODEL_GENERATIONS:
-            if word == key or (word.startswith(key) and not word[len(key) :].isalpha()):
-                return generation
-    return None
-
-
-# --- formatting -------------------------------------------------------------------------------
-
-_GENERATION_MODELS = {
-    1: "Tesla P100-SXM2-16GB",
-    2: "Tesla V100-SXM2-32GB",
-    3: "NVIDIA A100-SXM4-80GB",
-    4: "NVIDIA H100 80GB HBM3",
-    5: "NVIDIA B200",
-}
-
-LEGEND = """Legend:
-
-  X    = Self
-  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
-  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node
-  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)
-  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)
-  PIX  = Connection traversing at most a single PCIe bridge
-  NV#  = Connection traversing a bonded set of # NVLinks
-"""
-
-
-def _smi_token(link: Link) -> str:
-    # nvidia-smi prints NVSwitch pairs as plain NV<n>.
-    return f"NV{link.links}" if link.is_nvlink else link.level
-
-
-def format_topo_matrix(graph: HardwareGraph) -> str:
-    """``nvidia-smi topo -m`` text for a graph, tab-separated as the real tool prints it.
-
-    The CPU Affinity column appears when the graph has CPU affinities; NUMA Affinity always
-    carries the graph's domains, so that parsing the text gives the same graph back.
-    """
-    columns = [f"GPU{gpu}" for gpu in graph.gpus]
-    header = ["", *columns]
-    if graph.cpu_affinity:
-        header.append("CPU Affinity")
-    header.append("NUMA Affinity")
-    out = ["\t".join(header)]
-    for a in graph.gpus:
-        cells = [f"GPU{a}"]
-        for b in graph.gpus:
-            cells.append(" X " if a == b else _smi_token(graph.link(a, b)))
-        if graph.cpu_affinity:
-            cells.append(graph.cpu_affinity[a])
-        cells.append(str(graph.domains[a]))
-        out.append("\t".join(cells))
-    return "\n".join(out) + "\n\n" + LEGEND
-
-
-def fake_uuid(name: str, gpu: int) -> str:
-    """A stable, well-formed GPU UUID for a mock GPU."""
-    digest = hashlib.sha256(f"{name}/{gpu}".encode()).hexdigest()
-    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
-
-
-def format_gpu_list(graph: HardwareGraph, uuids: list[str] | None = None) -> str:
-    """``nvidia-smi -L`` text for a graph; the model name tells the NVLink generation."""
-    model = _GENERATION_MODELS.get(graph.bandwidths.nvlink_generation, "NVIDIA GPU")
-    lines = []
-    for gpu in graph.gpus:
-        uuid = uuids[gpu] if uuids else fake_uuid(graph.name, gpu)
-        lines.append(f"GPU {gpu}: {model} (UUID: {uuid})")
-    return "\n".join(lines) + "\n"
 
 
 def parse_discovery(topo_text: str, list_text: str | None = None, *, name: str = "nvidia-smi") -> SmiTopology:

@@ -22,7 +22,8 @@ from ..core.hardware import build_graph
 from ..core.links import Bandwidths
 from ..errors import InputError
 from .gres import format_cpu_list
-from .nvidia_smi import infer_domains, nvlink_generation_of
+from .domains import infer_domains
+from .nvlink import nvlink_generation_of
 from .topofile import Topology
 
 # NVML's NVLink version enum -> NVLink generation (1.0, 2.0, 2.2, 3.0, 3.1, 4.0, 5.0).

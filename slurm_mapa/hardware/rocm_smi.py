@@ -442,7 +442,7 @@ def _assemble(
     if numa_nodes is not None and all(node >= 0 for node in numa_nodes):
         domains = list(numa_nodes)
     else:
-        from .nvidia_smi import infer_domains
+        from .domains import infer_domains
 
         domains = infer_domains(size, links, None, None)
     labels = types.labels

@@ -1,9 +1,9 @@
 """MAPA directives and recorded decisions in sacct comments, and the site rules for jobs without one.
 
 A comment carries a directive when it starts with ``mapa:`` (AdminComment first, then Comment).
-The Prolog appends its decision after ``#`` (see :mod:`slurm_mapa.slurm.decision`):
+The Prolog appends its decision after ``#`` (see :mod:`slurm_mapa.slurm.text.decision`):
 ``mapa:topology=ring sensitive=yes # n1=0,3 policy=preserve free=0-7 ...``. The request is read
-with the project's directive grammar (:mod:`slurm_mapa.slurm.directive`), the one the job_submit
+with the project's directive grammar (:mod:`slurm_mapa.slurm.text.directive`), the one the job_submit
 plugin and the Prolog use.
 """
 
@@ -18,8 +18,8 @@ from ..core.affinity import parse_cpu_ids
 from ..core.patterns import make_pattern
 from ..core.policies import Request
 from ..errors import InputError
-from ..slurm.decision import parse_affinity, parse_decisions
-from ..slurm.directive import parse_comment
+from ..slurm.text.decision import parse_affinity, parse_decisions
+from ..slurm.text.directive import parse_comment
 
 
 @dataclass(frozen=True)

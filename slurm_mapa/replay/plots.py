@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 from typing import Sequence
 
-from .simulate import RunResult
+from .results import RunResult
 
 MAPA_POLICY = "preserve"
 MAPA_COLOUR = "#c0392b"

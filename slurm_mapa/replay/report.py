@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from .simulate import Record, RunResult
+from .results import Record, RunResult
 
 CSV_HEADER = (
     "job,policy,node,submit,start,end,wait,runtime,base_runtime,gpus,sensitive,pattern,"

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import Any, Iterable, Iterator, Mapping
 
 from ..errors import InputError
-from ..slurm.decision import split_admin_comment
+from ..slurm.text.decision import split_admin_comment
 from .directives import Intent, SiteRule, match_rule, read_intent
 from .jobs import Job, ReadStats
 

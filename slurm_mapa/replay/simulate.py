@@ -6,7 +6,7 @@ recorded node with ``pin_nodes``) where the policy finds room, and with ``backfi
 may start while the head waits (up to ``backfill_depth`` of them are looked at). Without it the
 queue stops at the first job that does not fit, as in the paper's simulator.
 
-Which node a job starts on is ``Options.node_choice`` (issue 15, see :func:`slurm_pick`):
+Which node a job starts on is ``Options.node_choice`` (issue 15, see :func:`.node_pick.slurm_pick`):
 
 * ``first-fit`` - the first node in node order where the policy finds room (the default);
 * ``slurm``     - select/cons_tres' choice for equal node weights: among the maximal runs of
@@ -34,19 +34,20 @@ sets, so a long log costs a bounded number of searches. The scores kept for a de
 reported ones (:func:`~slurm_mapa.core.explain.reported_placement`: one number per GPU set for
 collectives); for a job size outside the model's fitted range the effective bandwidth comes from
 the link-bound model unless the run asks to extrapolate, and the decision says so. Jobs stream through: the simulator keeps
-the queue, the running jobs and fixed-size accumulators, never the whole log.
+the queue, the running jobs and fixed-size accumulators (a :class:`~.results.RunResult`), never
+the whole log.
 
 A decision's cost does not grow with the cluster (issue 28): the nodes are indexed by their number
 of free GPUs, first-fit takes the first node with room from a heap per count, and on clusters of
 ``VECTOR_NODES`` nodes or more slurm/prefer/require pick among runs of eligible nodes with array
-operations (:func:`_pick_vector`, the same choice as :func:`slurm_pick`).
+operations (:func:`.node_pick._pick_vector`, the same choice as :func:`.node_pick.slurm_pick`).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from math import inf
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -66,7 +67,8 @@ from ..core.policies import POLICIES, Allocation, Request, order_within
 from ..errors import InputError
 from .directives import request_for
 from .jobs import Job
-from .stats import Dist, Series
+from .node_pick import _pick_sorted, _pick_vector
+from .results import Record, RunResult
 from .timemodel import TimeModel
 
 ALL_POLICIES = {**POLICIES, **PEER_POLICIES, **AHEAD_POLICIES}
@@ -78,85 +80,12 @@ NODE_CHOICES = ("first-fit", "slurm", "prefer", "require")
 INSENSITIVE_CHOICES = ("best-fit", "complement", "complement-min")
 
 
-def slurm_pick(eligible: Sequence[int], free_counts: Sequence[int], n_nodes: int, needed: int = 1) -> list[int] | None:
-    """select/cons_tres' node choice for equal weights (``_eval_nodes_consec``), free GPUs as the resource.
-
-    ``eligible``: the nodes (indices into ``free_counts``, the cluster's node order) that can hold
-    the job. They form maximal runs of consecutive indices; a run is sufficient when it has
-    ``needed`` nodes. The sufficient run with the fewest free GPUs wins (the first on ties), and
-    in it a one-node job gets the node with the fewest free GPUs (the first on ties), a multi-node
-    job the run's first ``needed`` nodes. With no sufficient run, the first ``needed`` eligible
-    nodes (Slurm would gather the largest runs first; a modelling shortcut for multi-node jobs).
-    """
-    if len(eligible) < needed:
-        return None
-    return _pick_sorted(sorted({i for i in eligible if 0 <= i < n_nodes}), free_counts, needed)
-
-
-def _pick_sorted(eligible: list[int], free_counts: Sequence[int], needed: int = 1) -> list[int] | None:
-    """:func:`slurm_pick` on eligible nodes already in node order: one pass over them, none over the others."""
-    if len(eligible) < needed:
-        return None
-    best_start = best_end = -1
-    best_total = 0
-    start = 0
-    total = 0
-    last = len(eligible) - 1
-    for pos, i in enumerate(eligible):
-        if pos > start and i != eligible[pos - 1] + 1:  # a gap: the run before it ended
-            start, total = pos, 0
-        total += free_counts[i]
-        if pos == last or eligible[pos + 1] != i + 1:  # the run ends here
-            if pos - start + 1 >= needed and (best_start < 0 or total < best_total):
-                best_start, best_end, best_total = start, pos, total
-    if best_start < 0:
-        return eligible[:needed]
-    if needed == 1:
-        node = eligible[best_start]
-        for i in eligible[best_start + 1:best_end + 1]:
-            if free_counts[i] < free_counts[node]:
-                node = i
-        return [node]
-    return eligible[best_start:best_start + needed]
-
-
 # From this many nodes on, the simulator indexes the nodes by free GPUs instead of scanning them.
 INDEX_NODES = 32
 # From this many nodes on, slurm/prefer/require pick among the nodes with array operations (the
 # same choice as :func:`_pick_sorted`, which a smaller cluster uses: a Python loop over a few nodes
 # costs less than the array calls).
 VECTOR_NODES = 64
-
-
-def _pick_vector(eligible: np.ndarray, free_counts: np.ndarray, needed: int = 1) -> list[int] | None:
-    """:func:`slurm_pick` with ``eligible`` a boolean array over the cluster's nodes (ndarray methods
-    only: the module-level numpy functions cost more than the work on a few thousand nodes)."""
-    index = eligible.nonzero()[0]
-    k = index.size
-    if k < needed:
-        return None
-    counts = free_counts[index]
-    first = np.empty(k, dtype=bool)  # where a run of consecutive nodes begins
-    first[0] = True
-    np.not_equal(index[1:] - index[:-1], 1, out=first[1:])
-    starts = first.nonzero()[0]
-    if starts.size == 1:  # one run: every eligible node
-        if needed > 1:
-            return index[:needed].tolist()
-        return [int(index[counts.argmin()])]
-    totals = np.add.reduceat(counts, starts)
-    ends = np.empty_like(starts)
-    ends[:-1] = starts[1:]
-    ends[-1] = k
-    if needed > 1:
-        sufficient = (ends - starts >= needed).nonzero()[0]
-        if not sufficient.size:
-            return index[:needed].tolist()
-        run = sufficient[totals[sufficient].argmin()]  # argmin: the first on ties
-        return index[starts[run]:starts[run] + needed].tolist()
-    run = totals.argmin()
-    low = starts[run]
-    return [int(index[low + counts[low:ends[run]].argmin()])]
 
 
 def policy_names() -> list[str]:
@@ -396,103 +325,6 @@ class Decider:
         self.preserved_tables[gid] = table
         self.best_preserved[gid] = best
         return table
-
-
-@dataclass
-class Record:
-    """One finished job of one run (what the per-job CSV holds)."""
-
-    id: str
-    policy: str
-    node: str
-    submit: float
-    start: float
-    end: float
-    gpus: tuple[int, ...]
-    sensitive: bool
-    shape: str
-    effective: float | None
-    aggregated: float
-    preserved: float
-    base_runtime: float
-
-    @property
-    def wait(self) -> float:
-        return self.start - self.submit
-
-    @property
-    def runtime(self) -> float:
-        return self.end - self.start
-
-
-@dataclass
-class SizeStats:
-    """The results of the jobs of one size (GPUs per node) in one run."""
-
-    jobs: int = 0
-    eff_sensitive: Dist = field(default_factory=Dist)
-    eff_insensitive: Dist = field(default_factory=Dist)
-    wait: Dist = field(default_factory=Dist)
-    grounded: int = 0
-    extrapolated: int = 0
-
-
-@dataclass
-class RunResult:
-    policy: str
-    jobs: int = 0
-    dropped: dict = field(default_factory=dict)
-    eff_sensitive: Dist = field(default_factory=Dist)
-    eff_insensitive: Dist = field(default_factory=Dist)
-    wait: Dist = field(default_factory=Dist)
-    wait_sensitive: Dist = field(default_factory=Dist)  # sensitive jobs of 2+ GPUs
-    runtime: Dist = field(default_factory=Dist)
-    runtime_sensitive: Dist = field(default_factory=Dist)
-    preserved_after: Dist = field(default_factory=Dist)
-    first_submit: float = inf
-    last_end: float = -inf
-    preserved_area: float = 0.0
-    fragmentation_area: float = 0.0
-    covered: float = 0.0
-    series: Series = field(default_factory=Series)
-    out_of_order: int = 0
-    decisions: int = 0
-    stuck: int = 0
-    by_gpus: dict = field(default_factory=dict)  # GPUs per node -> SizeStats
-    grounded: int = 0  # jobs whose effective bandwidth came from the link-bound model
-    extrapolated: int = 0  # jobs whose effective bandwidth the model extrapolated (--extrapolate)
-    node_choice: str = "first-fit"
-    preference_met: int = 0  # jobs that wanted a feature (prefer/require) and started on a node that had it
-    preference_missed: int = 0  # ... and started elsewhere (Slurm's fallback, or a relaxed constraint)
-    relaxed: int = 0  # require: jobs that started without their feature after the wait bound
-    affinity_local: int = 0  # jobs whose GPUs are all local to their modelled CPUs (Options.affinity set)
-    affinity_remote: int = 0  # ... and jobs with a GPU that is not
-
-    @property
-    def label(self) -> str:
-        return self.policy if self.node_choice == "first-fit" else f"{self.policy}/{self.node_choice}"
-
-    def size(self, gpus: int) -> "SizeStats":
-        found = self.by_gpus.get(gpus)
-        if found is None:
-            found = self.by_gpus[gpus] = SizeStats()
-        return found
-
-    @property
-    def makespan(self) -> float:
-        return max(0.0, self.last_end - self.first_submit) if self.jobs else 0.0
-
-    @property
-    def throughput_per_hour(self) -> float:
-        return self.jobs / self.makespan * 3600.0 if self.makespan > 0 else 0.0
-
-    @property
-    def mean_preserved(self) -> float:
-        return self.preserved_area / self.covered if self.covered > 0 else 0.0
-
-    @property
-    def mean_fragmentation(self) -> float:
-        return self.fragmentation_area / self.covered if self.covered > 0 else 0.0
 
 
 def _reordered(jobs: Iterable[Job], window: int, result: RunResult) -> Iterator[Job]:

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..errors import InputError, MapaError
-from . import paths
+from . import trusted_files
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
 _KEYS = {"health", "policy", "default_directive", "ledger", "jobs_dir", "log", "command_timeout", "scontrol", "squeue", "model", "models", "nodes",
@@ -153,7 +153,7 @@ def _check_model_setting(value: str, where: str, source: str) -> None:
 
 def _validate_with_engine(values: dict[str, Any], source: str) -> None:
     from ..core.policies import all_policies
-    from .directive import parse_directive
+    from .text.directive import parse_directive
 
     if values.get("policy", "preserve") not in all_policies():
         raise InputError(f"{source}: unknown policy {values['policy']!r} (accepted: {', '.join(all_policies())})")
@@ -351,13 +351,13 @@ def load_hook_config(env: Mapping[str, str], *, validate: bool = True) -> tuple[
     """
     path = Path(env.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH)))
     try:
-        paths.check_trusted_file(path)
-    except paths.UnsafePath as error:
+        trusted_files.check_trusted_file(path)
+    except trusted_files.UnsafePath as error:
         if not os.path.lexists(path):
             return HookConfig(), f"bad-config: {path} does not exist"
         return HookConfig(), f"bad-config: refused the config, as sshd's StrictModes would: {error}"
     try:
-        text = _config_text(paths.read_bytes(path, MAX_CONFIG_BYTES), str(path))
+        text = _config_text(trusted_files.read_bytes(path, MAX_CONFIG_BYTES), str(path))
         config = config_from_text(text, source=str(path), validate=validate)
     except (OSError, MapaError) as error:
         return HookConfig(), f"bad-config: {error}"
@@ -380,12 +380,12 @@ def _config_text(raw: bytes, source: str) -> str:
 def _untrusted_program(config: HookConfig, where: str = "") -> str:
     """Why the hooks refuse the scontrol or squeue a config names (root runs them), or ""."""
     for key, command in (("scontrol", config.scontrol), ("squeue", config.squeue)):
-        program = paths.command_path(command)
+        program = trusted_files.command_path(command)
         if program is None:
             continue  # not there: the call fails when it is made, like a missing scontrol on any node
         try:
-            paths.resolve_trusted_file(program)
-        except paths.UnsafePath as error:
+            trusted_files.resolve_trusted_file(program)
+        except trusted_files.UnsafePath as error:
             return f"refused {key} = {command!r}{where}, as sshd's StrictModes would: {error}"
     return ""
 
@@ -415,10 +415,10 @@ def load_admin_config(path: str | os.PathLike[str], *, option: str = "--config",
     try:
         if trusted:
             try:
-                paths.check_trusted_file(where)
-            except paths.UnsafePath as error:
+                trusted_files.check_trusted_file(where)
+            except trusted_files.UnsafePath as error:
                 raise InputError(f"{source}: the hooks would refuse it and fall back for every job: {error}") from None
-            raw = paths.read_bytes(where, MAX_CONFIG_BYTES)
+            raw = trusted_files.read_bytes(where, MAX_CONFIG_BYTES)
         else:
             if not os.path.isfile(where):
                 raise InputError(f"{source}: not a regular file; {_ACCEPTED_FILE}")
@@ -436,13 +436,13 @@ def load_admin_config(path: str | os.PathLike[str], *, option: str = "--config",
 
 def hook_logger(path: Path) -> Callable[[str], None]:
     """Appends timestamped lines to the hooks' log file, never through a symlink, FIFO or hard
-    link and never making it writable by others (paths.append_log_line); to stderr if it cannot."""
+    link and never making it writable by others (trusted_files.append_log_line); to stderr if it cannot."""
     failed: list[str] = []
 
     def log(message: str) -> None:
         line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} mapa[{os.getpid()}] {message}\n"
         try:
-            paths.append_log_line(path, line)
+            trusted_files.append_log_line(path, line)
         except (OSError, MapaError) as error:
             if not failed:  # say once per hook why the log is not where the config says
                 failed.append(str(error))

@@ -15,7 +15,7 @@ from slurm_mapa.core.affinity import cpus_of_slurms_gpus, select_with_affinity
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Request
 from slurm_mapa.hardware.presets import preset
-from slurm_mapa.slurm.decision import parse_decisions
+from slurm_mapa.slurm.text.decision import parse_decisions
 
 pytestmark = pytest.mark.cluster
 
@@ -307,7 +307,7 @@ def _restore_node_config(cluster, node: str) -> None:
     cluster.exec(node, ["install", "-m", "644", "/etc/slurm-mapa/config/mapa.toml", "/etc/slurm/mapa.toml"])
 
 
-AGENT = "slurm_mapa.slurm.agent import main"
+AGENT = "slurm_mapa.slurm.agent.service import main"
 AGENT_PROCESS = "^/usr/bin/python3 .*" + AGENT  # the agent itself, not a shell loop restarting it
 
 
@@ -567,7 +567,7 @@ while pgrep -f 'mapa-prolog-wrappe[r]' >/dev/null; do
     what=$(tr '\0' ' ' < "/proc/${pid:-0}/cmdline" 2>/dev/null)
     case "$what" in
         *agent_client*)
-            for agent in $(pgrep -f '^/usr/bin/python3 .*slurm_mapa.slurm.agent impor[t]'); do
+            for agent in $(pgrep -f '^/usr/bin/python3 .*slurm_mapa.slurm.agent.service impor[t]'); do
                 kill -KILL "$agent" && echo "killed mapa-agent $agent, serving $pid: $what"
             done ;;
         *slurm_mapa*) kill -KILL "$pid" && echo "killed $pid: $what" ;;

@@ -15,8 +15,8 @@ from slurm_mapa.core.effbw import paper_model
 from slurm_mapa.core.features import best_free
 from slurm_mapa.core.search import preserved_bandwidth
 from slurm_mapa.hardware.load import load_topology
-from slurm_mapa.slurm.decision import parse_decisions
-from slurm_mapa.slurm.metrics import ring_sizes
+from slurm_mapa.slurm.text.decision import parse_decisions
+from slurm_mapa.slurm.agent.metrics import ring_sizes
 
 pytestmark = pytest.mark.cluster
 

@@ -37,13 +37,13 @@ def test_every_daemon_and_client_runs_the_release_asked_for(cluster):
 
 
 def test_the_nodes_spank_plugin_is_built_for_the_running_release_and_a_foreign_one_is_reported(cluster):
-    check = ("import os, sys, json; sys.path.insert(0, '/opt/slurm-mapa'); from slurm_mapa.slurm import spankcheck; "
+    check = ("import os, sys, json; sys.path.insert(0, '/opt/slurm-mapa'); from slurm_mapa.slurm.isolation import spank_plugin as spankcheck; "
              "print(json.dumps(spankcheck.check_this_node(os.environ, spankcheck.running_slurm_version_text)))")
     assert json.loads(cluster.exec("dgx1", ["/usr/bin/python3", "-I", "-c", check]).stdout) == []
     # A copy whose plugin_version names the other release, in a plugstack.conf of its own: the
     # 4 bytes of the version the headers gave it, found by value, replaced by the other's.
     other = "24.11" if cluster.release == "26.05" else "26.05"
-    patch = ("import struct, sys; sys.path.insert(0, '/opt/slurm-mapa'); from slurm_mapa.slurm import spankcheck; "
+    patch = ("import struct, sys; sys.path.insert(0, '/opt/slurm-mapa'); from slurm_mapa.slurm.isolation import spank_plugin as spankcheck; "
              "data = open(sys.argv[1], 'rb').read(); own = struct.pack('<I', spankcheck.elf_u32_symbol(data, 'plugin_version')); "
              "assert data.count(own) == 1, data.count(own); major, minor = map(int, sys.argv[2].split('.')); "
              "open(sys.argv[3], 'wb').write(data.replace(own, struct.pack('<I', major << 16 | minor << 8 | 5)))")

@@ -19,7 +19,7 @@ import pytest
 
 from slurm_mapa.core.order import prefix_order
 from slurm_mapa.hardware.presets import preset
-from slurm_mapa.slurm.decision import parse_decisions
+from slurm_mapa.slurm.text.decision import parse_decisions
 
 pytestmark = pytest.mark.cluster
 

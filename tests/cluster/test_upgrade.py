@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from slurm_mapa.slurm.decision import parse_decisions
-from slurm_mapa.slurm.doctor import parse_show_config, slurm_values
+from slurm_mapa.slurm.text.decision import parse_decisions
+from slurm_mapa.slurm.admin.doctor import parse_show_config, slurm_values
 from test_mapa import (AGENT_PROCESS, HOLDING_JOB, JOBS_DIR, _admin_comment, _agent_listening, _assert_ledger_empties,
                        _ensure_agent, _gpu_list, _gpus, _job_file, _ledger, _log_since, _log_size, _release, _slurm_gpus)
 

@@ -20,7 +20,7 @@ What it does (docs/directives.md describes the grammar for users):
   then reads the batch script). It is also stored in normalised form as job_desc.admin_comment =
   "mapa:<normalised>", which sacct keeps. Jobs without a directive are left untouched. Text already in
   admin_comment (an admin's, or another plugin's) is kept in front of MAPA's record, with the rule
-  of slurm_mapa/slurm/decision.py (find_record): MAPA's record starts at the first "mapa:" that
+  of slurm_mapa/slurm/text/decision.py (find_record): MAPA's record starts at the first "mapa:" that
   begins the text or follows whitespace, starts within the first _MAX_RECORD_SCAN_CHARS bytes and
   whose text up to the next '#' parses as a directive, however many other "mapa:" words come
   before it; an older MAPA record found that way is replaced, with what follows it. When the
@@ -33,7 +33,7 @@ What it does (docs/directives.md describes the grammar for users):
   way (the Prolog reads the job comment first) and rejects a bad one; it never rewrites admin_comment, because a user may not
   set it on modify. Other modifications, the Prolog's own AdminComment updates included, pass.
 
-This is a line-by-line port of slurm_mapa/slurm/directive.py (parse_comment and
+This is a line-by-line port of slurm_mapa/slurm/text/directive.py (parse_comment and
 parse_directive_lines, with the checks of Directive): same order of checks, same limits, same
 message text; tests/test_job_submit_lua.py runs both over tests/data/directives/corpus.tsv and
 compares them. One difference by design: Slurm hands Lua bytes, so lengths and columns count bytes

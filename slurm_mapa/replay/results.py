@@ -1,0 +1,110 @@
+"""What a replay run yields: a :class:`RunResult` per policy (and node choice) and a
+:class:`Record` per finished job, the per-job CSV's row.
+
+The simulator fills them as jobs end, with fixed-size accumulators (:mod:`.stats`), so a run's
+result does not grow with the log; :mod:`.report` and :mod:`.plots` read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import inf
+
+from .stats import Dist, Series
+
+
+@dataclass
+class Record:
+    """One finished job of one run (what the per-job CSV holds)."""
+
+    id: str
+    policy: str
+    node: str
+    submit: float
+    start: float
+    end: float
+    gpus: tuple[int, ...]
+    sensitive: bool
+    shape: str
+    effective: float | None
+    aggregated: float
+    preserved: float
+    base_runtime: float
+
+    @property
+    def wait(self) -> float:
+        return self.start - self.submit
+
+    @property
+    def runtime(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class SizeStats:
+    """The results of the jobs of one size (GPUs per node) in one run."""
+
+    jobs: int = 0
+    eff_sensitive: Dist = field(default_factory=Dist)
+    eff_insensitive: Dist = field(default_factory=Dist)
+    wait: Dist = field(default_factory=Dist)
+    grounded: int = 0
+    extrapolated: int = 0
+
+
+@dataclass
+class RunResult:
+    policy: str
+    jobs: int = 0
+    dropped: dict = field(default_factory=dict)
+    eff_sensitive: Dist = field(default_factory=Dist)
+    eff_insensitive: Dist = field(default_factory=Dist)
+    wait: Dist = field(default_factory=Dist)
+    wait_sensitive: Dist = field(default_factory=Dist)  # sensitive jobs of 2+ GPUs
+    runtime: Dist = field(default_factory=Dist)
+    runtime_sensitive: Dist = field(default_factory=Dist)
+    preserved_after: Dist = field(default_factory=Dist)
+    first_submit: float = inf
+    last_end: float = -inf
+    preserved_area: float = 0.0
+    fragmentation_area: float = 0.0
+    covered: float = 0.0
+    series: Series = field(default_factory=Series)
+    out_of_order: int = 0
+    decisions: int = 0
+    stuck: int = 0
+    by_gpus: dict = field(default_factory=dict)  # GPUs per node -> SizeStats
+    grounded: int = 0  # jobs whose effective bandwidth came from the link-bound model
+    extrapolated: int = 0  # jobs whose effective bandwidth the model extrapolated (--extrapolate)
+    node_choice: str = "first-fit"
+    preference_met: int = 0  # jobs that wanted a feature (prefer/require) and started on a node that had it
+    preference_missed: int = 0  # ... and started elsewhere (Slurm's fallback, or a relaxed constraint)
+    relaxed: int = 0  # require: jobs that started without their feature after the wait bound
+    affinity_local: int = 0  # jobs whose GPUs are all local to their modelled CPUs (Options.affinity set)
+    affinity_remote: int = 0  # ... and jobs with a GPU that is not
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.node_choice == "first-fit" else f"{self.policy}/{self.node_choice}"
+
+    def size(self, gpus: int) -> "SizeStats":
+        found = self.by_gpus.get(gpus)
+        if found is None:
+            found = self.by_gpus[gpus] = SizeStats()
+        return found
+
+    @property
+    def makespan(self) -> float:
+        return max(0.0, self.last_end - self.first_submit) if self.jobs else 0.0
+
+    @property
+    def throughput_per_hour(self) -> float:
+        return self.jobs / self.makespan * 3600.0 if self.makespan > 0 else 0.0
+
+    @property
+    def mean_preserved(self) -> float:
+        return self.preserved_area / self.covered if self.covered > 0 else 0.0
+
+    @property
+    def mean_fragmentation(self) -> float:
+        return self.fragmentation_area / self.covered if self.covered > 0 else 0.0

@@ -1,0 +1,168 @@
+"""mapa-agent's background work, off the jobs' start path: reconcile passes, node features, the
+journal's AdminComment records, dcgm-exporter's job mapping (after starts and ends, and every
+``reconcile_interval``)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+from ..config import hook_logger, load_hook_config
+
+if TYPE_CHECKING:
+    from .service import Agent
+
+MAX_RECORD_AGE_S = 7 * 86400  # a record slurmctld has refused for a week is dropped (and logged)
+MAX_BACKOFF_S = 300.0
+MIN_RECONCILE_GAP_S = 1.0
+
+
+class Background:
+    """mapa-agent's work off the job-start path, in two threads: reconcile passes (one squeue
+    listing per ``reconcile_interval``, with jitter, so that the nodes of a cluster do not ask at
+    once), and after starts and ends the node's features (``[features]``, when they changed) and
+    the journal's AdminComment records (at most ``admin_comment_rate`` per second, retried with
+    back-off while slurmctld does not answer)."""
+
+    def __init__(self, agent: "Agent", node: str, clock: Callable[[], float] = time.monotonic) -> None:
+        from .features import Publisher
+
+        self.agent = agent
+        self.node = node
+        self.clock = clock
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        # Set when a task of a job unknown here asks for isolation (its Prolog never marked it):
+        # the next reconcile pass (which adopts it) runs now, not at its interval.
+        self.reconcile_soon = threading.Event()
+        self.retry_at: dict[str, float] = {}
+        self.failures: dict[str, int] = {}
+        self.features = Publisher(node)
+        from .dcgm import MappingWriter
+
+        self.dcgm_writer = MappingWriter()  # says each problem of the mapping directory once, not every second
+
+    def _config(self):
+        config, problem = load_hook_config({"MAPA_CONFIG": self.agent.config_path}, validate=False)
+        return config
+
+    def reconcile_once(self) -> bool:
+        from ..hooks.reconcile import reconcile_node
+
+        config = self._config()
+        run = self.agent.make_runner(config.command_timeout)
+        log = hook_logger(config.log)
+        metrics = self.agent.metrics
+        listed = reconcile_node(config, self.node, run, metrics.repair_log(log) if metrics is not None else log)
+        if self.features.publish(config, run, log, force=True) and metrics is not None:  # slurmctld may have restarted
+            metrics.feature_published()
+        return listed
+
+    def publish_features(self) -> bool:
+        """After starts and ends: publish the node's features if they changed."""
+        config = self._config()
+        published = self.features.publish(config, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
+        if published and self.agent.metrics is not None:
+            self.agent.metrics.feature_published()
+        return published
+
+    def write_dcgm_mapping(self) -> list[str]:
+        """With ``dcgm_job_mapping_dir``: name in dcgm-exporter's job-mapping files the jobs using
+        each GPU as the jobs directory says (MAPA's GPUs, else Slurm's for a job MAPA did not
+        place); what changed. Each turn of the records loop (at once after a start or an end, else
+        every second), so jobs a reconcile pass reaped drop out too; unchanged files stay as they are."""
+        from . import dcgm
+        from ..hooks.node_graph import load_graph
+        from ..node_state import NodeState
+
+        config = self._config()
+        if config.dcgm_job_mapping_dir is None:
+            self.dcgm_writer.forget()
+            return []
+        holdings = NodeState.of(config).gpus_in_use()
+        gpu_count = load_graph(config, self.node).size
+        result = self.dcgm_writer.write(config.dcgm_job_mapping_dir, dcgm.mapping_files(holdings, gpu_count))
+        for line in result.log_lines():  # new problems, and "solved: ..." when one goes away
+            self.agent.log_errors(f"mapa-agent: DCGM job mapping: {line}")
+        return list(result.changed)
+
+    def flush_records(self) -> int:
+        """Write the journal's due records; how many were written or dropped."""
+        from ..hooks.admin_comment import flush_entry, flush_note
+        from ..node_state import NodeState
+
+        config = self._config()
+        log = hook_logger(config.log)
+        run = self.agent.make_runner(config.command_timeout)
+        finished = 0
+        state = NodeState.of(config)
+        for name, _, mtime in state.pending_records():
+            if self.stop.is_set():
+                break
+            if self.retry_at.get(name, 0.0) > self.clock():
+                continue
+            job_id = state.job_of_record(name) or name
+            entry = state.take_record(name)
+            if entry is None:
+                continue
+            started = self.clock()
+            if mtime and time.time() - mtime > MAX_RECORD_AGE_S:
+                log(f"job {job_id}: its AdminComment record could not be written for a week; dropped: {entry.record}")
+                done = True
+            else:
+                done = (flush_note if state.is_note(name) else flush_entry)(config, job_id, entry, run, log)
+            state.finish_record(name, done)
+            if done:
+                finished += 1
+                self.retry_at.pop(name, None)
+                self.failures.pop(name, None)
+            else:
+                failures = self.failures[name] = self.failures.get(name, 0) + 1
+                self.retry_at[name] = self.clock() + min(MAX_BACKOFF_S, 2.0 ** failures) * random.uniform(0.8, 1.2)
+            pause = 1.0 / config.admin_comment_rate - (self.clock() - started)
+            if pause > 0:
+                self.stop.wait(pause)
+        return finished
+
+    def _reconcile_loop(self) -> None:
+        while not self.stop.is_set():
+            self.reconcile_soon.clear()
+            try:
+                self.reconcile_once()
+                interval = self._config().reconcile_interval
+            except Exception as error:  # noqa: BLE001 - the next pass tries again
+                self.agent.log_errors(f"mapa-agent: reconcile pass failed: {error}")
+                interval = 60.0
+            self.stop.wait(MIN_RECONCILE_GAP_S)  # however often tasks ask: one squeue a second at most
+            self.reconcile_soon.wait(interval * random.uniform(0.75, 1.25))
+
+    def _records_loop(self) -> None:
+        from ..node_state import NodeState
+
+        try:
+            NodeState.of(self._config()).recover_records()
+        except Exception as error:  # noqa: BLE001
+            self.agent.log_errors(f"mapa-agent: could not recover the journal: {error}")
+        while not self.stop.is_set():
+            self.wake.wait(1.0)
+            self.wake.clear()
+            try:
+                self.publish_features()  # first: it steers where the next jobs go
+            except Exception as error:  # noqa: BLE001 - the next change or pass publishes again
+                self.agent.log_errors(f"mapa-agent: publishing node features failed: {error}")
+            try:
+                self.write_dcgm_mapping()
+            except Exception as error:  # noqa: BLE001 - the next turn writes it again
+                self.agent.log_errors(f"mapa-agent: writing the DCGM job mapping failed: {error}")
+            try:
+                self.flush_records()
+            except Exception as error:  # noqa: BLE001 - the records stay in the journal
+                self.agent.log_errors(f"mapa-agent: writing AdminComment records failed: {error}")
+
+    def start(self) -> None:
+        for target in (self._reconcile_loop, self._records_loop):
+            threading.Thread(target=target, daemon=True, name=f"mapa-agent {target.__name__}").start()
+
+

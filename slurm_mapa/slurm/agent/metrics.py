@@ -1,0 +1,356 @@
+"""mapa-agent's Prometheus metrics: what MAPA decides on a node, for the dashboards sites run.
+
+Served by mapa-agent when mapa.toml has ``[metrics] listen = "HOST:PORT"`` (off by default), in
+the Prometheus text exposition format, with the maintained ``prometheus_client`` library
+(Debian: python3-prometheus-client; pip: the ``metrics`` extra). Every series carries a ``node``
+label. docs/admin.md, section "Metrics", says what each one means and which alerts make sense.
+
+Two kinds of series, neither of which costs the job's start anything:
+
+* events (decisions, isolation answers, controller calls, repairs, feature writes) are counted in
+  memory by the agent as they happen; a decision is classified from the job's ledger entry after
+  the Prolog's answer has gone back to slurmd;
+* the node's state (GPUs held and shared, and how fragmented the free GPUs are) is computed when
+  Prometheus scrapes, from the ledger file and the core's search (:func:`node_state`), whose
+  results :mod:`slurm_mapa.core.features` caches per free set.
+
+The pure parts (:func:`decision_outcome`, :func:`isolation_outcome`, :func:`repairs_in`,
+:func:`ring_sizes`) are separate from :class:`AgentMetrics`, the only part that needs
+prometheus_client; this module imports it only when metrics are on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+
+if TYPE_CHECKING:
+    from ...core.hardware import HardwareGraph
+    from ..config import HookConfig
+
+DECISION_OUTCOMES = ("mapa", "provisional", "fallback", "refused")
+ISOLATION_OUTCOMES = ("isolated", "failed-open", "refused")
+REPAIR_KINDS = ("rebuilt", "reaped", "adopted", "prolog-died")
+HOLDING_CHOICES = ("mapa", "provisional", "fallback")
+COMMANDS = ("scontrol", "squeue", "other")
+MAX_RING_SIZE = 8  # the gauge covers k = 2..8 (the paper's job sizes) and the node's own size
+# Seconds: a Prolog's budget is 2-20 s (config.MAX_PROLOG_BUDGET_S), a controller call's 60 s at most.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0)
+# What the ledger's policy field says about a holding, other than a policy's name (hooks.py, ledger.py).
+_FALLBACK = "fallback"
+_SAFE_CHOICES = ("provisional", "recovered", "slurm", "claimed")
+
+
+def decision_outcome(holding_policy: str, policies: Iterable[str]) -> str:
+    """What a job's ledger entry, read after its Prolog answered, says the decision was: ``mapa``
+    (a policy chose), ``fallback`` (the fail-open fallback: Slurm's GPUs if free, else the lowest
+    free), or ``provisional`` (the safe first choice stayed: the Prolog ran out of budget or time,
+    lost its client, or could not take the lock)."""
+    if holding_policy in policies:
+        return "mapa"
+    if holding_policy == _FALLBACK:
+        return "fallback"
+    return "provisional"
+
+
+def isolation_outcome(answer: str) -> str | None:
+    """The outcome of an isolate answer (agent.Agent.isolate): ``isolated``, ``failed-open``,
+    ``refused`` (fail-closed: the task fails), or None (isolation is off)."""
+    word = answer.split(" ", 2)[:2]
+    if word[0] == "error":
+        return "refused"
+    if len(word) < 2 or word[1] == "off":
+        return None
+    return "failed-open" if word[1] == "failed-open" else "isolated"
+
+
+_REAPED = re.compile(r"reaped the ledger entries and files of jobs that ended: ([0-9,]+)")
+
+
+def repairs_in(line: str) -> list[tuple[str, int]]:
+    """The ledger repairs a reconcile pass's log line reports (reconcile.reconcile_node and what it
+    calls): the ledger was rebuilt from the jobs directory, entries of jobs that ended without a
+    clean Epilog were reaped, jobs that ran without a mark were adopted, or a job whose Prolog died
+    before choosing was entered with Slurm's GPUs."""
+    if " is corrupt (" in line and "rebuilding it from" in line:
+        return [("rebuilt", 1)]
+    reaped = _REAPED.search(line)
+    if reaped:
+        return [("reaped", len([job for job in reaped.group(1).split(",") if job]))]
+    if ": adopted job " in line:
+        return [("adopted", 1)]
+    if "'s Prolog died before choosing; it runs on Slurm's GPUs" in line:
+        return [("prolog-died", 1)]
+    return []
+
+
+def ring_sizes(size: int) -> tuple[int, ...]:
+    """The ring sizes the fragmentation gauge covers on a node of ``size`` GPUs: 2..8 and the size."""
+    return tuple(sorted({k for k in range(2, MAX_RING_SIZE + 1) if k <= size} | ({size} if size >= 2 else set())))
+
+
+def command_name(argv: Any) -> str:
+    """The label of a Slurm command: scontrol, squeue, or other."""
+    try:
+        name = os.path.basename(str(argv[0]))
+    except (IndexError, TypeError, KeyError):
+        return "other"
+    return name if name in COMMANDS else "other"
+
+
+@dataclass(frozen=True)
+class NodeGauges:
+    """What the ledger says now, and how good the free GPUs still are."""
+
+    size: int
+    held: Mapping[str, int]  # choice (HOLDING_CHOICES) -> GPUs held under it
+    shared: int  # GPUs held by more than one job (a MAPA choice never overlaps: must stay 0)
+    jobs: int  # ledger entries
+    free_ring: Mapping[int, float]  # k -> best predicted effective bandwidth of a free k-GPU ring, 0 if none is free
+    idle_ring: Mapping[int, float]  # k -> the same with every GPU free
+    free_preserved: float  # the paper's Eq. 3 over the free GPUs
+    idle_preserved: float  # ... over every GPU
+
+
+def node_gauges(graph: "HardwareGraph", holdings: Mapping[str, Any], model: Any, policies: Iterable[str]) -> NodeGauges:
+    """The state gauges for a node from its ledger's holdings (job -> ledger.Holding), with the
+    core's public search (core.features.best_free, cached per free set; core.search.preserved_bandwidth)."""
+    from ...core.features import best_free
+    from ...core.search import preserved_bandwidth
+
+    policies = tuple(policies)
+    owners: dict[int, int] = {}
+    held = dict.fromkeys(HOLDING_CHOICES, 0)
+    for holding in holdings.values():
+        gpus = [gpu for gpu in holding.gpus if 0 <= gpu < graph.size]
+        held[decision_outcome(holding.policy, policies)] += len(gpus)
+        for gpu in gpus:
+            owners[gpu] = owners.get(gpu, 0) + 1
+    free = tuple(gpu for gpu in range(graph.size) if gpu not in owners)
+    every = tuple(range(graph.size))
+    sizes = ring_sizes(graph.size)
+    return NodeGauges(
+        size=graph.size,
+        held=held,
+        shared=sum(1 for count in owners.values() if count > 1),
+        jobs=len(holdings),
+        free_ring={k: best_free(graph, free, k, model) or 0.0 for k in sizes},
+        idle_ring={k: best_free(graph, every, k, model) or 0.0 for k in sizes},
+        free_preserved=preserved_bandwidth(graph, free),
+        idle_preserved=preserved_bandwidth(graph, every),
+    )
+
+
+def read_node_gauges(config: "HookConfig", node: str) -> NodeGauges:
+    """:func:`node_gauges` from the files the hooks use (the topology, the model, the ledger), read
+    without the ledger's lock (a read never needs it: the ledger is replaced atomically).
+    Raises MapaError, OSError or ledger.LedgerCorrupt when one of them cannot be read."""
+    from ...core.policies import all_policies
+    from ...hardware.load import resolve_model
+    from ..hooks.node_graph import load_graph
+    from ..node_state import NodeState
+
+    graph = load_graph(config, node)
+    model = resolve_model(config.model_for(node), graph)
+    ledger = NodeState.of(config).read_ledger(graph.size)
+    return node_gauges(graph, ledger.holdings, model, all_policies())
+
+
+class AgentMetrics:
+    """The agent's metrics in a registry of their own (no process or platform series, which
+    would carry no ``node`` label). ``state``: returns the node's :class:`NodeGauges` at scrape
+    time (raising when it cannot be read: then ``mapa_node_state_ok`` is 0 and the state series
+    are left out); ``features``: the node's MAPA features as last published."""
+
+    def __init__(self, node: str, policy: str = "preserve", state: Callable[[], NodeGauges] | None = None,
+                 features: Callable[[], tuple[str, ...] | None] = lambda: None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.node = node
+        self.policy = policy  # the policy label of refused requests (their decision is not seen here)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.state = state
+        self.features = features
+        self.state_problem = ""
+        self.server: Any = None  # the HTTP server, once serve() started it
+        r = self.registry
+        self.decisions = Counter("mapa_decisions", "Prolog decisions seen by mapa-agent, by outcome and the policy in force",
+                                 ["node", "outcome", "policy"], registry=r)
+        self.decision_seconds = Histogram(
+            "mapa_decision_duration_seconds", "From the agent taking a Prolog's request to the ledger commit of the job's GPUs",
+            ["node"], buckets=DURATION_BUCKETS, registry=r)
+        self.prolog_seconds = Histogram(
+            "mapa_prolog_duration_seconds", "From the agent taking a Prolog's request to its answer",
+            ["node"], buckets=DURATION_BUCKETS, registry=r)
+        self.overruns = Counter("mapa_prolog_budget_overruns", "Prologs answered after their budget (prolog_budget) was spent",
+                                ["node"], registry=r)
+        self.isolations = Counter("mapa_isolation_requests", "Isolate requests (one per task, from the TaskProlog or the SPANK "
+                                  "plugin) by outcome", ["node", "outcome"], registry=r)
+        self.repairs = Counter("mapa_ledger_repairs", "Ledger repairs made by the agent's reconcile passes, by kind",
+                               ["node", "kind"], registry=r)
+        self.calls = Counter("mapa_controller_calls", "Slurm commands the agent ran (each asks slurmctld)",
+                             ["node", "command"], registry=r)
+        self.call_failures = Counter("mapa_controller_call_failures", "Slurm commands the agent ran that failed or timed out",
+                                     ["node", "command"], registry=r)
+        self.call_seconds = Histogram("mapa_controller_call_duration_seconds", "Wall time of the Slurm commands the agent ran",
+                                      ["node", "command"], buckets=DURATION_BUCKETS, registry=r)
+        self.feature_writes = Counter("mapa_feature_publications", "Times the agent set the node's MAPA features on slurmctld",
+                                      ["node"], registry=r)
+        # Every series exists from the start, at 0: rate() and alerts see the first event.
+        for outcome in DECISION_OUTCOMES:
+            self.decisions.labels(node, outcome, policy)
+        for outcome in ISOLATION_OUTCOMES:
+            self.isolations.labels(node, outcome)
+        for kind in REPAIR_KINDS:
+            self.repairs.labels(node, kind)
+        for command in COMMANDS[:2]:
+            self.calls.labels(node, command)
+            self.call_failures.labels(node, command)
+            self.call_seconds.labels(node, command)
+        self.decision_seconds.labels(node)
+        self.prolog_seconds.labels(node)
+        self.overruns.labels(node)
+        self.feature_writes.labels(node)
+        r.register(_StateCollector(self))
+
+    # --- events: in memory only ---------------------------------------------------------------
+
+    def decision(self, outcome: str, policy: str, decision_seconds: float | None, prolog_seconds: float,
+                 budget_seconds: float) -> None:
+        self.decisions.labels(self.node, outcome, policy).inc()
+        if decision_seconds is not None and 0.0 <= decision_seconds <= 3600.0:
+            self.decision_seconds.labels(self.node).observe(decision_seconds)
+        self.prolog_seconds.labels(self.node).observe(prolog_seconds)
+        if prolog_seconds > budget_seconds:
+            self.overruns.labels(self.node).inc()
+
+    def refused(self) -> None:
+        """A Prolog the agent turned away (busy): the wrapper decides in-process, unseen here."""
+        self.decisions.labels(self.node, "refused", self.policy).inc()
+
+    def isolation(self, answer: str) -> None:
+        outcome = isolation_outcome(answer)
+        if outcome is not None:
+            self.isolations.labels(self.node, outcome).inc()
+
+    def repair_log(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """``log``, counting the repairs its lines report."""
+        def counting(line: str) -> None:
+            for kind, count in repairs_in(line):
+                self.repairs.labels(self.node, kind).inc(count)
+            log(line)
+
+        return counting
+
+    def feature_published(self) -> None:
+        self.feature_writes.labels(self.node).inc()
+
+    def instrument(self, make_runner: Callable[[float], Callable[..., str]]) -> Callable[[float], Callable[..., str]]:
+        """``make_runner`` whose runners count and time each command (in memory; the call itself
+        is the same call, with the same arguments, results and exceptions)."""
+        def make(timeout: float) -> Callable[..., str]:
+            run = make_runner(timeout)
+
+            def call(argv, *args, **kwargs):
+                command = command_name(argv)
+                started = time.monotonic()
+                try:
+                    return run(argv, *args, **kwargs)
+                except BaseException:
+                    self.call_failures.labels(self.node, command).inc()
+                    raise
+                finally:
+                    self.calls.labels(self.node, command).inc()
+                    self.call_seconds.labels(self.node, command).observe(time.monotonic() - started)
+
+            return call
+
+        return make
+
+    # --- exposition ---------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The metrics in the Prometheus text format (what a scrape gets)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def serve(self, host: str, port: int) -> Any:
+        """Serve the metrics on http://HOST:PORT/metrics from a daemon thread; the server (OSError
+        when the address cannot be bound)."""
+        import prometheus_client
+
+        if hasattr(prometheus_client, "disable_created_metrics"):
+            prometheus_client.disable_created_metrics()  # the *_created series only double the count
+        self.server, _ = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+        return self.server
+
+
+class _StateCollector:
+    """The node's state, computed when Prometheus scrapes (see AgentMetrics)."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []  # computed at scrape time: nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        metrics, node = self.metrics, self.metrics.node
+        ok = GaugeMetricFamily("mapa_node_state_ok", "1 when the topology, the model and the ledger could be read at this scrape",
+                               labels=["node"])
+        state = None
+        if metrics.state is not None:
+            try:
+                state = metrics.state()
+            except Exception as error:  # noqa: BLE001 - a scrape must answer whatever the files hold
+                metrics.state_problem = str(error)[:200]
+        ok.add_metric([node], 1.0 if state is not None else 0.0)
+        yield ok
+        features = metrics.features()
+        if features is not None:
+            active = GaugeMetricFamily("mapa_node_feature_active", "The node's MAPA features as the agent last published them",
+                                       labels=["node", "feature"])
+            for name in features:
+                active.add_metric([node, name], 1.0)
+            yield active
+        if state is None:
+            return
+        gpus = GaugeMetricFamily("mapa_gpus", "GPUs of the node (its topology)", labels=["node"])
+        gpus.add_metric([node], float(state.size))
+        yield gpus
+        held = GaugeMetricFamily("mapa_gpus_held", "GPUs held by jobs in the node's ledger, by how they were chosen",
+                                 labels=["node", "choice"])
+        for choice in HOLDING_CHOICES:
+            held.add_metric([node, choice], float(state.held.get(choice, 0)))
+        yield held
+        shared = GaugeMetricFamily("mapa_gpus_shared", "GPUs held by more than one job (must stay 0)", labels=["node"])
+        shared.add_metric([node], float(state.shared))
+        yield shared
+        jobs = GaugeMetricFamily("mapa_ledger_jobs", "Jobs in the node's ledger", labels=["node"])
+        jobs.add_metric([node], float(state.jobs))
+        yield jobs
+        ring = GaugeMetricFamily("mapa_free_ring_effective_bandwidth_gbps",
+                                 "Best predicted effective bandwidth of a k-GPU ring on the free GPUs now (0: fewer than k free)",
+                                 labels=["node", "k"])
+        idle = GaugeMetricFamily("mapa_idle_ring_effective_bandwidth_gbps",
+                                 "Best predicted effective bandwidth of a k-GPU ring on the idle node", labels=["node", "k"])
+        for k in sorted(state.free_ring):
+            ring.add_metric([node, str(k)], state.free_ring[k])
+            idle.add_metric([node, str(k)], state.idle_ring[k])
+        yield ring
+        yield idle
+        preserved = GaugeMetricFamily("mapa_free_preserved_bandwidth_gbps",
+                                      "Preserved bandwidth of the free GPUs: the summed bandwidth of the links among them",
+                                      labels=["node"])
+        preserved.add_metric([node], state.free_preserved)
+        yield preserved
+        idle_preserved = GaugeMetricFamily("mapa_idle_preserved_bandwidth_gbps", "Preserved bandwidth of the idle node",
+                                           labels=["node"])
+        idle_preserved.add_metric([node], state.idle_preserved)
+        yield idle_preserved

@@ -1,0 +1,318 @@
+"""``mapa-agent``: a resident process per node that runs the Prolog and Epilog for the hooks.
+
+A Prolog started cold pays for Python and the engine's imports on every job (about 0.2 s on a
+small machine); the agent pays once and keeps topologies and search tables warm. The hook
+wrapper asks it through :mod:`slurm_mapa.slurm.agent.client` and runs the hook in-process when
+there is no agent, so the agent only makes things faster: the decision, the ledger, the log and
+the AdminComment are the same code and the same files either way.
+
+Only root may ask (the socket lives in a root-only directory and the peer's uid is checked), a
+request carries only the few SLURM_* variables the hooks read, and it is parsed strictly and
+bounded in size and in time (one deadline for the whole request, however slowly it trickles in).
+A client that goes away before the decision is written (slurmd killed the Prolog) gets nothing
+more written: its job keeps the provisional choice the Prolog recorded first, and the wrapper's
+in-process run decides again.
+
+The TaskProlog, as the job's user, asks on a second socket that anyone may use and that takes
+only ``isolate`` requests: the agent isolates the asking task's GPU devices (slurm/isolation.py),
+judging the caller by its pid and its task's cgroup, never by what the request says.
+
+A burst of Prologs (32 or more jobs allocated at once) queues in a deep listen backlog instead of
+falling back; past MAX_HANDLERS concurrent requests a client is told ``error busy`` at once and
+runs the hook in-process. The agent answers within the Prolog's configured budget
+(``prolog_budget``), well inside the client's ANSWER_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from ...errors import InputError, MapaError
+from ..node_state import NodeState
+from ..isolation import spank_plugin as spankcheck
+from .background import Background
+from .client import DEFAULT_SOCKET, ISOLATE_SOCKET
+from .server import LogLimiter, serve, serve_isolation
+from ..text.commands import Runner
+from ..config import HookConfig, hook_logger, load_hook_config
+from ..hooks.epilog import epilog_failing_open
+from ..hooks.prolog import prolog_failing_open
+from ..isolation.isolator import Isolator, effective_mode, job_devices_for
+from ..isolation.rules import IsolationError
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
+
+class Agent:
+    """Runs hooks for requests; the config is read again for each, so an edit applies at once."""
+
+    def __init__(
+        self,
+        config_path: str,
+        log_errors: Callable[[str], None] | None = None,
+        run: Callable[[float], Callable[[list[str]], str]] = lambda timeout: Runner(timeout=timeout),
+        node: str | None = None,
+        isolator: Isolator | None = None,
+        metrics: "AgentMetrics | None" = None,
+    ) -> None:
+        self.config_path = config_path
+        self.node = node or os.uname().nodename.split(".")[0]
+        self.isolator = isolator or Isolator()  # tests give one reading a fake /proc
+        self.isolated: set[tuple[str, str, str]] = set()  # (job, step, asker) whose isolation was logged
+        self.noted: set[tuple[str, str]] = set()  # (job, state) whose failed isolation was journaled
+        self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
+        # Prometheus metrics ([metrics] in mapa.toml, slurm/metrics.py): counted in memory, None when off.
+        self.metrics = metrics
+        self.make_runner = metrics.instrument(run) if metrics is not None else run  # tests give a fake Slurm here
+        self.background: Background | None = None  # started by main(); tests drive it directly
+        self.public_log = LogLimiter()  # failures of the public socket's requests, per uid
+
+    def run_hook(
+        self,
+        kind: str,
+        env: Mapping[str, str],
+        still_wanted: Callable[[], bool],
+        defer: Callable[[Callable[[], None]], None] | None = None,
+        requester_pid: int | None = None,
+    ) -> None:
+        config_env = {"MAPA_CONFIG": self.config_path}  # read again for each job: an edit applies at once
+        if kind == "prolog":
+            prolog_failing_open(env, config_env, self.make_runner, " (in mapa-agent)",
+                                still_wanted=still_wanted, defer=defer, requester_pid=requester_pid)
+        else:
+            epilog_failing_open(env, config_env, " (in mapa-agent)")
+
+    def isolate(self, pid: int, uid: int, env: Mapping[str, str], public: bool = False) -> str:
+        """The answer to a TaskProlog's isolate request from process ``pid`` of user ``uid``
+        (``public``: on the socket anyone may use; its failures are logged at a bounded rate)."""
+        answer = self._isolate(pid, uid, env, public)
+        if self.metrics is not None:
+            self.metrics.isolation(answer)
+        return answer
+
+    def _isolate(self, pid: int, uid: int, env: Mapping[str, str], public: bool) -> str:
+        config, problem = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
+        log = hook_logger(config.log)
+        if problem:
+            log(f"isolation: not applied, the config is unusable ({problem})")
+        mode, _ = effective_mode(config, self.node)
+        if mode == "off":
+            return "done off"
+        job_id = None
+        try:
+            outcome = self.isolator.isolate(pid, uid, env, job_devices_for(config, self.node), config.isolation_scope,
+                                            NodeState.of(config).job_of_sluid)
+        except IsolationError as error:
+            reason, job_id = str(error), error.job_id
+            if error.unknown_job and self.background is not None:
+                # A task of a job with no mark here: the job holds GPUs the ledger does not know.
+                # Adopt it now rather than at the next reconcile pass.
+                self.background.reconcile_soon.set()
+        except InputError as error:
+            reason = str(error)
+        except Exception as error:  # noqa: BLE001 - a bug must not decide whether the task runs
+            reason = f"internal error: {error!r}"
+        else:
+            asker = "root (the SPANK plugin)" if uid == 0 else "the TaskProlog"
+            if (outcome.job_id, outcome.step, asker) not in self.isolated:  # once per step and asker, not per task
+                if len(self.isolated) > 10000:
+                    self.isolated.clear()
+                self.isolated.add((outcome.job_id, outcome.step, asker))
+                log(f"isolation: {outcome.state}: {outcome.detail} (asked by {asker})")
+            return f"done {outcome.state} {outcome.detail}"
+        answer = self._isolation_failed(mode, self._limited(log, uid) if public else log, reason, pid, uid)
+        if job_id is not None:
+            self.note_isolation(config, log, job_id, "refused" if answer.startswith("error") else "failed-open", reason)
+        return answer
+
+    def note_isolation(self, config: HookConfig, log: Callable[[str], None], job_id: str, state: str, reason: str) -> None:
+        """Journal a note for the job's AdminComment (its first failure on this node only: every
+        task of the job fails alike); the background thread writes it after the decision."""
+        from ..node_state import Entry
+        from ..text.decision import why_token
+
+        if (job_id, state) in self.noted:
+            return
+        if len(self.noted) > 10000:
+            self.noted.clear()
+        self.noted.add((job_id, state))
+        try:
+            NodeState.of(config).note(job_id, Entry(self.node, 0, f"isolation={state} why={why_token(reason)}"))
+        except (OSError, ValueError, MapaError) as error:
+            log(f"job {job_id}: could not journal the isolation note for the AdminComment ({error}); it is in this log only")
+            return
+        if self.background is not None:
+            self.background.wake.set()
+
+    def isolation_failed(self, reason: str, pid: int, uid: int) -> str:
+        """The answer to a public isolate request that could not even be read: as the mode says."""
+        config, _ = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
+        mode, _ = effective_mode(config, self.node)
+        if mode == "off":
+            return "done off"
+        answer = self._isolation_failed(mode, self._limited(hook_logger(config.log), uid), reason, pid, uid)
+        if self.metrics is not None:
+            self.metrics.isolation(answer)
+        return answer
+
+    def _limited(self, log: Callable[[str], None], uid: int) -> Callable[[str], None]:
+        return lambda text: self.public_log.say(uid, text, log)
+
+    def job_of(self, pid: int) -> str | None:
+        """The Slurm job whose task cgroup process ``pid`` is in, None if none: the public socket's
+        cheap first check (one small /proc read), before a thread or a log line is spent on it."""
+        from ..isolation.cgroups import read_proc_cgroup
+        from ..isolation.rules import parse_proc_cgroup
+
+        try:
+            cgroup = parse_proc_cgroup(read_proc_cgroup(self.isolator.proc, pid))
+        except OSError:
+            return None
+        return (cgroup.job_id or cgroup.sluid) if cgroup is not None else None
+
+    @staticmethod
+    def _isolation_failed(mode: str, log: Callable[[str], None], reason: str, pid: int, uid: int) -> str:
+        reason = " ".join(reason.split())[:900]
+        if mode == "fail-closed":
+            log(f"isolation: refused the task of process {pid} (uid {uid}), as isolation = \"fail-closed\": {reason}")
+            return f"error {reason}"
+        log(f"isolation: the task of process {pid} (uid {uid}) runs without it (isolation = \"fail-open\"): {reason}")
+        return f"done failed-open {reason}"
+
+    def note_prolog(self, env: Mapping[str, str], started_wall: float, started: float) -> None:
+        """Count a Prolog the agent ran, once its answer is back with slurmd: its outcome from the
+        job's ledger entry (one read of a local file; the decision itself is not changed), how long
+        it took, and whether it overran its budget. A CPU-only job, or one whose entry is gone
+        already (it ended), is not counted. Never raises."""
+        if self.metrics is None:
+            return
+        answered = time.monotonic()
+        try:
+            from ...core.policies import all_policies
+            from ..hooks.job_context import context_from_env
+            from ..hooks.node_graph import load_graph
+
+            config, _ = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
+            self.metrics.policy = config.policy
+            ctx = context_from_env(env)
+            if not ctx.slurm_gpus:
+                return
+            try:
+                size = load_graph(config, ctx.node).size
+            except (MapaError, OSError):
+                size = 1 << 16  # no topology: the ledger is only checked against a bound
+            holding = NodeState.of(config).read_ledger(size).holdings.get(ctx.job_id)
+            if holding is None:
+                return
+            from .metrics import decision_outcome
+
+            self.metrics.decision(decision_outcome(holding.policy, all_policies()), config.policy,
+                                  holding.since - started_wall if holding.since >= started_wall else None,
+                                  answered - started, config.prolog_budget)
+        except Exception as error:  # noqa: BLE001 - counting must never disturb the agent
+            self.log_errors(f"mapa-agent: metrics: could not count the Prolog of job {env.get('SLURM_JOB_ID', '')[:20]}: {error}")
+
+    def warm_up(self, node: str) -> None:
+        """Load this node's topology and search tables once, so the first job is as fast as the rest."""
+        from ...core.policies import select
+        from ...hardware.load import resolve_model
+        from ..text.directive import parse_directive, to_request
+        from ..hooks.node_graph import load_graph
+
+        config, problem = load_hook_config({"MAPA_CONFIG": self.config_path})
+        if problem:
+            return
+        graph = load_graph(config, node)
+        model = resolve_model(config.model_for(node), graph)
+        for text in ("topology=ring sensitive=no", "topology=ring sensitive=yes"):
+            for size in range(1, min(graph.size, 3) + 1):
+                select(config.policy, graph, range(graph.size), to_request(parse_directive(text), size), model,
+                       config.configured_policies())
+
+
+def log_spank_plugin_problems(config_path: str, environ: Mapping[str, str],
+                              running_version_text: Callable[[], str | None] | None = None) -> None:
+    """Once at start, into the agent's log: MAPA's SPANK plugin in plugstack.conf that the running
+    Slurm would not load (built for another release: slurmstepd skips an optional plugin with only a
+    verbose line, and tasks lose their root-side isolation without a word). Never raises."""
+    try:
+        config, _ = load_hook_config({"MAPA_CONFIG": config_path}, validate=False)
+        log = hook_logger(config.log)
+        for problem in spankcheck.check_this_node(environ, running_version_text or spankcheck.running_slurm_version_text):
+            log(f"WARNING: {problem}")
+    except Exception as error:  # noqa: BLE001 - a check that informs must not stop the agent
+        print(f"mapa-agent: could not check the SPANK plugin ({error})", file=sys.stderr, flush=True)
+
+
+def start_metrics(config_path: str, node: str) -> "AgentMetrics | None":
+    """With ``[metrics] listen`` in the config: the node's metrics, served there (read once, at
+    start). None when off, or when they cannot be served (said on stderr; the agent runs on)."""
+    config, problem = load_hook_config({"MAPA_CONFIG": config_path}, validate=False)
+    if problem or config.metrics_listen is None:
+        return None
+    from .metrics import AgentMetrics, read_node_gauges
+
+    host, port = config.metrics_listen
+    try:
+        metrics = AgentMetrics(node, config.policy,
+                               state=lambda: read_node_gauges(load_hook_config({"MAPA_CONFIG": config_path}, validate=False)[0], node))
+        port = metrics.serve(host, port).server_port
+    except ImportError:
+        print("mapa-agent: [metrics] listen is set but the prometheus_client module is missing (Debian: "
+              "python3-prometheus-client; pip: slurm-mapa[metrics]); no metrics", file=sys.stderr, flush=True)
+        return None
+    except OSError as error:
+        print(f"mapa-agent: cannot serve metrics on {host}:{port} ({error}); no metrics", file=sys.stderr, flush=True)
+        return None
+    print(f"mapa-agent: metrics on http://{f'[{host}]' if ':' in host else host}:{port}/metrics", file=sys.stderr, flush=True)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mapa-agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=os.environ.get("MAPA_CONFIG", "/etc/slurm/mapa.toml"), help="the hooks' config (default %(default)s)")
+    parser.add_argument("--socket", default=DEFAULT_SOCKET, help="where to listen (default %(default)s)")
+    parser.add_argument("--isolate-socket", default=ISOLATE_SOCKET,
+                        help="where TaskPrologs ask for GPU isolation, open to every user (default %(default)s)")
+    parser.add_argument("--node", default=os.uname().nodename.split(".")[0], help="this node's Slurm name, for the warm-up (default: the host name)")
+    args = parser.parse_args(argv)
+    os.umask(0o022)  # whatever started us: nothing the hooks create may be writable by others
+    if os.geteuid() != 0:
+        print("mapa-agent: must run as root, like the Prolog it replaces", file=sys.stderr)
+        return 2
+    agent = Agent(args.config, node=args.node, metrics=start_metrics(args.config, args.node))
+    try:
+        agent.warm_up(args.node)
+    except Exception as error:  # noqa: BLE001 - a cold cache is only slower
+        print(f"mapa-agent: warm-up for node {args.node} failed ({error}); continuing cold", file=sys.stderr)
+    try:
+        server = serve(args.socket, agent)
+    except (InputError, OSError) as error:
+        print(f"mapa-agent: cannot listen on {args.socket}: {error}", file=sys.stderr)
+        return 2
+    try:
+        isolation_server = serve_isolation(args.isolate_socket, agent)
+    except (InputError, OSError) as error:  # the hooks still work; a TaskProlog asking gets no answer
+        print(f"mapa-agent: cannot listen on {args.isolate_socket} ({error}); no GPU isolation", file=sys.stderr)
+    else:
+        threading.Thread(target=isolation_server.serve_forever, daemon=True, name="mapa-agent isolation").start()
+    agent.background = Background(agent, args.node)
+    if agent.metrics is not None:
+        agent.metrics.features = lambda: agent.background.features.last if agent.background is not None else None
+    agent.background.start()
+    # In a thread of its own: Slurm's commands (bounded timeouts) must not hold up the start.
+    threading.Thread(target=log_spank_plugin_problems, args=(args.config, dict(os.environ)), daemon=True,
+                     name="mapa-agent SPANK check").start()
+    print(f"mapa-agent: listening on {args.socket} (config {args.config})", file=sys.stderr, flush=True)
+    with server:
+        server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""MAPA's decision in the job's AdminComment, so that sacct keeps it.
+
+The Prolog journals the record first (node_state's journal) and writes it within its budget, or mapa-agent
+does after answering; the isolation outcome is added to the same record later (flush_note).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import TYPE_CHECKING
+
+from ...errors import MapaError
+from ..node_state import Entry, NodeState
+from ..text.commands import CommandFailed, Log, RunCommand, admin_comment_argv, parse_job_json, show_job_argv, update_target
+from ..config import HookConfig
+from ..text.decision import ISOLATION_STATES, Decision, parse_decisions, with_decision
+from .job_context import PrologContext
+
+if TYPE_CHECKING:
+    from ..text.directive import Directive
+
+
+def journal_decision(ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, log: Log) -> Entry | None:
+    """Keep the AdminComment record on disk until it is written (the journal)."""
+    try:
+        entry = Entry(ctx.node, ctx.nodes_in_job, f"{directive.as_comment()} # {decision.text()}")
+        NodeState.of(config).record(ctx.job_id, entry)
+        return entry
+    except (OSError, ValueError, MapaError) as error:
+        log(f"job {ctx.job_id}: could not journal the decision for the AdminComment ({error}); not recorded")
+        return None
+
+
+def flush_entry(config: HookConfig, job_id: str, entry: Entry, run: RunCommand, log: Log) -> bool:
+    """Write a journal entry's record into the job's AdminComment. True when the entry is done
+    with (written, already there, or never writable: the job is gone, it would not fit); False
+    to try again later (slurmctld did not answer)."""
+    from ..text.decision import record_directive
+
+    directive = record_directive(entry.record)
+    decision = parse_decisions(entry.record).get(entry.node)
+    if directive is None or decision is None:
+        log(f"job {job_id}: journal entry {entry.record[:80]!r} is not a decision record; dropped")
+        return True
+    ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=entry.nodes_in_job)
+    return record_decision(ctx, directive, decision, config, run, log)
+
+
+def flush_note(config: HookConfig, job_id: str, entry: Entry, run: RunCommand, log: Log) -> bool:
+    """Add an isolation note (NodeState.note) to this node's decision in the job's AdminComment. True
+    when done with (written, or never writable), False to try again later: slurmctld did not
+    answer, or the decision itself is still in the journal."""
+    from ..text.decision import record_directive
+
+    fields = dict(token.partition("=")[::2] for token in entry.record.split())
+    state, why = fields.get("isolation", ""), fields.get("why", "")
+    if state not in ISOLATION_STATES:
+        log(f"job {job_id}: journal note {entry.record[:80]!r} is not an isolation note; dropped")
+        return True
+    try:
+        job = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
+        admin = job.get("admin_comment") or ""
+    except ValueError as error:
+        log(f"job {job_id}: could not read the AdminComment for the isolation note ({error}); not recorded")
+        return True
+    except CommandFailed as error:
+        if "Invalid job id" in str(error):
+            log(f"job {job_id}: gone; its isolation note ({state}: {why}) stays in this node's log only")
+            return True
+        return False
+    admin = admin if isinstance(admin, str) else ""
+    decision, directive = parse_decisions(admin).get(entry.node), record_directive(admin)
+    if decision is None or directive is None:
+        if NodeState.of(config).record_pending(job_id):
+            return False  # the decision goes first; the note follows it
+        log(f"job {job_id}: the AdminComment has no decision of node {entry.node} to note isolation={state} in; "
+            "it stays in this node's log only")
+        return True
+    noted = dataclasses.replace(decision, isolation=state, why=why)
+    ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=2)  # 2: read back
+    return record_decision(ctx, directive, noted, config, run, log)
+
+
+def record_decision(
+    ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, run: RunCommand, log: Log
+) -> bool:
+    """Add this node's decision to the job's AdminComment, so that sacct keeps it.
+
+    The AdminComment is read afresh each time, so what an admin wrote there meanwhile is kept
+    (with_decision keeps every text that is not MAPA's). The Prologs of a multi-node job run at
+    once and each rewrites the whole AdminComment, so a write can drop another node's decision:
+    for those jobs, read back and write again (merged) until ours is there, a few times at most.
+    """
+    job_id = ctx.job_id
+    for attempt in range(4):
+        try:
+            if attempt:
+                time.sleep(0.05 * attempt + random.random() * 0.1)
+            job = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
+            admin = job.get("admin_comment") or ""
+            admin = admin if isinstance(admin, str) else ""
+            recorded = parse_decisions(admin).get(decision.node)
+            if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy) and (
+                    recorded.isolation == decision.isolation or not decision.isolation):
+                return True
+            # An array task or het component by a name that changes it alone (update_target).
+            run(admin_comment_argv(config.scontrol, update_target(job, job_id), with_decision(admin, directive, decision)))
+            if ctx.nodes_in_job <= 1:
+                return True
+        except ValueError as error:  # the record would not fit, or the answer is not a job record
+            log(f"job {job_id}: could not record the decision in AdminComment ({error}); not recorded")
+            return True
+        except CommandFailed as error:
+            # Refusals that a retry cannot change: the job is gone, or it ended before the record
+            # was written (slurmctld takes no update of a finished job's AdminComment).
+            if "Invalid job id" in str(error) or "already finished" in str(error):
+                log(f"job {job_id}: the AdminComment can no longer be written ({error}); the decision stays in this node's log only")
+                return True
+            log(f"job {job_id}: could not record the decision in AdminComment yet ({error}); it stays in the journal")
+            return False
+    log(f"job {job_id}: the AdminComment kept losing this node's decision; trying again later")
+    return False

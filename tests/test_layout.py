@@ -1,0 +1,126 @@
+"""The layout docs/architecture.md describes, checked from the modules' ASTs (every import
+statement counts, module level or inside a function):
+
+* the parts of ``slurm_mapa.slurm`` import only the parts below them;
+* the node's state files are behind one door: nothing outside ``slurm_mapa.slurm.node_state``
+  imports its modules, only the package;
+* the agent's client, which root runs as a script with ``python -I -S``, imports nothing of the
+  project;
+* no module is much over 600 lines, but for the ones named here with the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import slurm_mapa
+
+PACKAGE_DIR = Path(slurm_mapa.__file__).parent
+SLURM = "slurm_mapa.slurm"
+
+# Lower layers first; a module may import its own layer and those before it.
+LAYERS = (
+    ("text", "trusted_files"),
+    ("config",),
+    ("node_state",),
+    ("isolation",),
+    ("hooks",),
+    ("agent",),
+    ("admin",),
+)
+RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+
+MAX_LINES = 600
+LONGER_ON_PURPOSE = {
+    # simulate(): one event loop whose inner steps share its running state, beside the Decider it
+    # drives; split, each half would be read with the other open.
+    "slurm_mapa/replay/simulate.py": 800,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, as an absolute name (``from . import x`` counts ``x`` too)."""
+    name = module_name(path)
+    package = name.split(".") if path.stem == "__init__" else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            target = ".".join(part for part in (base, node.module) if part)
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def modules() -> list[Path]:
+    return sorted(p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def slurm_part(module: str) -> str | None:
+    """``node_state`` for slurm_mapa.slurm.node_state.ledger; None outside slurm_mapa.slurm."""
+    if not module.startswith(SLURM + "."):
+        return None
+    return module[len(SLURM) + 1:].split(".")[0]
+
+
+def test_every_part_of_the_slurm_package_has_a_layer():
+    parts = {p.stem if p.is_file() else p.name for p in (PACKAGE_DIR / "slurm").iterdir()
+             if p.name not in ("__init__.py", "__pycache__")}
+    assert parts == set(RANK), "a new part of slurm_mapa/slurm needs its place in LAYERS (and docs/architecture.md)"
+
+
+def test_the_parts_of_the_slurm_package_import_only_the_parts_below_them():
+    wrong = []
+    for path in modules():
+        importer = slurm_part(module_name(path))
+        if importer is None:
+            continue
+        for target in imported_modules(path):
+            part = slurm_part(target)
+            if part is not None and part in RANK and RANK[part] > RANK[importer]:
+                wrong.append(f"{module_name(path)} imports {target}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_only_the_node_state_package_opens_its_modules():
+    door = f"{SLURM}.node_state"
+    inner = {module_name(p) for p in (PACKAGE_DIR / "slurm" / "node_state").glob("*.py")} - {door}
+    wrong = []
+    for path in modules():
+        name = module_name(path)
+        if name == door or name.startswith(door + "."):
+            continue
+        wrong += [f"{name} imports {target}" for target in imported_modules(path) if target in inner]
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_the_agent_client_imports_nothing_of_the_project():
+    client = PACKAGE_DIR / "slurm" / "agent" / "client.py"
+    assert not {t for t in imported_modules(client) if t.startswith("slurm_mapa")}
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE_DIR.parent)))
+def test_no_module_is_much_longer_than_a_reader_holds(path):
+    relative = str(path.relative_to(PACKAGE_DIR.parent))
+    limit = LONGER_ON_PURPOSE.get(relative, MAX_LINES)
+    lines = len(path.read_bytes().splitlines())
+    assert lines <= limit, f"{relative} has {lines} lines: split it by responsibility (docs/architecture.md)"
+
+
+def test_the_import_checks_see_a_violation():
+    """The checks above read imports the way Python resolves them (a check that sees nothing
+    would pass forever)."""
+    prolog = PACKAGE_DIR / "slurm" / "hooks" / "prolog.py"
+    found = imported_modules(prolog)
+    assert f"{SLURM}.node_state" in found and f"{SLURM}.node_state.NodeState" in found
+    assert RANK["agent"] > RANK["hooks"] and slurm_part(f"{SLURM}.agent.service") == "agent"
