@@ -364,7 +364,7 @@ class Killer(threading.Thread):
             for pid in children_of(self.wrapper_pid):
                 if pid not in self.seen or self.seen[pid][0] == "other":  # "other": maybe forked, not yet exec'd
                     line = cmdline(pid)
-                    kind = "client" if b"agent_client.py" in line else "inprocess" if b"python" in line else "other"
+                    kind = "client" if b"/agent/client.py" in line else "inprocess" if b"python" in line else "other"
                     self.seen[pid] = (kind, now)
                     self.start_ticks[pid] = start_ticks(pid)
                 kind, first = self.seen[pid]

@@ -438,3 +438,13 @@ def test_path_facts_use_the_trust_rules(tmp_path):
     assert not gather_inputs.path_facts(tmp_path / "none", "hook").exists
     if os.geteuid() != 0:  # paths.py accepts this user's files; the doctor insists on root
         assert any("belongs to uid" in problem for problem in doctor_checks.path_problems(dataclasses.replace(facts, problem="")))
+
+
+def test_the_wrappers_python_and_package_are_read_from_this_release_and_the_one_before():
+    """A node upgraded with its old wrappers still in place (docs/admin.md, "Upgrading"): the
+    client's path moved from slurm/agent_client.py (0.1.0) to slurm/agent/client.py."""
+    new = wrapper_text("prolog", "/opt/mapa/bin/python3", "/opt/mapa/lib", "/etc/slurm/mapa.toml")
+    assert slurm_text.wrapper_program(new) == ("/opt/mapa/bin/python3", "/opt/mapa/lib/slurm_mapa")
+    old = "/opt/old/bin/python3 -I -S /opt/old/lib/slurm_mapa/slurm/agent_client.py prolog && exit 0\n"
+    assert slurm_text.wrapper_program(old) == ("/opt/old/bin/python3", "/opt/old/lib/slurm_mapa")
+    assert slurm_text.wrapper_program("#!/bin/sh\n/etc/slurm/site-prolog\n") is None

@@ -17,7 +17,7 @@
     isolation_scope = "step"                   # | "task": what the tasks of one step may open (docs/isolation.md)
     dcgm_job_mapping_dir = "/run/dcgm-job-mapping"   # none by default: which job uses each GPU, for dcgm-exporter
 
-    [metrics]                                  # mapa-agent's Prometheus endpoint (slurm/metrics.py); off by default
+    [metrics]                                  # mapa-agent's Prometheus endpoint (agent/metrics.py); off by default
     listen = "127.0.0.1:9786"                  # HOST:PORT, [IPv6]:PORT, or "" (off)
 
     [preserve_ahead]                           # only for policy = "preserve-ahead"
@@ -80,7 +80,7 @@ class HookConfig:
     squeue: str = "/usr/bin/squeue"
     model: str = ""
     health: str = "auto"
-    # Device isolation of tasks by mapa-agent (slurm/isolation.py): "auto" is fail-open on nodes
+    # Device isolation of tasks by mapa-agent (slurm/isolation/): "auto" is fail-open on nodes
     # whose topology file names each GPU's device minor, off elsewhere (isolation.effective_mode).
     isolation: str = "auto"
     # "step": every task of a step may open all of the step's GPUs (ranks need CUDA/ROCm IPC to each

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError
 from .. import trusted_files as trusted
-from ..isolation import spank_plugin as spankcheck
+from ..isolation import spank_plugin
 
 if TYPE_CHECKING:
     from ..config import HookConfig
@@ -232,7 +232,7 @@ def taskprolog_text(jobs_dir: str, gpu_vendor: str = "auto", isolation: str = "o
     """The TaskProlog, reading the per-job files where the config puts them. ``gpu_vendor``
     "auto" tells AMD nodes by the amdgpu driver's /dev/kfd; "nvidia" or "amd" fixes it.
     ``isolation`` (mapa.toml's) other than "off", with ``python`` and ``package_parent``: each task
-    first asks mapa-agent to isolate its GPUs (agent_client.py isolate), and with "fail-closed"
+    first asks mapa-agent to isolate its GPUs (agent/client.py isolate), and with "fail-closed"
     the task fails when there is no agent to ask."""
     if gpu_vendor not in GPU_VENDORS:
         raise InputError(f"GPU vendor {gpu_vendor!r}: expected one of {', '.join(GPU_VENDORS)}")
@@ -289,7 +289,7 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     print(feature_conf_lines(config.feature_sizes), end="")
     # Last on stderr, where it is seen: a SPANK plugin the running Slurm would skip without a word.
     try:
-        problems = spankcheck.check_this_node(os.environ, spankcheck.running_slurm_version_text)
+        problems = spank_plugin.check_this_node(os.environ, spank_plugin.running_slurm_version_text)
     except Exception as error:  # noqa: BLE001 - the hooks are written; the check only informs
         problems = [f"could not check the SPANK plugin in plugstack.conf: {error}"]
     for problem in problems:
@@ -338,19 +338,19 @@ def spank_build_report(plugin: bytes, target: Path, running_text: str | None) ->
     may not be the Slurm slurmstepd runs (two installations, or new packages whose daemons restart
     later), and refusing would leave the node with whatever plugin it had. ``mapa hooks`` and
     mapa-agent's start check the installed plugin against the running Slurm again."""
-    built = spankcheck.elf_u32_symbol(plugin, "plugin_version")
+    built = spank_plugin.elf_u32_symbol(plugin, "plugin_version")
     if built is None:
         return [f"WARNING: {target} has no plugin_version symbol: Slurm will not load it"]
-    lines = [f"built for Slurm {spankcheck.release_text(built)} (SLURM_VERSION_NUMBER {built:#08x} of the installed headers)"]
-    running = spankcheck.parse_slurm_version(running_text) if running_text else None
+    lines = [f"built for Slurm {spank_plugin.release_text(built)} (SLURM_VERSION_NUMBER {built:#08x} of the installed headers)"]
+    running = spank_plugin.parse_slurm_version(running_text) if running_text else None
     if running is None:
-        lines.append(f"no slurmd, scontrol or sinfo answered -V: check that this node runs Slurm {spankcheck.release_text(built)}, "
+        lines.append(f"no slurmd, scontrol or sinfo answered -V: check that this node runs Slurm {spank_plugin.release_text(built)}, "
                      "the only release whose slurmstepd loads it")
-    elif spankcheck.spank_plugin_problem(plugin, str(target), running):
-        lines.append(f"WARNING: the Slurm headers installed are of Slurm {spankcheck.version_text(built)} but this node runs "
-                     f"Slurm {spankcheck.version_text(running)}, whose slurmstepd will not load {target} (it loads only plugins "
+    elif spank_plugin.spank_plugin_problem(plugin, str(target), running):
+        lines.append(f"WARNING: the Slurm headers installed are of Slurm {spank_plugin.version_text(built)} but this node runs "
+                     f"Slurm {spank_plugin.version_text(running)}, whose slurmstepd will not load {target} (it loads only plugins "
                      f"of its own major.minor): install the matching headers (Debian: libslurm-dev, RHEL: slurm-devel, "
-                     f"of Slurm {spankcheck.release_text(running)}) and run this command again")
+                     f"of Slurm {spank_plugin.release_text(running)}) and run this command again")
     return lines
 
 
@@ -382,7 +382,7 @@ def cmd_spank_plugin(args: argparse.Namespace) -> int:
             raise InputError(f"{args.cc} made a plugin of more than {MAX_PLUGIN_BYTES} bytes; not installed")
         trusted.replace_file(target, data, mode=0o644)
     print(f"wrote {target}", file=sys.stderr)
-    for report in spank_build_report(data, target, spankcheck.running_slurm_version_text()):
+    for report in spank_build_report(data, target, spank_plugin.running_slurm_version_text()):
         print(report, file=sys.stderr)
     print("# /etc/slurm/plugstack.conf on every compute node (and mapa.toml's isolation on):")
     print(line, end="")

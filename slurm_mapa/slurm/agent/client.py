@@ -15,8 +15,8 @@ The protocol (version 1): the client sends ``MAPA1 <kind> <length>\\n`` and then
 one line, ``done`` or ``error <why>`` (``error busy`` when it runs too many requests already). The client keeps its end open until it has the answer, so
 the agent can tell that a killed client no longer wants its decision.
 
-The TaskProlog, as the job's user, runs ``agent_client.py isolate SOCKET`` to have its task's GPU
-devices isolated (slurm/isolation.py), on a second socket anyone may use, which takes only this
+The TaskProlog, as the job's user, runs ``client.py isolate SOCKET`` to have its task's GPU
+devices isolated (slurm/isolation/), on a second socket anyone may use, which takes only this
 kind. The agent answers ``done <state> <detail>`` (state: cgroup-v1, cgroup-v2, off, failed-open)
 or ``error <why>`` (isolation = "fail-closed" and it failed). The client prints
 ``export MAPA_ISOLATION=<state>`` for the TaskProlog and exits 0; when refused, a ``print`` line
@@ -174,7 +174,7 @@ def main(argv=None):
             sys.stdout.write(line + "\n")
         return status
     if len(argv) != 1 or argv[0] not in KINDS:
-        sys.stderr.write("usage: agent_client.py prolog|epilog|isolate [SOCKET]\n")
+        sys.stderr.write("usage: client.py prolog|epilog|isolate [SOCKET]\n")
         return FALL_BACK
     answer = ask_agent(argv[0], os.environ, os.environ.get("MAPA_AGENT_SOCKET") or DEFAULT_SOCKET)
     return 0 if answer == "done" else FALL_BACK

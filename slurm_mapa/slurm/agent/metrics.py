@@ -39,7 +39,7 @@ COMMANDS = ("scontrol", "squeue", "other")
 MAX_RING_SIZE = 8  # the gauge covers k = 2..8 (the paper's job sizes) and the node's own size
 # Seconds: a Prolog's budget is 2-20 s (config.MAX_PROLOG_BUDGET_S), a controller call's 60 s at most.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0)
-# What the ledger's policy field says about a holding, other than a policy's name (hooks.py, ledger.py).
+# What the ledger's policy field says about a holding, other than a policy's name (hooks/prolog.py, node_state/ledger.py).
 _FALLBACK = "fallback"
 _SAFE_CHOICES = ("provisional", "recovered", "slurm", "claimed")
 

@@ -1,6 +1,6 @@
 """mapa-agent's sockets: the strict request protocol, the root-only socket the hook wrappers ask
 on and the public one the TaskProlog's isolate requests come on, with the admission rules that
-keep a flood from any one user or job from holding the agent (slurm/agent.py runs the requests).
+keep a flood from any one user or job from holding the agent (agent/service.py runs the requests).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ PUBLIC_PER_UID = 16
 PUBLIC_PER_JOB = 8
 PUBLIC_QUEUE_PER_UID = 256
 PUBLIC_QUEUE_TOTAL = 4096
-QUEUED_MAX_AGE_S = 10.0  # the client's own deadline (agent_client.ISOLATE_TIMEOUT_S): older ones gave up
+QUEUED_MAX_AGE_S = 10.0  # the client's own deadline (client.ISOLATE_TIMEOUT_S): older ones gave up
 # Log lines about refused public requests: LOG_BURST per caller, then one per LOG_INTERVAL_S.
 LOG_BURST = 5
 LOG_INTERVAL_S = 10.0

@@ -14,7 +14,7 @@ more written: its job keeps the provisional choice the Prolog recorded first, an
 in-process run decides again.
 
 The TaskProlog, as the job's user, asks on a second socket that anyone may use and that takes
-only ``isolate`` requests: the agent isolates the asking task's GPU devices (slurm/isolation.py),
+only ``isolate`` requests: the agent isolates the asking task's GPU devices (slurm/isolation/),
 judging the caller by its pid and its task's cgroup, never by what the request says.
 
 A burst of Prologs (32 or more jobs allocated at once) queues in a deep listen backlog instead of
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from ...errors import InputError, MapaError
 from ..node_state import NodeState
-from ..isolation import spank_plugin as spankcheck
+from ..isolation import spank_plugin
 from .background import Background
 from .client import DEFAULT_SOCKET, ISOLATE_SOCKET
 from .server import LogLimiter, serve, serve_isolation
@@ -66,7 +66,7 @@ class Agent:
         self.isolated: set[tuple[str, str, str]] = set()  # (job, step, asker) whose isolation was logged
         self.noted: set[tuple[str, str]] = set()  # (job, state) whose failed isolation was journaled
         self.log_errors = log_errors or (lambda text: print(text, file=sys.stderr, flush=True))
-        # Prometheus metrics ([metrics] in mapa.toml, slurm/metrics.py): counted in memory, None when off.
+        # Prometheus metrics ([metrics] in mapa.toml, agent/metrics.py): counted in memory, None when off.
         self.metrics = metrics
         self.make_runner = metrics.instrument(run) if metrics is not None else run  # tests give a fake Slurm here
         self.background: Background | None = None  # started by main(); tests drive it directly
@@ -243,7 +243,7 @@ def log_spank_plugin_problems(config_path: str, environ: Mapping[str, str],
     try:
         config, _ = load_hook_config({"MAPA_CONFIG": config_path}, validate=False)
         log = hook_logger(config.log)
-        for problem in spankcheck.check_this_node(environ, running_version_text or spankcheck.running_slurm_version_text):
+        for problem in spank_plugin.check_this_node(environ, running_version_text or spank_plugin.running_slurm_version_text):
             log(f"WARNING: {problem}")
     except Exception as error:  # noqa: BLE001 - a check that informs must not stop the agent
         print(f"mapa-agent: could not check the SPANK plugin ({error})", file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ class PrologContext:
     slurm_gpus: tuple[int, ...]
     env_comment: str
     nodes_in_job: int = 1
-    job_cpus: frozenset[int] | None = None  # from the job's cpuset cgroup when the Prolog runs in it (jobcpus.py)
+    job_cpus: frozenset[int] | None = None  # from the job's cpuset cgroup when the Prolog runs in it (job_cpus.py)
     sluid: str = ""  # SLURM_JOB_SLUID (Slurm 25.11+): names the job's cgroup v2 directory from 26.05
 
 

@@ -1,7 +1,7 @@
 """The Prolog: choose a job's GPUs on this node and record them (epilog.py releases them).
 
 Run by slurmd as root with no PATH, through the wrappers `mapa hooks` writes (see docs/admin.md),
-either in-process or inside the node's mapa-agent (slurm/agent.py):
+either in-process or inside the node's mapa-agent (agent/service.py):
 
     Prolog=/usr/local/sbin/mapa-prolog-wrapper     PrologFlags=Alloc
     Epilog=/usr/local/sbin/mapa-epilog-wrapper
@@ -13,13 +13,16 @@ uses whenever such GPUs exist, the reason goes to the log and the job's AdminCom
 hook exits 0 within its time budget. A Prolog that exits non-zero would drain the node and hold
 the job. How the Prolog stays safe when it is killed at any point:
 
-1. it first marks the job (node_state.Mark: its pid and start time, and Slurm's GPUs);
-2. then, under the ledger lock and with local files only, records a provisional choice: Slurm's
-   GPUs if no job uses them, else the lowest free ones;
-3. then, outside the lock, reads the directive (the job comment, else the batch script) and
-   searches;
-4. and commits the search's choice under the lock if the free GPUs did not change meanwhile
-   (else it searches again while its budget lasts, and otherwise keeps the provisional choice).
+1. it first marks the job (mark_job: its pid and start time, and Slurm's GPUs), then reads the
+   node's topology (read_node);
+2. then, under the ledger lock and with local files only, records a provisional choice
+   (record_provisional): Slurm's GPUs if no job uses them, else the lowest free ones;
+3. then, outside the lock, reads the directive (read_directive: the job comment, else the batch
+   script) and searches (choose: the policy on the free healthy GPUs, a pure function);
+4. commits the search's choice under the lock if the free GPUs did not change meanwhile
+   (decide_and_commit; else it searches again while its budget lasts, and otherwise keeps the
+   provisional choice);
+5. and records the decision for the job's AdminComment (record_decision).
 
 Which jobs still run is learnt off the start path (reconcile.py). The rest of the Prolog's
 parts: budget.py (the time budget), job_context.py (the job as slurmd describes it),
@@ -297,7 +300,9 @@ def run_prolog(
     requester_pid: int | None = None,
     budget: Budget | None = None,
 ) -> Decision | None:
-    """Mark the job, record a safe provisional choice, then choose, record and write its GPUs.
+    """The Prolog's phases: mark and read the job and the node; claim a safe provisional choice;
+    decide (the directive, the healthy free GPUs, the policy); record the choice and its
+    decision record.
 
     ``still_wanted`` (the agent's) says whether the Prolog that asked is still waiting; if not,
     the search's choice is not written (the provisional one stays, and the wrapper's in-process
@@ -306,26 +311,15 @@ def run_prolog(
     ``budget``: the wall time left (default: the config's prolog_budget from now).
     """
     budget = budget or Budget(config.prolog_budget)
-    ctx = context_from_env(env)
     state = NodeState.of(config)
-    state.prepare()
-    mark = mark_for(requester_pid or os.getpid(), ctx.slurm_gpus, ctx.sluid)
-    state.write_mark(ctx.job_id, mark)
-    state.clear_ended(ctx.job_id)  # a requeued job runs again under its id
+    ctx, mark = mark_job(env, state, requester_pid or os.getpid())
     if not ctx.slurm_gpus:
         return None  # a CPU-only job: its mark says so, and no Prolog ever needs to ask Slurm about it
     if config.affinity_mode != "ignore":  # exact with PrologFlags=RunInJob; else Slurm's GPUs' CPUs stand in
         from .job_cpus import read_job_cpus
 
         ctx.job_cpus = read_job_cpus(requester_pid or os.getpid(), ctx.job_id, sluid=ctx.sluid)
-    problem = config_problem
-    graph: HardwareGraph | None = None
-    if not problem:
-        try:
-            graph = load_graph(config, ctx.node)
-        except (MapaError, OSError) as error:
-            problem = f"no-topology: {error}"
-    size = graph.size if graph is not None else size_without_topology(ctx, config)
+    graph, size, problem = read_node(ctx, config, config_problem)
     unknown: list[str] = []
     provisional = record_provisional(ctx, config, size, budget, log, mark, unknown)
     if provisional is None:
@@ -334,45 +328,85 @@ def run_prolog(
     bounded = within_budget(run, budget, config.command_timeout)
     if unknown:  # rare (an upgrade from a release with other marks): their GPUs are asked for before choosing
         adopt_jobs(f"job {ctx.job_id}", unknown[:MAX_ADOPTED_PER_PASS], size, config, bounded, log, budget)
-    return _decide_and_commit(ctx, config, bounded, log, problem, graph, size, provisional, unhealthy_gpus, still_wanted, defer,
-                              budget, mark)
+    unhealthy = healthy_gpus_check(ctx, config, log, unhealthy_gpus, budget)
+    try:
+        directive, source = read_directive(ctx, config, bounded, log)
+    except MapaError as error:
+        from ..text.directive import parse_directive
+
+        problem = problem or f"bad-directive: {error}"
+        directive, source = parse_directive(""), "none"
+    decision = decide_and_commit(ctx, config, state, log, problem, graph, size, directive, source, provisional, unhealthy,
+                                 still_wanted, budget, mark)
+    if decision is not None:
+        record_decision(ctx, config, state, bounded, log, directive, source, problem, decision, size, defer, budget)
+    return decision
 
 
-def _decide_and_commit(
+def mark_job(env: Mapping[str, str], state: NodeState, pid: int) -> tuple[PrologContext, Mark]:
+    """Phase 1: the job as slurmd describes it, marked as this Prolog's (its pid and Slurm's GPUs)
+    before anything else, so a Prolog killed from here on still tells later ones what the job uses."""
+    ctx = context_from_env(env)
+    state.prepare()
+    mark = mark_for(pid, ctx.slurm_gpus, ctx.sluid)
+    state.write_mark(ctx.job_id, mark)
+    state.clear_ended(ctx.job_id)  # a requeued job runs again under its id
+    return ctx, mark
+
+
+def read_node(ctx: PrologContext, config: HookConfig, problem: str) -> tuple["HardwareGraph | None", int, str]:
+    """The node's topology, its GPU count, and the problem that sends the job to the fallback
+    (the config's, or a topology that cannot be read: then every GPU the files show counts)."""
+    graph: HardwareGraph | None = None
+    if not problem:
+        try:
+            graph = load_graph(config, ctx.node)
+        except (MapaError, OSError) as error:
+            problem = f"no-topology: {error}"
+    size = graph.size if graph is not None else size_without_topology(ctx, config)
+    return graph, size, problem
+
+
+def healthy_gpus_check(
+    ctx: PrologContext, config: HookConfig, log: Log, unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None,
+    budget: Budget,
+) -> frozenset[int]:
+    """The GPUs the driver's library says to leave out (none when there is no probe or it fails)."""
+    if unhealthy_gpus is None:
+        return frozenset()
+    try:
+        problems = run_for_at_most(budget.for_step(config.command_timeout), unhealthy_gpus)
+    except Exception as error:  # noqa: BLE001 - a health probe must never stop the job
+        log(f"job {ctx.job_id}: GPU health check failed ({error}); using every GPU")
+        return frozenset()
+    for gpu, reasons in sorted(problems.items()):
+        log(f"job {ctx.job_id}: leaving out GPU {gpu}: {'; '.join(reasons)}")
+    return frozenset(problems)
+
+
+def decide_and_commit(
     ctx: PrologContext,
     config: HookConfig,
-    run: RunCommand,
+    state: NodeState,
     log: Log,
     problem: str,
     graph: "HardwareGraph | None",
     size: int,
+    directive: "Directive",
+    source: str,
     provisional: tuple[int, ...],
-    unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None,
+    unhealthy: frozenset[int],
     still_wanted: Callable[[], bool] | None,
-    defer: Callable[[Callable[[], None]], None] | None,
     budget: Budget,
     mark: Mark,
 ) -> Decision | None:
-    from ..text.directive import parse_directive
-
-    unhealthy: frozenset[int] = frozenset()
-    if unhealthy_gpus is not None:
-        try:
-            problems = run_for_at_most(budget.for_step(config.command_timeout), unhealthy_gpus)
-            unhealthy = frozenset(problems)
-            for gpu, reasons in sorted(problems.items()):
-                log(f"job {ctx.job_id}: leaving out GPU {gpu}: {'; '.join(reasons)}")
-        except Exception as error:  # noqa: BLE001 - a health probe must never stop the job
-            log(f"job {ctx.job_id}: GPU health check failed ({error}); using every GPU")
-    try:
-        directive, source = read_directive(ctx, config, run, log)
-    except MapaError as error:
-        problem = problem or f"bad-directive: {error}"
-        directive, source = parse_directive(""), "none"
+    """Phases 3 and 4: search on a snapshot of the free GPUs outside the lock, then commit the
+    choice under the lock if the free GPUs did not change meanwhile (else search again while the
+    budget lasts, and otherwise keep the provisional choice). None if a newer run of the job's
+    Prolog took it over, or the asking Prolog went away: this one then writes nothing more."""
     # Which jobs still run is learnt off the start path (reconcile_node, in mapa-agent); here only
     # the jobs directory says it: .ended files, and Slurm giving a dead Prolog's GPUs again.
     running, listed_at = None, None
-    state = NodeState.of(config)
     ledger_file = state.ledger(size)
     decision: Decision | None = None
     claim_races = 0
@@ -406,7 +440,7 @@ def _decide_and_commit(
                 note = f"directive from {source}" + (f"; {problem}" if problem else "")
                 try:
                     state.commit(ledger_file, fresh, ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note), log,
-                           ctx.slurm_gpus, paired_order(graph, decision.gpus))
+                                 ctx.slurm_gpus, paired_order(graph, decision.gpus))
                 except ClaimTaken as taken:
                     claim_races += 1
                     if claim_races <= MAX_CLAIM_RACES:
@@ -420,6 +454,15 @@ def _decide_and_commit(
             log(f"job {ctx.job_id}: LEDGER LOCK TIMEOUT at commit; it keeps the provisional GPUs {','.join(map(str, provisional))}")
             decision = fallback_decision(ctx, Ledger(), size, "ledger-lock-timeout")
             decision = dataclasses.replace(decision, gpus=provisional)
+    return decision
+
+
+def record_decision(
+    ctx: PrologContext, config: HookConfig, state: NodeState, run: RunCommand, log: Log, directive: "Directive", source: str,
+    problem: str, decision: Decision, size: int, defer: Callable[[Callable[[], None]], None] | None, budget: Budget,
+) -> None:
+    """The last phase: the decision in the log and in the journal, for the job's AdminComment
+    (written by mapa-agent after answering; without an agent, now, within the budget)."""
     log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; "
         f"Slurm gave {','.join(map(str, ctx.slurm_gpus))})" + (f"; FALLBACK because {problem or decision.fallback}" if decision.fallback else ""))
     entry = journal_decision(ctx, directive, decision, config, log)
@@ -430,7 +473,6 @@ def _decide_and_commit(
         if entry is not None and flush_entry(config, ctx.job_id, entry, run, log):
             state.forget_record(ctx.job_id)
         reconcile_if_due(config, ctx.node, size, run, log, budget)
-    return decision
 
 
 # --- entry points ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """cgroup v2 has no devices controller: a BPF_PROG_TYPE_CGROUP_DEVICE program, built here as
 bytes from the deny rules, is loaded and attached (BPF_F_ALLOW_MULTI) with the bpf(2) system
-call through ctypes (isolation.py decides where)."""
+call through ctypes (isolator.py decides where)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The I/O edges of device isolation: the task process found from the caller's pid (/proc), and
-the rules applied to cgroup v1's devices hierarchy or, through isolation_bpf.py, to cgroup v2's
+the rules applied to cgroup v1's devices hierarchy or, through bpf.py, to cgroup v2's
 job and step cgroups; released at the job's end. Each function takes the root of its file
 system, so tests run them on a temporary directory."""
 

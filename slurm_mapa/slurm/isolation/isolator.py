@@ -26,9 +26,9 @@ denied, not only the files that exist, because nvidia-modprobe (setuid) creates 
 
 This module is what the agent runs for a TaskProlog (Isolator) and which mode a node applies.
 The pure parts (reading /proc/PID/cgroup, /proc/PID/status and /proc/self/mountinfo text, the
-deny rules and v1's lines for them) are isolation_rules.py; the v2 program, isolation_bpf.py; the
+deny rules and v1's lines for them) are rules.py; the v2 program, bpf.py; the
 I/O edges, which take the root of each file system (/proc, the devices hierarchy, the cgroup2
-mount) so tests run them on a temporary directory, isolation_cgroups.py.
+mount) so tests run them on a temporary directory, cgroups.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Two small files per job, both written whole or not at all (trusted.replace_file)
   too) writes before anything else: which process runs the Prolog (its pid and start time, so a
   reused pid is not mistaken for it) and which GPUs Slurm gave the job. It stays until the Epilog.
 
-The Prolog wrapper writes a first mark in shell, before any Python starts (slurm/install.py);
+The Prolog wrapper writes a first mark in shell, before any Python starts (slurm/admin/install.py);
 the Prolog replaces it with its own.
 
 * ``.claim-GPU``: ``JOBID`` - every GPU a job takes for itself alone is claimed by creating this

@@ -8,7 +8,7 @@ leaves either the old or the new ledger, never a torn one. It is not fsynced: af
 the machine no job survives, and a torn ledger is rebuilt from the jobs directory (on /run,
 empty after a reboot), which is then exactly right.
 
-The ledger is an index over the jobs directory (slurm/jobfiles.py), which says what each job
+The ledger is an index over the jobs directory (job_files.py), which says what each job
 really uses; :func:`reconcile` brings the two together under the lock. A GPU may be held by two
 jobs when they really do share it (a job whose Prolog was killed runs on Slurm's indices): the
 ledger then keeps it held until both have ended. Only a MAPA choice must not overlap anything.

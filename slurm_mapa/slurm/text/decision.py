@@ -84,7 +84,7 @@ class Decision:
     running: tuple[tuple[int, ...], ...] = ()
     slurm_gpus: tuple[int, ...] = ()  # the GPUs Slurm picked (its job CPUs follow them)
     affinity: str = ""  # the CPU affinity rule the choice was made under: "strict", "prefer:0.1"; "": none
-    job_cpus: str = ""  # the job's CPUs as its cpuset cgroup held them (slurm/jobcpus.py); "": Slurm's GPUs' CPUs
+    job_cpus: str = ""  # the job's CPUs as its cpuset cgroup held them (hooks/job_cpus.py); "": Slurm's GPUs' CPUs
     isolation: str = ""  # "" (applied, or off) or one of ISOLATION_STATES, written by mapa-agent
     why: str = ""  # why isolation was not applied: one token (why_token)
     model: str = ""  # the effective-bandwidth model that priced `effective` (model_token); "": not recorded

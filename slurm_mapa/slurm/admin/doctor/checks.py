@@ -104,8 +104,8 @@ def check_scontrol(inputs: Inputs, conf: Mapping[str, str] | None) -> Check:
 
 
 def path_problems(facts: PathFacts) -> list[str]:
-    """Why root should not trust ``facts.path`` (none: it may): missing, paths.py's verdict, and,
-    stricter than paths.py (which also accepts the user running the check), an owner other than root."""
+    """Why root should not trust ``facts.path`` (none: it may): missing, trusted_files.py's verdict, and,
+    stricter than trusted_files.py (which also accepts the user running the check), an owner other than root."""
     if not facts.exists:
         return [f"{facts.path} does not exist"]
     problems = [facts.problem] if facts.problem else []
@@ -560,7 +560,7 @@ def run_checks(inputs: Inputs) -> list[Check]:
     checks += check_trust(inputs.paths)
     if inputs.euid != 0:
         checks.append(Check("user", WARN, f"running as uid {inputs.euid}, not root: root-only paths and the agent may not "
-                                          "be readable, and files of this user pass as root's in paths.py's checks",
+                                          "be readable, and files of this user pass as root's in trusted_files.py's checks",
                             "run mapa doctor as root"))
     return checks
 

@@ -66,7 +66,7 @@ def _slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def path_facts(path: str | Path, label: str, kind: str = "file", required: bool = True) -> PathFacts:
-    """``path`` judged by paths.py's rules (``kind`` program: its symlinks followed, each judged)."""
+    """``path`` judged by trusted_files.py's rules (``kind`` program: its symlinks followed, each judged)."""
     path = str(path)
     try:
         info = os.lstat(path)
@@ -286,23 +286,23 @@ def _device_kind(path: str) -> str:
 
 
 def _gather_spank(got: dict[str, Any], environ: Mapping[str, str], slurm_conf: Path) -> None:
-    from ...isolation import spank_plugin as spankcheck
+    from ...isolation import spank_plugin
 
     try:
-        plugstack, plugin_dirs = spankcheck.spank_settings(_safely(read_text, slurm_conf)[0], slurm_conf)
+        plugstack, plugin_dirs = spank_plugin.spank_settings(_safely(read_text, slurm_conf)[0], slurm_conf)
         got["plugstack"] = str(plugstack)
-        plugins = spankcheck.installed_mapa_plugins(plugstack, plugin_dirs)
+        plugins = spank_plugin.installed_mapa_plugins(plugstack, plugin_dirs)
         got["spank_lines"] = tuple((plugin.kind, plugin.path, str(plugin.conf)) for plugin in plugins)
-        running = spankcheck.running_slurm_version_text() if plugins else None
+        running = spank_plugin.running_slurm_version_text() if plugins else None
         got["running_version"] = (running or "").strip()
         built = {}
         for plugin in plugins:
-            number = spankcheck.elf_u32_symbol(plugin.data, "plugin_version") if plugin.data else None
+            number = spank_plugin.elf_u32_symbol(plugin.data, "plugin_version") if plugin.data else None
             if number is not None:
-                built[plugin.path] = spankcheck.release_text(number)
+                built[plugin.path] = spank_plugin.release_text(number)
         got["spank_built"] = built
-        got["spank_problems"] = tuple(spankcheck.installed_plugin_problems(
-            plugins, spankcheck.parse_slurm_version(running) if running else None))
+        got["spank_problems"] = tuple(spank_plugin.installed_plugin_problems(
+            plugins, spank_plugin.parse_slurm_version(running) if running else None))
     except Exception as error:  # noqa: BLE001
         got["spank_error"] = _describe(error)
 

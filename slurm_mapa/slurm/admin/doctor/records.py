@@ -48,7 +48,7 @@ class PathFacts:
     exists: bool = True
     uid: int = 0  # owner of the file (a program: of the file its links lead to)
     mode: int = 0o644  # permission bits, likewise
-    problem: str = ""  # paths.py's verdict ("" when root would trust it)
+    problem: str = ""  # trusted_files.py's verdict ("" when root would trust it)
     required: bool = True  # an untrusted one is a FAIL (else a warn)
 
 
@@ -83,7 +83,7 @@ class Inputs:
     plugstack: str = "/etc/slurm/plugstack.conf"
     spank_lines: tuple[tuple[str, str, str], ...] = ()  # MAPA's plugin lines: (required|optional, path, file)
     spank_built: Mapping[str, str] = field(default_factory=dict)  # plugin path -> the Slurm release it was built for
-    spank_problems: tuple[str, ...] = ()  # spankcheck's lines
+    spank_problems: tuple[str, ...] = ()  # spank_plugin's lines
     spank_error: str = ""
     running_version: str = ""  # `slurmd -V` (or scontrol, sinfo): "slurm 26.05.5"
     job_submit_lua: str | None = None  # the installed job_submit.lua, next to slurm.conf
