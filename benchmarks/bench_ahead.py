@@ -38,7 +38,7 @@ import statistics
 import time
 
 from slurm_mapa.core.ahead import clear_cache
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.replay.directives import request_for
 from slurm_mapa.replay.generate import generate

@@ -12,7 +12,8 @@ import sys
 from typing import Any, Sequence
 
 from . import version_text
-from .core.effbw import EffectiveBandwidthModel, out_of_range
+from .core.effbw import EffectiveBandwidthModel
+from .core.server_models import out_of_range
 from .core.explain import alternatives, reported_allocation
 from .core.hardware import HardwareGraph
 from .core.policies import Allocation, NoFit, Request, all_policies, select

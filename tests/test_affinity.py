@@ -29,7 +29,7 @@ from slurm_mapa.core.affinity import (
     select_with_affinity,
     settings_from_table,
 )
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.core.hardware import build_graph
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Allocation, NoFit, Request, select

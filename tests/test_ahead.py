@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slurm_mapa.core import ahead
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Allocation, NoFit, Request, all_policies, select
 from slurm_mapa.errors import InputError

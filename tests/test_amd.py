@@ -52,7 +52,7 @@ def test_xgmi_tokens_and_bandwidths():
 
 
 def test_the_paper_model_counts_xgmi_bonds_like_nvlink_bonds():
-    from slurm_mapa.core.effbw import paper_model
+    from slurm_mapa.core.model_files import paper_model
 
     model = paper_model()
     # x1: double (or wider) links, x2: single links, x3: no direct link.

@@ -12,13 +12,8 @@ from slurm_mapa import cli
 from slurm_mapa.calibrate.fit import Measurement, fit_model, monotonicity_warnings, term_set
 from slurm_mapa.calibrate.nccl import parse_nccl_tests, parse_size
 from slurm_mapa.calibrate.plan import load_plan, make_plan, measurement_script
-from slurm_mapa.core.effbw import (
-    bottleneck_model,
-    load_model_text,
-    model_to_toml,
-    paper_model,
-    term_text,
-)
+from slurm_mapa.core.model_files import load_model_text, model_to_toml, paper_model, term_text
+from slurm_mapa.core.server_models import bottleneck_model
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Request, select
 from slurm_mapa.errors import InputError

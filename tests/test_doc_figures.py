@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.core.effbw import bundled_model, dgx1_efficiency, paper_model
+from slurm_mapa.core.model_files import bundled_model, paper_model
+from slurm_mapa.core.server_models import dgx1_efficiency
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Request, select
 from slurm_mapa.hardware.load import model_for_topology

@@ -93,7 +93,7 @@ def test_admin_md_decision_record_parses_and_has_every_field_the_writer_writes()
 
 def test_admin_md_decision_record_is_the_decision_made_today():
     from slurm_mapa.core.affinity import cpus_of_slurms_gpus, select_with_affinity
-    from slurm_mapa.core.effbw import paper_model
+    from slurm_mapa.core.model_files import paper_model
     from slurm_mapa.core.explain import reported_allocation
     from slurm_mapa.hardware.presets import preset
     from slurm_mapa.slurm.text.decision import affinity_token

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from slurm_mapa.core.effbw import best_completion, load_model_text, paper_model
+from slurm_mapa.core.effbw import best_completion
+from slurm_mapa.core.model_files import load_model_text, paper_model
 from slurm_mapa.core.hardware import build_graph
 from slurm_mapa.core.links import Bandwidths, Link, parse_link
 from slurm_mapa.core.patterns import make_pattern, squarest_grid

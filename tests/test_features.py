@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from bruteforce import brute_force_all
 from slurm_mapa.core import features
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.core.features import (
     best_free,
     complement_name,

@@ -483,7 +483,7 @@ def test_a_job_that_ended_after_squeue_listed_it_is_not_adopted(setup):
 
 def test_the_prolog_uses_preserve_aheads_configured_sizes(tmp_path):
     from slurm_mapa.core.ahead import make_preserve_ahead
-    from slurm_mapa.core.effbw import paper_model
+    from slurm_mapa.core.model_files import paper_model
 
     config = HookConfig(ledger=tmp_path / "l.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),),
                         policy="preserve-ahead", ahead_sizes=((4, 1.0),))

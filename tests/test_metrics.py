@@ -23,7 +23,7 @@ from test_agent import _eventually
 from test_hooks import FakeSlurm, env_for
 from test_isolation import node  # noqa: F401 - the fixture: a node with a fake /proc and cgroupfs
 
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import all_policies
 from slurm_mapa.errors import InputError

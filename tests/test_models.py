@@ -13,19 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slurm_mapa.cli import main as cli_main
-from slurm_mapa.core.effbw import (
-    MODEL_BASES,
-    bundled_model,
-    bundled_model_names,
-    derived_model,
-    dgx1_efficiency,
-    load_model,
-    load_model_text,
-    matching_model,
-    model_to_toml,
-    out_of_range,
-    paper_model,
-)
+from slurm_mapa.core.model_files import MODEL_BASES, bundled_model, bundled_model_names, load_model, load_model_text, model_to_toml, paper_model
+from slurm_mapa.core.server_models import derived_model, dgx1_efficiency, matching_model, out_of_range
 from slurm_mapa.core.hardware import build_graph
 from slurm_mapa.core.links import Bandwidths
 from slurm_mapa.core.patterns import make_pattern

@@ -21,7 +21,7 @@ from slurm_mapa.core.peers import (
     slurm_node_pick,
 )
 from slurm_mapa.core.policies import NoFit, Request, select
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.hardware.presets import preset
 
 

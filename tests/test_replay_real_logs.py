@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.replay.cli import main
@@ -158,20 +158,20 @@ def test_model_option_and_config_model_are_honoured(capsys, nodeless_log, tmp_pa
 
 
 def test_fitted_range_in_model_files():
-    from slurm_mapa.core.effbw import load_model
+    from slurm_mapa.core.model_files import load_model
 
     assert paper_model().fitted_gpus == (2, 5) and not paper_model().fitted_for(8) and paper_model().fitted_for(3)
     assert load_model("bottleneck-generic").fitted_gpus is None
     with pytest.raises(InputError, match="link-bound reporting model"):
         load_model("link-bound")
-    from slurm_mapa.core.effbw import load_model_text
+    from slurm_mapa.core.model_files import load_model_text
 
     with pytest.raises(InputError, match=r"fitted_gpus must be \[LOW, HIGH\]"):
         load_model_text('fitted_gpus = [5, 2]\n[classes]\nx1 = ["PCIE"]\n[terms]\n"x1" = 1.0\n', source="t")
 
 
 def test_link_bound_model_on_known_servers():
-    from slurm_mapa.core.effbw import grounded_model
+    from slurm_mapa.core.model_files import grounded_model
     from slurm_mapa.core.patterns import make_pattern
 
     model = grounded_model()

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bruteforce import brute_force_all, pattern_automorphisms
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.core.hardware import build_graph
 from slurm_mapa.core.patterns import SHAPES, make_pattern
 from slurm_mapa.core.policies import Request, select

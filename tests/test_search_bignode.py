@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 import slurm_mapa.core.search as search
 import slurm_mapa.core.symmetry as symmetry
 from bruteforce import brute_force_all, pattern_automorphisms
-from slurm_mapa.core.effbw import bottleneck_model, paper_model
+from slurm_mapa.core.model_files import paper_model
+from slurm_mapa.core.server_models import bottleneck_model
 from slurm_mapa.core.hardware import build_graph
 from slurm_mapa.core.patterns import SHAPES, make_pattern
 from slurm_mapa.core.policies import Request, select
@@ -388,7 +389,7 @@ def test_searches_under_one_limit_share_its_end():
     would have had alone. The clock is a counter: each look at it is one unit of time."""
     import itertools
 
-    from slurm_mapa.core.effbw import paper_model
+    from slurm_mapa.core.model_files import paper_model
     from slurm_mapa.core.patterns import make_pattern
     from slurm_mapa.core.search import SearchLimit, best_placement
     from slurm_mapa.hardware.presets import preset

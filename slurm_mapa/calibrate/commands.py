@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from ..core.effbw import load_model_file, model_to_toml
+from ..core.model_files import load_model_file, model_to_toml
 from ..errors import InputError
 from .fit import fit_model, format_report, measurements_from_files
 from .nccl import parse_size

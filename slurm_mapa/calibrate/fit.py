@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core.effbw import EffectiveBandwidthModel, Term, model_from_dict, term_text
+from ..core.effbw import EffectiveBandwidthModel, Term
+from ..core.model_files import model_from_dict, term_text
 from ..errors import InputError
 from .nccl import parse_nccl_tests
 from .plan import Plan

@@ -23,7 +23,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.effbw import DEFAULT_PCIE_PATH_FACTORS, EffectiveBandwidthModel, bottleneck_model
+from ..core.effbw import DEFAULT_PCIE_PATH_FACTORS, EffectiveBandwidthModel
+from ..core.server_models import bottleneck_model
 from ..core.hardware import HardwareGraph
 from ..core.links import PCIE_LEVELS, Link
 from ..errors import InputError
@@ -53,7 +54,7 @@ def has_xgmi(graph: HardwareGraph) -> bool:
 
 
 def default_model(graph: HardwareGraph) -> EffectiveBandwidthModel:
-    """The default (bottleneck) model of ``graph``: :func:`~slurm_mapa.core.effbw.bottleneck_model`,
+    """The default (bottleneck) model of ``graph``: :func:`~slurm_mapa.core.server_models.bottleneck_model`,
     or on an xGMI node the same idea with selectors the model grammar reads: ``NV<n>`` for a
     direct bond of n links (of either fabric), ``SYS`` for a relayed pair (``XGMI0``, whose
     PCIe level is SYS) at its own bandwidth, PCIe levels as bottleneck_model scales them."""

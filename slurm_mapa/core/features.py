@@ -39,7 +39,7 @@ each search once.
 Owns the node features; imports .effbw, .hardware, .patterns and .search.
 
 >>> from slurm_mapa.hardware.presets import preset
->>> from slurm_mapa.core.effbw import paper_model
+>>> from slurm_mapa.core.model_files import paper_model
 >>> dgx = preset("dgx1-v100")
 >>> best = fleet_best([dgx], (2, 4), paper_model())
 >>> node_features(dgx, range(8), best, paper_model())

@@ -24,7 +24,8 @@ from typing import Iterable, Mapping
 from ..errors import InputError
 from .ahead import AHEAD_POLICIES
 from .allocation import Allocation, NoFit, Policy, Request, order_within
-from .effbw import EffectiveBandwidthModel, paper_model
+from .effbw import EffectiveBandwidthModel
+from .model_files import paper_model
 from .hardware import HardwareGraph
 from .peers import PEER_POLICIES
 from .search import SearchLimit, best_placement

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.effbw import EffectiveBandwidthModel, bundled_model, load_model, matching_model
+from ..core.effbw import EffectiveBandwidthModel
+from ..core.model_files import bundled_model, load_model
+from ..core.server_models import matching_model
 from ..core.hardware import HardwareGraph
 from ..errors import InputError
 from ..textfile import read_text
@@ -56,7 +58,7 @@ AUTO_MODEL = "auto"  # the model follows the topology (config `model`, `[models]
 def model_for_topology(graph: HardwareGraph) -> EffectiveBandwidthModel:
     """The model that prices ``graph``: a preset's own (PRESET_MODELS) when the graph is that preset,
     else the bundled model fitted on its link classes at its bandwidths (its GPUs' link generation),
-    else one derived from its links (core.effbw.matching_model)."""
+    else one derived from its links (core.server_models.matching_model)."""
     name = PRESET_MODELS.get(graph.name)
     if name is not None and graph == preset(graph.name):
         return bundled_model(name)

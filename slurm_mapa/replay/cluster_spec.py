@@ -13,7 +13,8 @@ import os
 from math import ceil, inf
 from typing import Callable, Iterable, Iterator
 
-from ..core.effbw import EffectiveBandwidthModel, load_model
+from ..core.effbw import EffectiveBandwidthModel
+from ..core.model_files import load_model
 from ..errors import InputError
 from ..hardware.presets import PRESETS
 from .config import Config, expand_cluster, graph_of, nodes_for, parse_config

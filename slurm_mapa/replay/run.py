@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence, TextIO
 
 from ..core.affinity import DEFAULT_MAX_LOSS as AFFINITY_MAX_LOSS
-from ..core.effbw import EffectiveBandwidthModel, grounded_model
+from ..core.effbw import EffectiveBandwidthModel
+from ..core.model_files import grounded_model
 from ..errors import InputError
 from . import report
 from .audit import audit

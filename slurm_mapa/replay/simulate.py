@@ -58,7 +58,8 @@ from ..core import peers
 from ..core.affinity import check_settings as check_affinity
 from ..core.affinity import decide as affinity_decide
 from ..core.affinity import cpus_of_slurms_gpus, gpu_cpus, modelled_job_cpus
-from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel, grounded_model, paper_model
+from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel
+from ..core.model_files import grounded_model, paper_model
 from ..core.explain import reported_placement
 from ..core.hardware import HardwareGraph
 from ..core.ahead import AHEAD_POLICIES

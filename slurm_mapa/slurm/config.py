@@ -140,7 +140,7 @@ class HookConfig:
 def _check_model_setting(value: str, where: str, source: str) -> None:
     """A model setting is "auto", "", a bundled model's name or a model file (anything with a / or
     ending in .toml, checked when it is used, like a topology file)."""
-    from ..core.effbw import bundled_model_names
+    from ..core.model_files import bundled_model_names
 
     if value in ("", "auto") or "/" in value or value.endswith(".toml") or value in bundled_model_names():
         return

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.core.effbw import paper_model
+from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.core.features import best_free
 from slurm_mapa.core.search import preserved_bandwidth
 from slurm_mapa.hardware.load import load_topology

@@ -11,7 +11,9 @@ import json
 import socket
 from typing import Any
 
-from ...core.effbw import EffectiveBandwidthModel, bundled_model, bundled_model_names, out_of_range, paper_model
+from ...core.effbw import EffectiveBandwidthModel
+from ...core.model_files import bundled_model, bundled_model_names, paper_model
+from ...core.server_models import out_of_range
 from ...core.explain import alternatives
 from ...core.policies import Allocation, Request
 from ...core.search import Placement, preserved_bandwidth, score_placement

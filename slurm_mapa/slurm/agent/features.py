@@ -42,7 +42,7 @@ class Publisher:
 
     def wanted(self, config: HookConfig) -> tuple[str, ...] | None:
         """MAPA's features for the node's free GPUs now (None: not configured, or no topology)."""
-        from ...core.effbw import load_model, paper_model
+        from ...core.model_files import load_model, paper_model
         from ...hardware.load import load_topology
         from ..hooks.node_graph import load_graph
 

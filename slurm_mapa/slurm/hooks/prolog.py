@@ -123,7 +123,7 @@ def choose(
     if graph is not None and not problem:
         try:
             from ...core.affinity import cpus_of_slurms_gpus, select_with_affinity
-            from ...core.effbw import out_of_range
+            from ...core.server_models import out_of_range
             from ...core.explain import reported_allocation
             from ...core.policies import Allocation, select
             from ...core.search import SearchLimit
