@@ -14,7 +14,8 @@ runs in a fresh Python process (so each peak RSS is that run's own,
 baseline: the working tree's package with ``slurm_mapa/replay/`` and ``slurm_mapa/core/ahead.py``
 taken from ``--baseline-rev`` (``git archive``, into a temporary directory put first on
 PYTHONPATH), so the core search (edited by others at the same time) is the same on both sides and
-the ratio is the replay's own. ``--old-max-jobs`` skips the baseline on runs longer than that
+the ratio is the replay's own; ``--baseline-paths slurm_mapa --baseline-rev REV`` takes the whole
+package from REV instead (to compare the core search). ``--old-max-jobs`` skips the baseline on runs longer than that
 (the old code needs minutes there; the table says "skipped").
 
 * ``nodes``: the paper workload (``generate('paper', JOBS, load=2 x nodes)``: the same load per
@@ -52,14 +53,20 @@ BASELINE_PATHS = ("slurm_mapa/replay", "slurm_mapa/core/ahead.py")
 LOAD_PER_NODE = 2
 
 
-def baseline_tree(rev: str, into: str) -> str:
-    """The working tree's package with the replay and preserve-ahead of ``rev``; returns the PYTHONPATH entry."""
+def baseline_tree(rev: str, into: str, paths: tuple[str, ...] = BASELINE_PATHS) -> str:
+    """The working tree's package with ``paths`` (by default the replay and preserve-ahead) of ``rev``;
+    returns the PYTHONPATH entry."""
     import shutil
 
     shutil.copytree(os.path.join(ROOT, "slurm_mapa"), os.path.join(into, "slurm_mapa"),
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.rmtree(os.path.join(into, "slurm_mapa", "replay"))
-    data = subprocess.run(["git", "-C", ROOT, "archive", rev, *BASELINE_PATHS], check=True, capture_output=True).stdout
+    for path in paths:  # removed first: files the working tree added there must not stay
+        target = os.path.join(into, path)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        elif os.path.exists(target):
+            os.remove(target)
+    data = subprocess.run(["git", "-C", ROOT, "archive", rev, *paths], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         archive.extractall(into, filter="data")
     return into
@@ -248,13 +255,16 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=200_000)
     parser.add_argument("--topologies", default="torus2d-16,cubemesh-16,dgx1-v100")
     parser.add_argument("--baseline-rev", default=BASELINE_REV)
+    parser.add_argument("--baseline-paths", default=",".join(BASELINE_PATHS),
+                        help="what the baseline takes from --baseline-rev (e.g. slurm_mapa: the whole package)")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--old-max-jobs", type=int, default=10**9, help="skip the baseline on longer runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        args.old_path = None if args.no_baseline or args.what == "big" else baseline_tree(args.baseline_rev, tmp)
+        paths = tuple(args.baseline_paths.split(","))
+        args.old_path = None if args.no_baseline or args.what == "big" else baseline_tree(args.baseline_rev, tmp, paths)
         print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; baseline: {args.baseline_rev} "
-              f"({', '.join(BASELINE_PATHS)}) on the working tree's core")
+              f"({', '.join(paths)}) on the working tree")
         for what, fn in (("nodes", bench_nodes), ("memory", bench_memory), ("rate", bench_rate), ("big", bench_big)):
             if args.what == what or (args.what == "all" and what != "big"):
                 print(f"\n### {what}\n")

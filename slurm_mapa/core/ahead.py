@@ -73,6 +73,22 @@ def _normalised(sizes: Mapping[int, float] | None) -> tuple[tuple[int, float], .
     return tuple((k, w / total) for k, w in sorted(sizes.items()) if k >= 2 and w > 0)
 
 
+_PAPER_NORMALISED = _normalised(None)
+
+
+class _Unknown(dict):
+    """A memo read as ``memo[key]``: None where nothing is kept yet."""
+
+    def __missing__(self, key: int) -> None:
+        return None
+
+
+def _future_table(size: int) -> "list[float | None] | _Unknown":
+    """The outlook's memo per free set: a list indexed by the mask on nodes of up to 16 GPUs (the
+    policy's hot path reads it dozens of times per decision), else a dict."""
+    return [None] * (1 << size) if size <= 16 else _Unknown()
+
+
 class _Tables:
     """Memoised values for one (graph, model, size distribution)."""
 
@@ -82,7 +98,7 @@ class _Tables:
         self.sizes = sizes
         self.rings = {k: make_pattern("ring", k) for k, _ in sizes}
         self.best: dict[int, dict[int, float]] = {k: {} for k, _ in sizes}  # k -> mask -> best_k
-        self.future_memo: dict[int, float] = {}
+        self.future_memo = _future_table(graph.size)
         self.job_memo: dict[Pattern, dict[int, tuple[float, float]]] = {}  # pattern -> mask -> (eff, agg)
         self.preserved_memo: dict[int, float] = {}
         # (policy name, free mask, chosen mask, sensitive) -> the Allocation order_within makes of it, per
@@ -97,7 +113,7 @@ class _Tables:
         if self.entries > _MAX_ENTRIES:
             for k in self.best:
                 self.best[k].clear()
-            self.future_memo.clear()
+            self.future_memo = _future_table(self.graph.size)
             self.job_memo.clear()
             self.preserved_memo.clear()
             self.ordered_memo.clear()
@@ -133,7 +149,7 @@ class _Tables:
 
     def future(self, mask: int) -> float:
         """The look-ahead score of a free set: the size-weighted best ring bandwidth on it."""
-        found = self.future_memo.get(mask)
+        found = self.future_memo[mask]
         if found is not None:
             return found
         value = round(sum(w * self.best_ring(k, mask) for k, w in self.sizes), _DIGITS)
@@ -215,26 +231,14 @@ def choose_set(
         return None
     if tolerance < 0:
         raise InputError(f"preserve-ahead: tolerance must be 0 or more, got {tolerance}")
-    tables = tables_for(graph, model, _normalised(sizes))
+    tables = tables_for(graph, model, _PAPER_NORMALISED if sizes is None else _normalised(sizes))
     free_mask = _mask_of(free)
     groups = sorted({_mask_of(group) for group in running})  # sorted: the same sum in every process
+    share = len(groups)
 
-    known = tables.future_memo.get  # the hot path: a dict lookup, the method only on a miss
-
-    def future(mask: int) -> float:
-        found = known(mask)
-        return found if found is not None else tables.future(mask)
-
-    def outlook(rest: int) -> float:
-        if not groups:
-            return future(rest)
-        later = 0.0
-        for group in groups:
-            later += future(rest | group)
-        return round(future(rest) + later / len(groups), _DIGITS)
+    known = tables.future_memo  # the hot path: an index, the method only on a miss
 
     bits = [1 << g for g in free]
-    best_key = None
     best_mask = 0
     # Subsets as masks in the lexicographic order of combinations(free, k); the set is read back
     # from the winning mask.
@@ -263,18 +267,53 @@ def choose_set(
         if len(contenders) == 1:  # no choice left for the outlook to make
             best_mask = contenders[0][0]
         else:
-            for mask, job in contenders:  # lex order: a later set must be strictly better
-                key = (outlook(free_mask ^ mask), job)
-                if best_key is None or key > best_key:
-                    best_key, best_mask = key, mask
+            # The key is (outlook of what is left, the job's key); lex order: a later set must be
+            # strictly better. outlook() is inlined: this loop is the policy's hot path.
+            best_outlook: float | None = None
+            best_job = None
+            for mask, job in contenders:
+                rest = free_mask ^ mask
+                value = known[rest]
+                if value is None:
+                    value = tables.future(rest)
+                if groups:
+                    later = 0.0
+                    for group in groups:
+                        after = known[rest | group]
+                        later += after if after is not None else tables.future(rest | group)
+                    value = round(value + later / share, _DIGITS)
+                if best_outlook is None or value > best_outlook or (value == best_outlook and job > best_job):
+                    best_outlook, best_job, best_mask = value, job, mask
         return tuple(g for g in free if best_mask >> g & 1)
+    # The key is (outlook, preserved bandwidth) of what is left; the preserved bandwidth is read only
+    # where the outlooks tie (lex order: a later set must be strictly better).
     preserved = tables.preserved_memo.get
+    best_outlook = None
+    best_kept = None
     for subset_bits in combinations(bits, k):
         rest = free_mask ^ sum(subset_bits)
-        kept = preserved(rest)
-        key = (outlook(rest), kept if kept is not None else tables.preserved(rest))
-        if best_key is None or key > best_key:
-            best_key, best_mask = key, free_mask ^ rest
+        value = known[rest]  # outlook(rest), inlined as above
+        if value is None:
+            value = tables.future(rest)
+        if groups:
+            later = 0.0
+            for group in groups:
+                after = known[rest | group]
+                later += after if after is not None else tables.future(rest | group)
+            value = round(value + later / share, _DIGITS)
+        if best_outlook is None or value > best_outlook:
+            best_outlook, best_kept, best_mask = value, None, free_mask ^ rest
+        elif value == best_outlook:
+            if best_kept is None:
+                best_rest = free_mask ^ best_mask
+                best_kept = preserved(best_rest)
+                if best_kept is None:
+                    best_kept = tables.preserved(best_rest)
+            kept = preserved(rest)
+            if kept is None:
+                kept = tables.preserved(rest)
+            if kept > best_kept:
+                best_kept, best_mask = kept, free_mask ^ rest
     return tuple(g for g in free if best_mask >> g & 1)
 
 

@@ -39,7 +39,7 @@ def _link_ids(graph: HardwareGraph) -> tuple[tuple[int, ...], ...]:
     )
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=4096)  # a replay meets many free sets of a 16-GPU node
 def _twin_classes(graph: HardwareGraph, within: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     ids = _link_ids(graph)
     rows = {g: tuple(ids[g][x] for x in within) for g in within}
