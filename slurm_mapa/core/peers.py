@@ -227,6 +227,21 @@ def besteffort_pick_bruteforce(
     return list(best)
 
 
+def _groups_with_first(rest: list[int], first: int, size: int, padded: Sequence[int | None], padding: int) -> list[tuple[int, ...]]:
+    """The other members of the groups go-gpuallocator tries with position ``first``, in its order
+    (``combinations(rest, size - 1)``), but only those it keeps: a group holds no padding or all
+    of it. Made directly instead of filtered from every combination (C(29, 14) of them for 15
+    GPUs of 16)."""
+    real = [i for i in rest if padded[i] is not None]
+    nils = [i for i in rest if padded[i] is None]
+    first_nils = 1 if padded[first] is None else 0
+    groups = []
+    for wanted in sorted({0 - first_nils, padding - first_nils}):
+        if 0 <= wanted <= len(nils) and wanted <= size - 1:
+            groups += [tuple(sorted(r + n)) for r in combinations(real, size - 1 - wanted) for n in combinations(nils, wanted)]
+    return sorted(groups)
+
+
 def besteffort_pick(
     scores: Sequence[Sequence[int]], available: Sequence[int], size: int, required: Sequence[int] = (), *, fix_padding: bool = True
 ) -> list[int | None]:
@@ -257,11 +272,8 @@ def besteffort_pick(
             return _set_score(scores, [padded[i] for i in group]), (group,)
         first, rest = positions[0], positions[1:]
         top: tuple[int, tuple[tuple[int, ...], ...]] | None = None
-        for combo in combinations(rest, size - 1):
+        for combo in _groups_with_first(rest, first, size, padded, padding):
             group = (first, *combo)
-            nils = sum(1 for i in group if padded[i] is None)
-            if nils != 0 and nils != padding:
-                continue
             rest_mask = mask
             for i in group:
                 rest_mask &= ~(1 << i)
