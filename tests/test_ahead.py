@@ -311,3 +311,47 @@ def test_configured_sizes_reach_select_the_prolog_the_cli_and_the_replay(tmp_pat
     assert replay_main(["run", str(jobs), "--topology", "dgx1-v100", "--policies", "preserve-ahead", "--config", str(site), "--json"]) == 0
     site.write_text("[preserve_ahead]\ntolerance = 3\n")
     assert replay_main(["run", str(jobs), "--topology", "dgx1-v100", "--config", str(site)]) == 2
+
+
+# --- under a search limit (the Prolog's 0.2 s) ----------------------------------------------------
+
+
+def _torus_4x8():
+    from slurm_mapa.core.hardware import build_graph
+
+    links = {}
+    for r in range(4):
+        for c in range(8):
+            a = r * 8 + c
+            for b in (r * 8 + (c + 1) % 8, ((r + 1) % 4) * 8 + c):
+                links[(min(a, b), max(a, b))] = "NV2"
+    return build_graph("torus2d-4x8", 32, links, default_link="SYS")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_limit_the_look_ahead_fits_in_changes_nothing(seed):
+    from slurm_mapa.core.search import SearchLimit
+
+    rng = random.Random(seed)
+    graph = preset(rng.choice(["dgx1-v100", "torus2d-16"]))
+    free = tuple(sorted(rng.sample(range(graph.size), rng.randint(2, graph.size))))
+    request = Request(make_pattern("ring", rng.randint(1, min(len(free), 5))), sensitive=rng.random() < 0.5)
+    running = [tuple(g for g in range(graph.size) if g not in free)] if len(free) < graph.size else []
+    exact = select("preserve-ahead", graph, free, request, paper_model(), running=running)
+    limited = select("preserve-ahead", graph, free, request, paper_model(), running=running, limit=SearchLimit(work=10**9))
+    assert limited == exact and limited.policy == "preserve-ahead"
+
+
+@pytest.mark.parametrize("sensitive", [False, True])
+def test_a_look_ahead_past_its_limit_leaves_the_choice_to_preserve_within_the_rest(sensitive):
+    """On a 32-GPU node the look-ahead cannot finish in a Prolog's limit: Preserve chooses, and the
+    allocation says it was Preserve (the decision record then reads policy=preserve)."""
+    from slurm_mapa.core.search import SearchLimit
+
+    ahead.clear_cache()
+    graph = _torus_4x8()
+    request = Request(make_pattern("ring", 4), sensitive=sensitive)
+    free = tuple(range(32))
+    got = select("preserve-ahead", graph, free, request, paper_model(), limit=SearchLimit(work=2000))
+    assert isinstance(got, Allocation) and got.policy == "preserve"
+    assert got == select("preserve", graph, free, request, paper_model(), limit=SearchLimit(work=2000))

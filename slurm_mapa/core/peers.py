@@ -47,6 +47,7 @@ from ..errors import InputError
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .allocation import Allocation, NoFit, Policy, Request, order_within
+from .search_limit import SearchLimit
 
 PCIE_SCORES = {"SYS": 10, "NODE": 20, "PHB": 30, "PXB": 40, "PIX": 50}
 NVLINK_SCORE = 100
@@ -149,18 +150,22 @@ def slurm_job_pick(links: Sequence[Sequence[int]], free: Sequence[int], want: in
     return selected
 
 
-def slurm_native(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def slurm_native(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, limit: SearchLimit | None = None,
+) -> Allocation | NoFit:
     picked = slurm_node_pick(slurm_links(graph), free, request.gpus)
     if picked is None:
         return NoFit("slurm-native", request, free)
-    return order_within("slurm-native", graph, free, picked, request, model)
+    return order_within("slurm-native", graph, free, picked, request, model, limit)
 
 
-def slurm_native_gpus(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def slurm_native_gpus(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, limit: SearchLimit | None = None,
+) -> Allocation | NoFit:
     picked = slurm_job_pick(slurm_links(graph), free, request.gpus)
     if picked is None:
         return NoFit("slurm-native-gpus", request, free)
-    return order_within("slurm-native-gpus", graph, free, picked, request, model)
+    return order_within("slurm-native-gpus", graph, free, picked, request, model, limit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,13 +301,15 @@ def besteffort_pick(
     return chosen
 
 
-def nvidia_besteffort(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def nvidia_besteffort(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, limit: SearchLimit | None = None,
+) -> Allocation | NoFit:
     if request.gpus > len(free):
         return NoFit("nvidia-besteffort", request, free)
     picked = besteffort_pick(pair_scores(graph, "deployed"), free, request.gpus)
     if len(picked) != request.gpus or None in picked:  # pragma: no cover - the padding fix prevents it
         return NoFit("nvidia-besteffort", request, free)
-    return order_within("nvidia-besteffort", graph, free, [g for g in picked if g is not None], request, model)
+    return order_within("nvidia-besteffort", graph, free, [g for g in picked if g is not None], request, model, limit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,10 +317,12 @@ def nvidia_besteffort(graph: HardwareGraph, free: tuple[int, ...], request: Requ
 # --------------------------------------------------------------------------------------------
 
 
-def first_fit(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def first_fit(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, limit: SearchLimit | None = None,
+) -> Allocation | NoFit:
     if request.gpus > len(free):
         return NoFit("first-fit", request, free)
-    return order_within("first-fit", graph, free, sorted(free)[: request.gpus], request, model)
+    return order_within("first-fit", graph, free, sorted(free)[: request.gpus], request, model, limit)
 
 
 def round_robin_pick(queue: Sequence[int], free: Sequence[int], need: int) -> tuple[list[int], tuple[int, ...]] | None:
@@ -339,11 +348,13 @@ def default_queue(size: int, free: Sequence[int]) -> tuple[int, ...]:
     return tuple((start + i) % size for i in range(size))
 
 
-def round_robin(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def round_robin(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, limit: SearchLimit | None = None,
+) -> Allocation | NoFit:
     result = round_robin_pick(default_queue(graph.size, free), free, request.gpus)
     if result is None:
         return NoFit("round-robin", request, free)
-    return order_within("round-robin", graph, free, result[0], request, model)
+    return order_within("round-robin", graph, free, result[0], request, model, limit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,11 +385,13 @@ def hami_pick(scores: Sequence[Sequence[int]], candidates: Sequence[int], need: 
     return list(best_combo) if best_combo else None
 
 
-def hami_topology(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def hami_topology(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, limit: SearchLimit | None = None,
+) -> Allocation | NoFit:
     picked = hami_pick(pair_scores(graph, "intended"), sorted(free, reverse=True), request.gpus)
     if picked is None:
         return NoFit("hami-topology", request, free)
-    return order_within("hami-topology", graph, free, picked, request, model)
+    return order_within("hami-topology", graph, free, picked, request, model, limit)
 
 
 PEER_POLICIES: dict[str, Policy] = {
@@ -389,6 +402,10 @@ PEER_POLICIES: dict[str, Policy] = {
     "round-robin": round_robin,
     "hami-topology": hami_topology,
 }
+# Their sets are their own algorithms' (some exponential, as in the originals); the limit bounds
+# only the ordering of a sensitive job's set, the exact search on big nodes.
+for _policy in PEER_POLICIES.values():
+    _policy.takes_limit = True  # type: ignore[attr-defined]
 
 #: Policies whose real decision depends on state beyond the free set (the replay keeps it per node).
 STATEFUL: dict[str, Callable[..., object]] = {"round-robin": round_robin_pick}

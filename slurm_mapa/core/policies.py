@@ -29,23 +29,28 @@ from .model_files import paper_model
 from .hardware import HardwareGraph
 from .peers import PEER_POLICIES
 from .search import SearchLimit, best_placement
+from .search_limit import OutOfWork
 
 
-def baseline(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def baseline(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, limit: SearchLimit | None = None,
+) -> Allocation | NoFit:
     if request.gpus > len(free):
         return NoFit("baseline", request, free)
-    return order_within("baseline", graph, free, free[: request.gpus], request, model)
+    return order_within("baseline", graph, free, free[: request.gpus], request, model, limit)
 
 
-def topo_aware(graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel) -> Allocation | NoFit:
+def topo_aware(
+    graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, limit: SearchLimit | None = None,
+) -> Allocation | NoFit:
     if request.gpus > len(free):
         return NoFit("topo-aware", request, free)
     # The first domain (in GPU order) with room, its lowest free GPUs: the artifact's first match.
     for gpu in free:
         same_domain = [g for g in free if graph.domains[g] == graph.domains[gpu]]
         if len(same_domain) >= request.gpus:
-            return order_within("topo-aware", graph, free, same_domain[: request.gpus], request, model)
-    return order_within("topo-aware", graph, free, free[: request.gpus], request, model)
+            return order_within("topo-aware", graph, free, same_domain[: request.gpus], request, model, limit)
+    return order_within("topo-aware", graph, free, free[: request.gpus], request, model, limit)
 
 
 def greedy(
@@ -68,8 +73,8 @@ def preserve(
 
 
 # The policies whose search a SearchLimit bounds (select passes ``limit`` to these only).
-greedy.takes_limit = True  # type: ignore[attr-defined]
-preserve.takes_limit = True  # type: ignore[attr-defined]
+for _policy in (baseline, topo_aware, greedy, preserve):
+    _policy.takes_limit = True  # type: ignore[attr-defined]
 
 
 POLICIES: dict[str, Policy] = {
@@ -100,7 +105,9 @@ def select(
     ``configured``: policies built with site settings (preserve-ahead's size distribution), used
     instead of the default instance of the same name. ``running``: the GPUs of each job running on
     the node; only policies that look at them (preserve-ahead) get them. ``limit``: bounds the
-    search of the policies that take one (preserve, greedy); when it runs out the allocation's
+    searches of the policies (preserve and greedy choose with it; preserve-ahead's look-ahead gets
+    half of it, and if that runs out Preserve chooses, so the allocation's ``policy`` says
+    "preserve"; the others order their set with it); when it runs out the allocation's
     ``placement.gap`` says how far from the optimum the choice can be (None: proven optimal).
     """
     chosen_policy = (configured or {}).get(policy) or POLICIES.get(policy) or all_policies().get(policy)
@@ -116,7 +123,14 @@ def select(
         extra["running"] = groups
     if limit is not None and getattr(chosen_policy, "takes_limit", False):
         extra["limit"] = limit
-    return chosen_policy(graph, free_tuple, request, model or paper_model(), **extra)
+    try:
+        return chosen_policy(graph, free_tuple, request, model or paper_model(), **extra)
+    except OutOfWork:
+        if "limit" not in extra:
+            raise
+        # A policy whose exact choice did not fit in the limit (preserve-ahead's look-ahead on a
+        # big node): Preserve chooses, within what is left, and the allocation is Preserve's.
+        return preserve(graph, free_tuple, request, model or paper_model(), limit=limit)
 
 
 def running_groups(graph: HardwareGraph, free: tuple[int, ...], running: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:

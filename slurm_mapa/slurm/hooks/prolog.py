@@ -151,7 +151,7 @@ def choose(
             if isinstance(result, Allocation):
                 p = reported_allocation(graph, request, result, model, limit).placement  # a collective's set, in its best order
                 return Decision(
-                    ctx.node, p.gpus, config.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth,
+                    ctx.node, p.gpus, result.policy, p.effective_bandwidth, p.aggregated_bandwidth, p.preserved_bandwidth,
                     free=free, running=running, slurm_gpus=ctx.slurm_gpus,
                     affinity=affinity_token(config.affinity_mode, config.affinity_max_loss) if job_cpus is not None else "",
                     job_cpus=format_cpu_list(set(ctx.job_cpus)) if job_cpus is not None and ctx.job_cpus is not None else "",
