@@ -329,7 +329,7 @@ def _torus_4x8():
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_a_limit_the_look_ahead_fits_in_changes_nothing(seed):
+def test_a_limit_its_set_order_fits_in_changes_nothing(seed):
     from slurm_mapa.core.search import SearchLimit
 
     rng = random.Random(seed)
@@ -343,15 +343,15 @@ def test_a_limit_the_look_ahead_fits_in_changes_nothing(seed):
 
 
 @pytest.mark.parametrize("sensitive", [False, True])
-def test_a_look_ahead_past_its_limit_leaves_the_choice_to_preserve_within_the_rest(sensitive):
-    """On a 32-GPU node the look-ahead cannot finish in a Prolog's limit: Preserve chooses, and the
-    allocation says it was Preserve (the decision record then reads policy=preserve)."""
+def test_on_a_node_of_more_than_16_gpus_preserve_chooses_and_says_so(sensitive):
+    """The look-ahead's tables would hold 2^32 free sets: select() gives the job Preserve's choice,
+    with or without a limit, and the allocation (so the decision record) says policy=preserve."""
     from slurm_mapa.core.search import SearchLimit
 
-    ahead.clear_cache()
     graph = _torus_4x8()
     request = Request(make_pattern("ring", 4), sensitive=sensitive)
     free = tuple(range(32))
-    got = select("preserve-ahead", graph, free, request, paper_model(), limit=SearchLimit(work=2000))
-    assert isinstance(got, Allocation) and got.policy == "preserve"
-    assert got == select("preserve", graph, free, request, paper_model(), limit=SearchLimit(work=2000))
+    for limit in (None, SearchLimit(work=2000)):
+        got = select("preserve-ahead", graph, free, request, paper_model(), limit=limit)
+        assert isinstance(got, Allocation) and got.policy == "preserve"
+        assert got == select("preserve", graph, free, request, paper_model(), limit=limit)

@@ -312,17 +312,20 @@ def test_set_search_gaps_bound_the_optimum_at_every_small_limit(name, free, k):
     assert gaps[-1] is None  # and the largest proves the optimum
 
 
-def test_select_passes_the_limit_to_the_searching_policies_only():
+def test_select_passes_the_limit_to_every_policy_and_only_orders_are_bounded_for_the_peers():
     graph = preset("cubemesh-16")
     request = Request(make_pattern("ring", 13), False)
     limited = select("preserve", graph, range(16), request, MODEL, limit=SearchLimit(work=50))
     assert limited.placement.gap is not None and len(limited.gpus) == 13
     greedy = select("greedy", graph, range(16), Request(make_pattern("ring", 13), True), MODEL, limit=SearchLimit(work=50))
     assert greedy.placement.gap is not None
-    # baseline does not search for its set: the limit is not passed, nothing changes.
+    # baseline does not search for its set, only for the set's ring order: the limit bounds that
+    # (its gap says so) and never changes the set; a limit the order fits in changes nothing.
     small = Request(make_pattern("ring", 4), True)
     plain = select("baseline", graph, range(16), small, MODEL)
-    assert select("baseline", graph, range(16), small, MODEL, limit=SearchLimit(work=1)) == plain
+    tight = select("baseline", graph, range(16), small, MODEL, limit=SearchLimit(work=1))
+    assert sorted(tight.gpus) == sorted(plain.gpus) and tight.placement.gap is not None
+    assert select("baseline", graph, range(16), small, MODEL, limit=SearchLimit(work=10**6)) == plain
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -47,14 +47,16 @@ from ..errors import InputError
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern, make_pattern
-from .placement import Placement
 from .allocation import Allocation, NoFit, Policy, Request, order_within
 from .search import best_placement, preserved_bandwidth
-from .search_limit import Meter, OutOfWork, SearchLimit
+from .search_limit import OutOfWork, SearchLimit
 
 _DIGITS = 9
 PAPER_SIZES: dict[int, float] = {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2, 5: 0.2}
 _MAX_CACHED_GRAPHS = 16
+# The look-ahead's tables hold a value per free set: 65,536 on a 16-GPU node, 4e9 on 32. On bigger
+# nodes the policy does not run: select() gives the job Preserve's choice (docs/policies.md).
+MAX_LOOK_AHEAD_GPUS = 16
 _MAX_ENTRIES = 4_000_000  # per (graph, model, sizes): 2^16 masks x 4 sizes fit many times over
 
 
@@ -122,23 +124,19 @@ class _Tables:
             self.contenders.clear()
             self.entries = 0
 
-    def best_ring(self, k: int, mask: int, meter: Meter | None = None) -> float:
-        """Best predicted effective bandwidth of a k-ring on the GPUs of ``mask`` (0 if it does not fit).
-        ``meter``: counts each value computed (OutOfWork when the decision's limit runs out; what
-        was computed before stays memoised, and is exact)."""
+    def best_ring(self, k: int, mask: int) -> float:
+        """Best predicted effective bandwidth of a k-ring on the GPUs of ``mask`` (0 if it does not fit)."""
         memo = self.best[k]
         found = memo.get(mask)
         if found is not None:
             return found
-        if meter is not None:
-            meter.tick()
         n = mask.bit_count()
         if n < k:
             value = 0.0
         elif n == k:
             gpus = [g for g in range(self.graph.size) if mask >> g & 1]
-            placed = _exact_placement(self.graph, gpus, self.rings[k], self.model, meter)
-            assert placed.effective_bandwidth is not None
+            placed = best_placement(self.graph, gpus, self.rings[k], "effective", self.model)
+            assert placed is not None and placed.effective_bandwidth is not None
             value = round(placed.effective_bandwidth, _DIGITS)
         else:
             value = 0.0
@@ -146,19 +144,19 @@ class _Tables:
             while rest:
                 bit = rest & -rest
                 rest ^= bit
-                sub = self.best_ring(k, mask ^ bit, meter)
+                sub = self.best_ring(k, mask ^ bit)
                 if sub > value:
                     value = sub
         memo[mask] = value
         self._count()
         return value
 
-    def future(self, mask: int, meter: Meter | None = None) -> float:
+    def future(self, mask: int) -> float:
         """The look-ahead score of a free set: the size-weighted best ring bandwidth on it."""
         found = self.future_memo[mask]
         if found is not None:
             return found
-        value = round(sum(w * self.best_ring(k, mask, meter) for k, w in self.sizes), _DIGITS)
+        value = round(sum(w * self.best_ring(k, mask) for k, w in self.sizes), _DIGITS)
         self.future_memo[mask] = value
         self._count()
         return value
@@ -178,15 +176,14 @@ class _Tables:
             found = self.job_memo[pattern] = {}
         return found
 
-    def job_key(self, pattern: Pattern, mask: int, meter: Meter | None = None) -> tuple[float, float]:
+    def job_key(self, pattern: Pattern, mask: int) -> tuple[float, float]:
         """(effective, aggregated) of the best placement of ``pattern`` on exactly the GPUs of ``mask``."""
         memo = self.job_keys(pattern)
         found = memo.get(mask)
         if found is None:
-            if meter is not None:
-                meter.tick()
             gpus = [g for g in range(self.graph.size) if mask >> g & 1]
-            placed = _exact_placement(self.graph, gpus, pattern, self.model, meter)
+            placed = best_placement(self.graph, gpus, pattern, "effective", self.model)
+            assert placed is not None
             eff = placed.effective_bandwidth if placed.effective_bandwidth is not None else 0.0
             found = (round(eff, _DIGITS), round(placed.aggregated_bandwidth, _DIGITS))
             memo[mask] = found
@@ -195,17 +192,6 @@ class _Tables:
 
 
 _TABLES: dict[tuple, _Tables] = {}
-
-
-def _exact_placement(graph: HardwareGraph, gpus: list[int], pattern: Pattern, model: EffectiveBandwidthModel,
-                     meter: Meter | None) -> Placement:
-    """The exact best placement on ``gpus``; under a meter, searched within what is left of its
-    time, and OutOfWork rather than an unproven answer (the tables keep exact values only)."""
-    limit = meter.remaining() if meter is not None else None
-    placed = best_placement(graph, gpus, pattern, "effective", model, limit)
-    if placed is None or placed.gap is not None:
-        raise OutOfWork()
-    return placed
 
 
 def tables_for(graph: HardwareGraph, model: EffectiveBandwidthModel, sizes: tuple[tuple[int, float], ...]) -> _Tables:
@@ -238,12 +224,10 @@ def choose_set(
     sizes: Mapping[int, float] | None = None,
     tolerance: float = 0.0,
     running: Iterable[Iterable[int]] = (),
-    meter: Meter | None = None,
 ) -> tuple[int, ...] | None:
     """The GPU set preserve-ahead gives ``request`` on ``free`` (sorted), or None if it does not fit.
 
     ``running``: the GPUs of each job running on the node (disjoint from ``free``), for the outlook.
-    ``meter``: the decision's limit; OutOfWork when it runs out before the choice is exact.
     """
     free = tuple(sorted(set(free)))
     k = request.gpus
@@ -276,9 +260,7 @@ def choose_set(
             job_memo = tables.job_keys(request.pattern)
             for subset_bits in combinations(bits, k):
                 mask = sum(subset_bits)
-                if meter is not None:
-                    meter.tick()
-                job = job_memo.get(mask) or tables.job_key(request.pattern, mask, meter)
+                job = job_memo.get(mask) or tables.job_key(request.pattern, mask)
                 scored.append((mask, job))
                 if top is None or job[0] > top:
                     top = job[0]
@@ -297,12 +279,12 @@ def choose_set(
                 rest = free_mask ^ mask
                 value = known[rest]
                 if value is None:
-                    value = tables.future(rest, meter)
+                    value = tables.future(rest)
                 if groups:
                     later = 0.0
                     for group in groups:
                         after = known[rest | group]
-                        later += after if after is not None else tables.future(rest | group, meter)
+                        later += after if after is not None else tables.future(rest | group)
                     value = round(value + later / share, _DIGITS)
                 if best_outlook is None or value > best_outlook or (value == best_outlook and job > best_job):
                     best_outlook, best_job, best_mask = value, job, mask
@@ -313,17 +295,15 @@ def choose_set(
     best_outlook = None
     best_kept = None
     for subset_bits in combinations(bits, k):
-        if meter is not None:
-            meter.tick()
         rest = free_mask ^ sum(subset_bits)
         value = known[rest]  # outlook(rest), inlined as above
         if value is None:
-            value = tables.future(rest, meter)
+            value = tables.future(rest)
         if groups:
             later = 0.0
             for group in groups:
                 after = known[rest | group]
-                later += after if after is not None else tables.future(rest | group, meter)
+                later += after if after is not None else tables.future(rest | group)
             value = round(value + later / share, _DIGITS)
         if best_outlook is None or value > best_outlook:
             best_outlook, best_kept, best_mask = value, None, free_mask ^ rest
@@ -402,19 +382,6 @@ def sizes_from_jobs(gpus_per_job: Iterable[int]) -> dict[int, float]:
     return {k: round(v / total, 6) for k, v in sorted(counts.items())}
 
 
-def look_ahead_share(limit: SearchLimit) -> SearchLimit:
-    """The half of a decision's limit the look-ahead may use: the rest is left for Preserve's
-    choice when the look-ahead cannot finish (a node of more than 16 GPUs, or a cold process)."""
-    work = None if limit.work is None else max(1, limit.work // 2)
-    if limit.seconds is None or limit.clock is None:
-        return SearchLimit(work=work)
-    now = limit.clock()
-    end = now + limit.seconds / 2
-    if limit.until is not None:
-        end = min(end, now + (limit.until - now) / 2)
-    return SearchLimit(work=work, seconds=max(end - now, 1e-6), clock=limit.clock, until=end)
-
-
 def make_preserve_ahead(sizes: Mapping[int, float] | None = None, tolerance: float = 0.0, name: str = "preserve-ahead") -> Policy:
     """A preserve-ahead policy for a size distribution ({gpus: weight}, default uniform 1..5) and tolerance."""
     normalised = _normalised(sizes)  # validate now, not at the first decision
@@ -425,8 +392,9 @@ def make_preserve_ahead(sizes: Mapping[int, float] | None = None, tolerance: flo
         graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel,
         running: tuple[tuple[int, ...], ...] = (), limit: SearchLimit | None = None,
     ) -> Allocation | NoFit:
-        meter = None if limit is None else Meter(look_ahead_share(limit))
-        chosen = choose_set(graph, free, request, model, sizes, tolerance, running, meter)  # OutOfWork: select() falls back
+        if graph.size > MAX_LOOK_AHEAD_GPUS:
+            raise OutOfWork()  # select() gives the job Preserve's choice, and says so
+        chosen = choose_set(graph, free, request, model, sizes, tolerance, running)
         if chosen is None:
             return NoFit(name, request, free)
         tables = tables_for(graph, model, normalised)
@@ -444,7 +412,7 @@ def make_preserve_ahead(sizes: Mapping[int, float] | None = None, tolerance: flo
 
     policy.__name__ = name.replace("-", "_")
     policy.sees_running = True  # select() hands it the GPUs of the jobs running on the node
-    policy.takes_limit = True  # its look-ahead gets half the limit (select() gives Preserve the rest if it runs out)
+    policy.takes_limit = True  # for the order of the set it picks
     return policy
 
 

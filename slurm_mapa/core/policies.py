@@ -105,9 +105,9 @@ def select(
     ``configured``: policies built with site settings (preserve-ahead's size distribution), used
     instead of the default instance of the same name. ``running``: the GPUs of each job running on
     the node; only policies that look at them (preserve-ahead) get them. ``limit``: bounds the
-    searches of the policies (preserve and greedy choose with it; preserve-ahead's look-ahead gets
-    half of it, and if that runs out Preserve chooses, so the allocation's ``policy`` says
-    "preserve"; the others order their set with it); when it runs out the allocation's
+    searches of the policies (preserve and greedy choose with it; the others order their set with
+    it); on nodes of more than 16 GPUs preserve-ahead gives way to Preserve, and the allocation's
+    ``policy`` says "preserve"; when it runs out the allocation's
     ``placement.gap`` says how far from the optimum the choice can be (None: proven optimal).
     """
     chosen_policy = (configured or {}).get(policy) or POLICIES.get(policy) or all_policies().get(policy)
@@ -126,10 +126,8 @@ def select(
     try:
         return chosen_policy(graph, free_tuple, request, model or paper_model(), **extra)
     except OutOfWork:
-        if "limit" not in extra:
-            raise
-        # A policy whose exact choice did not fit in the limit (preserve-ahead's look-ahead on a
-        # big node): Preserve chooses, within what is left, and the allocation is Preserve's.
+        # A policy that cannot decide on this node (preserve-ahead on more than 16 GPUs): Preserve
+        # chooses, within the limit, and the allocation says it was Preserve.
         return preserve(graph, free_tuple, request, model or paper_model(), limit=limit)
 
 

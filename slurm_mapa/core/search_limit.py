@@ -81,21 +81,6 @@ class Meter:
                     self.left = -1
                     raise OutOfWork()
 
-    def remaining(self) -> SearchLimit | None:
-        """What is left of the exact share, as the limit of a search of its own (None: unlimited);
-        OutOfWork if nothing is."""
-        if self.unlimited:
-            return None
-        work = None if self.total == inf else int(self.left)
-        if work is not None and work < 1:
-            raise OutOfWork()
-        if self.clock is None:
-            return SearchLimit(work=work)
-        now = self.clock()
-        if now >= self.deadline:
-            raise OutOfWork()
-        return SearchLimit(work=work, seconds=self.deadline - now, clock=self.clock, until=self.deadline)
-
     def fallback(self) -> None:
         """Leave the exact phase: the rest of the limit is for improving the best found."""
         if not self.exact:
