@@ -72,7 +72,8 @@ def preserve(
     return Allocation(policy="preserve", placement=found, objective=objective)
 
 
-# The policies whose search a SearchLimit bounds (select passes ``limit`` to these only).
+# select() passes ``limit`` to the policies marked so: preserve and greedy choose with it, the
+# others (and the peers and preserve-ahead, marked in their modules) order their set with it.
 for _policy in (baseline, topo_aware, greedy, preserve):
     _policy.takes_limit = True  # type: ignore[attr-defined]
 
