@@ -48,9 +48,6 @@ from ..isolation.rules import IsolationError
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
 
-WARM_UP_S = 20.0  # the agent's start; the wrappers run the hooks in-process meanwhile
-
-
 class Agent:
     """Runs hooks for requests; the config is read again for each, so an edit applies at once."""
 
@@ -220,12 +217,9 @@ class Agent:
         except Exception as error:  # noqa: BLE001 - counting must never disturb the agent
             self.log_errors(f"mapa-agent: metrics: could not count the Prolog of job {env.get('SLURM_JOB_ID', '')[:20]}: {error}")
 
-    def warm_up(self, node: str, seconds: float = WARM_UP_S) -> None:
-        """Load this node's topology and search tables once, so the first job is as fast as the rest.
-        Within ``seconds`` in all: on a node too big for preserve-ahead's tables, the agent must
-        still start listening (what was filled stays)."""
+    def warm_up(self, node: str) -> None:
+        """Load this node's topology and search tables once, so the first job is as fast as the rest."""
         from ...core.policies import select
-        from ...core.search import SearchLimit
         from ...hardware.load import resolve_model
         from ..text.directive import parse_directive, to_request
         from ..hooks.node_graph import load_graph
@@ -235,11 +229,10 @@ class Agent:
             return
         graph = load_graph(config, node)
         model = resolve_model(config.model_for(node), graph)
-        limit = SearchLimit(seconds=seconds, clock=time.monotonic, until=time.monotonic() + seconds)
         for text in ("topology=ring sensitive=no", "topology=ring sensitive=yes"):
             for size in range(1, min(graph.size, 3) + 1):
                 select(config.policy, graph, range(graph.size), to_request(parse_directive(text), size), model,
-                       config.configured_policies(), limit=limit)
+                       config.configured_policies())
 
 
 def log_spank_plugin_problems(config_path: str, environ: Mapping[str, str],
