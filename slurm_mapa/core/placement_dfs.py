@@ -548,6 +548,7 @@ class PlacementDfs:
                     counts[c] += 1
                     taken.append(-1 - c)
                     new_agg += weight * bw[other][gpu]
+                stop = False
                 if ok:
                     placed[m] = gpu
                     in_order = True
@@ -559,20 +560,14 @@ class PlacementDfs:
                         used[gpu] = True
                         stop = visit(m + 1, counts, new_agg, unused & ~(1 << gpu))
                         used[gpu] = False
-                        if stop:
-                            placed[m] = -1
-                            for t in taken:
-                                if t >= 0:
-                                    remaining[t] += 1  # type: ignore[index]
-                                else:
-                                    counts[-1 - t] -= 1
-                            return True
                     placed[m] = -1
-                for t in taken:
+                for t in taken:  # undone on every way out, a stop included
                     if t >= 0:
                         remaining[t] += 1  # type: ignore[index]
                     else:
                         counts[-1 - t] -= 1
+                if stop:
+                    return True
             return False
 
         visit(0, [0] * n_classes, 0.0, tables.mask)
