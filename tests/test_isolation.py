@@ -27,7 +27,8 @@ from slurm_mapa.slurm.config import config_from_text
 from slurm_mapa.slurm.admin.install import taskprolog_text
 from slurm_mapa.slurm.isolation.isolator import Isolator
 from slurm_mapa.slurm.isolation.bpf import device_program, prog_attach_attr, prog_load_attr
-from slurm_mapa.slurm.isolation.cgroups import apply_v1, apply_v2, release_job_v1, v1_writes
+from slurm_mapa.slurm.isolation.cgroups import (apply_v1, apply_v2, release_job_v1, v1_allowed_minors, v1_step_minors,
+                                                v1_update_writes, v1_writes)
 from slurm_mapa.slurm.isolation.rules import (DenyRange, IsolationError, SlurmCgroup, cgroup_mounts, device_rules, gpus_of_step,
                                               parse_proc_cgroup, parse_status, slurm_gpu_list, v1_rule_lines)
 
@@ -51,13 +52,13 @@ V2_STEP = "0::/system.slice/slurmstepd.scope/job_12/step_0/user/task_3\n"
 @pytest.mark.parametrize(
     "text, expected",
     [
-        (V1_BATCH, SlurmCgroup(1, "12", "batch", "0", "/slurm/uid_1000/job_12/step_batch")),
+        (V1_BATCH, SlurmCgroup(1, "12", "batch", "0", "/slurm/uid_1000/job_12/step_batch", uid=1000)),
         ("6:freezer:/slurm/uid_1000/job_77/step_3\n5:devices:/\n",  # proctrack/cgroup only: no task level
-         SlurmCgroup(1, "77", "3", None, "/slurm/uid_1000/job_77/step_3")),
+         SlurmCgroup(1, "77", "3", None, "/slurm/uid_1000/job_77/step_3", uid=1000)),
         ("6:freezer:/slurm_node7/uid_0/job_5/step_0+1/task_2\n",  # MULTIPLE_SLURMD prepend, a het component
-         SlurmCgroup(1, "5", "0+1", "2", "/slurm_node7/uid_0/job_5/step_0+1")),
+         SlurmCgroup(1, "5", "0+1", "2", "/slurm_node7/uid_0/job_5/step_0+1", uid=0)),
         ("3:cpuset:/slurm/uid_1000/job_9/step_interactive/task_0\n",
-         SlurmCgroup(1, "9", "interactive", "0", "/slurm/uid_1000/job_9/step_interactive")),
+         SlurmCgroup(1, "9", "interactive", "0", "/slurm/uid_1000/job_9/step_interactive", uid=1000)),
         (V2_STEP, SlurmCgroup(2, "12", "0", "3", V2_STEP[3:-1])),
         ("0::/system.slice/slurmstepd.scope/job_12/step_batch/user/task_special\n",
          SlurmCgroup(2, "12", "batch", "special", "/system.slice/slurmstepd.scope/job_12/step_batch/user/task_special")),
@@ -82,6 +83,14 @@ def test_slurm_cgroup_paths_of_both_versions_name_the_job_and_step(text, expecte
         "11:freezer:/slurm/uid_1000/job_12/step_0\n10:memory:/slurm/uid_1000/job_13/step_0/task_0\n",  # disagree
         "11:freezer:/slurm/job_12/step_0\n",  # no uid level: not Slurm's v1 layout
         "11:freezer:/slurm/uid_1000/job_12/step_x/task_0\n",
+        # A user's own cgroups, made inside their step's v1 directory (which Slurm hands to them)
+        # and named like another job's: nobody's task path (issue 36).
+        "11:freezer:/slurm/uid_1000/job_12/step_0/slurm/uid_1001/job_999/step_batch\n"
+        "10:memory:/slurm/uid_1000/job_12/step_0/slurm/uid_1001/job_999/step_batch\n",
+        "11:freezer:/slurm/uid_1000/job_12/step_0/task_0/slurm/uid_1000/job_999/step_batch/task_0\n",
+        "11:freezer:/docker/abc/slurm/uid_1000/job_12/step_batch/x/slurm/uid_1000/job_9/step_0\n",
+        # Two hierarchies that disagree on the user
+        "11:freezer:/slurm/uid_1000/job_12/step_0\n10:memory:/slurm/uid_1001/job_12/step_0/task_0\n",
         "garbage\n\n:::\n",
         "",
     ],
@@ -1155,3 +1164,110 @@ def test_taskprolog_gives_a_task_whose_list_names_no_gpu_of_its_step_the_steps(t
     bound = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1",
                            MAPA_SPANK_GPUS="1,6", SLURM_STEP_GPUS="3", SLURM_STEP_ID="2", job_file=job)
     assert "export SLURM_STEP_GPUS=1" in bound.stdout.splitlines() and "export CUDA_VISIBLE_DEVICES=0" in bound.stdout
+
+
+# --- issue 36: isolation across agent restarts, and v1 paths users make ------------------------------
+def test_an_existing_v1_cgroup_is_brought_to_its_rules_per_device_never_with_a():
+    rules = device_rules("nvidia", [1, 5])
+    # Configured before (default deny, the job's GPUs and the rest of its parent's list): nothing to write.
+    configured = "c 1:3 rwm\nc *:* m\nc 195:1 rwm\nc 195:5 rwm\nc 195:254 rwm\n"
+    assert v1_update_writes(configured, rules) == []
+    # Holding a GPU it must not, by an exact entry, and lacking a kept one: one write each.
+    assert v1_update_writes("c 195:1 rwm\nc 195:7 rw\n", rules) == [("devices.allow", "c 195:5 rwm"),
+                                                                     ("devices.deny", "c 195:7 rwm")]
+    # Default allow (the kernel shows no exceptions): the per-minor lines, which converge.
+    assert v1_update_writes("a *:* rwm\n", rules) == v1_writes("a *:* rwm\n", rules)
+    # A wildcard that opens denied GPUs: only a rebuild can narrow it.
+    assert v1_update_writes(DOCKER_LIST, rules) is None
+    assert all(line != "a" for writes in (v1_update_writes(configured, rules), v1_update_writes("a *:* rwm\n", rules))
+               for _, line in writes)
+    assert v1_allowed_minors(configured, rules[0]) == (1, 5)
+    assert v1_allowed_minors("a *:* rwm\n", rules[0]) is None and v1_allowed_minors(DOCKER_LIST, rules[0]) is None
+
+
+def test_an_agent_restart_keeps_a_steps_task_in_its_steps_gpus(node):
+    """The agent restarts while a 1-GPU step of a 2-GPU job runs (its SPANK request made its v1
+    cgroup). A later TaskProlog request of the step finds the step's GPUs in the kernel's list of
+    that cgroup, not in the dead agent's memory, and the task stays in the step's cgroup."""
+    agent, proc, cgroupfs, attached, _, tmp_path = node
+    (tmp_path / "jobs" / "12").write_text("MAPA_GPUS=4,5\nSLURM_GPUS=0,1\nPAIRED_GPUS=4,5\n")
+    as_spank, as_taskprolog = _as_spank_then_taskprolog(proc, "3", "0")
+    as_spank()
+    assert agent.isolate(os.getpid(), 0, {"MAPA_STEP_ENV": "1", "SLURM_STEP_GPUS": "1"}).startswith("done cgroup-v1 gpus=5 ")
+    job = cgroupfs / "devices" / "mapa" / "job_12"
+    # What the kernel lists for the two cgroups under a container's allow list.
+    (job / "devices.list").write_text("c 1:3 rwm\nc 195:4 rwm\nc 195:5 rwm\n")
+    (job / "step_3" / "devices.list").write_text("c 1:3 rwm\nc 195:5 rwm\n")
+    restarted = Agent(agent.config_path, node="dgx1", isolator=Isolator(agent.isolator.proc, agent.isolator.mountinfo,
+                                                                        attach=agent.isolator.attach,
+                                                                        binary_problem=fake_binary_problem))
+    as_taskprolog()
+    answer = restarted.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": "1"})
+    assert answer.startswith(f"done cgroup-v1 gpus=5 job 12 step 3 task pid 5000: GPUs 5 in {job / 'step_3'}"), answer
+    assert lines(job / "step_3" / "cgroup.procs")[-1] == "5000"
+    # The restarted agent wrote nothing that needs an empty cgroup ("devices.deny a").
+    assert "a" not in lines(job / "devices.deny") + lines(job / "step_3" / "devices.deny")
+
+
+def test_a_task_in_cgroups_its_user_made_inside_their_step_is_refused(node):
+    """Slurm hands a v1 step's directory to the job's user, who can make .../slurm/uid_V/job_J/...
+    inside it and move their task there: the agent must not take that for job J's task."""
+    agent, proc, cgroupfs, _, _, tmp_path = node
+    (tmp_path / "jobs" / "999").write_text("MAPA_GPUS=0,1\n")
+    nested = V1_BATCH.replace("/slurm/uid_1000/job_12/step_batch", "/slurm/uid_1000/job_12/step_batch/slurm/uid_1001/job_999/step_batch")
+    for pid in (os.getpid(), 5001, 5000):
+        proc.add(pid, *{os.getpid(): ("python3", 5001), 5001: ("sh", 5000), 5000: ("slurmstepd", 4000)}[pid], USER, nested,
+                 exe=STEPD if pid == 5000 else "/bin/dash")
+    answer = agent.isolate(os.getpid(), USER, {})
+    assert answer.startswith("done failed-open") and "no Slurm job cgroup" in answer, answer
+    assert not (cgroupfs / "devices" / "mapa" / "job_999").exists()
+    assert agent.job_of(5000) is None  # the public socket turns it away before any work
+    # Another user's uid_ level, not nested: refused too.
+    other = V1_BATCH.replace("uid_1000", "uid_1001")
+    for pid in (os.getpid(), 5001, 5000):
+        proc.add(pid, *{os.getpid(): ("python3", 5001), 5001: ("sh", 5000), 5000: ("slurmstepd", 4000)}[pid], USER, other,
+                 exe=STEPD if pid == 5000 else "/bin/dash")
+    answer = agent.isolate(os.getpid(), USER, {})
+    assert answer.startswith("done failed-open") and "a cgroup of uid 1001's jobs" in answer, answer
+
+
+def _whitelisted_v1_base(devices: Path, name: str) -> Path:
+    """A cgroup like a container's: default deny, allowing /dev/null, mknod, and every NVIDIA minor."""
+    base = devices / name
+    base.mkdir()
+    for target, line in (("devices.deny", "a"), ("devices.allow", "c 1:3 rwm"), ("devices.allow", "c *:* m"),
+                         ("devices.allow", "c 195:* rwm")):
+        (base / target).write_text(line + "\n")
+    return base
+
+
+@pytest.mark.skipif(_v1_devices_root() is None, reason="needs root and a writable cgroup v1 devices hierarchy")
+def test_on_a_real_v1_hierarchy_a_restarted_agent_isolates_a_job_whose_step_has_its_cgroup(tmp_path):
+    """The kernel refuses ``devices.deny a`` on a cgroup with children: an agent that restarted
+    while a step ran (its own cgroup below the job's) must configure the job's per device."""
+    devices = _v1_devices_root()
+    assert devices is not None
+    name = f"mapa-test-restart-{os.getpid()}"
+    base = _whitelisted_v1_base(devices, name)
+    sleeper = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
+    step_task = subprocess.Popen(sleeper, stdin=subprocess.PIPE)
+    later_task = subprocess.Popen(sleeper, stdin=subprocess.PIPE)
+    job_rules, step_rules = device_rules("nvidia", [1, 2]), device_rules("nvidia", [2])
+    try:
+        step = apply_v1(devices, "4242", job_rules, "0", step_rules, step_task.pid, base=name, configured=set())
+        assert step == base / "job_4242" / "step_0"
+        # The agent restarts (nothing in memory) and a task of the job's batch step asks.
+        where = apply_v1(devices, "4242", job_rules, "batch", None, later_task.pid, base=name, configured=set())
+        assert where == base / "job_4242"
+        assert v1_allowed_minors((base / "job_4242" / "devices.list").read_text(), job_rules[0]) == (1, 2)
+        assert v1_step_minors(devices, "4242", "0", job_rules[0], base=name) == (2,)
+        assert str(later_task.pid) in (base / "job_4242" / "cgroup.procs").read_text().split()
+    finally:
+        for child in (step_task, later_task):
+            child.kill()
+            child.wait()
+        for _ in range(50):
+            if release_job_v1(devices, "4242", name) == []:
+                break
+            time.sleep(0.1)
+        os.rmdir(base)

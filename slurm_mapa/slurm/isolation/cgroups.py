@@ -157,14 +157,7 @@ def v1_writes(parent_list: str, rules: Sequence[DenyRange]) -> list[tuple[str, s
     wildcard (the kernel removes only exactly matching entries), so the child is rebuilt: deny
     all, then allow each of the parent's entries, with a wildcard of a rule's major written out
     minor by minor without the denied ones."""
-    entries = []
-    for line in parent_list.splitlines()[:MAX_DEVICES_LIST_LINES]:
-        match = _V1_ENTRY.fullmatch(line.strip())
-        if match is None:
-            if line.strip():
-                raise IsolationError(f"devices.list line {line[:80]!r} is not 'TYPE MAJOR:MINOR ACCESS'")
-            continue
-        entries.append(match.groups())
+    entries = _list_entries(parent_list)
     if ("a", "*", "*", "rwm") in entries:
         return v1_rule_lines(rules)
     by_major = {rule.major: rule for rule in rules}
@@ -181,13 +174,102 @@ def v1_writes(parent_list: str, rules: Sequence[DenyRange]) -> list[tuple[str, s
     return writes
 
 
-def _configure_v1(directory: Path, rules: Sequence[DenyRange]) -> None:
-    # What the new cgroup starts from: its parent's list (a cgroupfs has one in every directory;
-    # the nearest ancestor's is the same thing for a directory tree that imitates one).
-    ancestor = directory.parent
-    while not (ancestor / "devices.list").exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    for name, line in v1_writes((ancestor / "devices.list").read_text(), rules):
+def _list_entries(devices_list: str) -> list[tuple[str, str, str, str]]:
+    entries = []
+    for line in devices_list.splitlines()[:MAX_DEVICES_LIST_LINES]:
+        match = _V1_ENTRY.fullmatch(line.strip())
+        if match is None:
+            if line.strip():
+                raise IsolationError(f"devices.list line {line[:80]!r} is not 'TYPE MAJOR:MINOR ACCESS'")
+            continue
+        entries.append(match.groups())  # type: ignore[arg-type]
+    return entries
+
+
+def v1_update_writes(own_list: str, rules: Sequence[DenyRange]) -> list[tuple[str, str]] | None:
+    """Per-device writes that bring an existing v1 devices cgroup whose ``devices.list`` is
+    ``own_list`` to deny what ``rules`` deny and allow the GPUs they keep; [] when it does already.
+    Never ``a``: the kernel refuses ``devices.deny a`` on a cgroup that has children (EINVAL), and
+    a job's cgroup has its steps' below it when a restarted agent sees it again.
+
+    A default-allow cgroup lists only ``a *:* rwm`` (the kernel does not show its exceptions):
+    the rules' lines, which converge whatever it held. A default-deny one lists what it allows:
+    deny each exact entry of a denied GPU, allow each kept GPU it lacks. None when a wildcard
+    entry that can read or write lets a denied GPU through (the kernel cannot take part of a
+    wildcard away): only a rebuild (``deny a``, on a cgroup without children) can narrow it."""
+    entries = _list_entries(own_list)
+    if ("a", "*", "*", "rwm") in entries:
+        return v1_rule_lines(rules)
+    writes: list[tuple[str, str]] = []
+    for rule in rules:
+        for minor in range(rule.first, rule.last + 1):
+            covering = [e for e in entries if e[0] in ("a", "c") and e[1] in ("*", str(rule.major))
+                        and e[2] in ("*", str(minor))]
+            opens = [e for e in covering if set(e[3]) & {"r", "w"}]
+            if minor in rule.allowed:
+                if not any(set("rw") <= set(e[3]) for e in covering):
+                    writes.append(("devices.allow", f"c {rule.major}:{minor} rwm"))
+            elif any(e[2] == "*" or e[1] == "*" for e in opens):
+                return None
+            elif opens:
+                writes.append(("devices.deny", f"c {rule.major}:{minor} rwm"))
+    return writes
+
+
+def v1_allowed_minors(own_list: str, rule: DenyRange) -> tuple[int, ...] | None:
+    """The minors of ``rule``'s range that a v1 devices cgroup whose ``devices.list`` is
+    ``own_list`` lets a process open, or None when the list cannot say (a default-allow cgroup
+    lists only ``a *:* rwm``; a wildcard entry covers the range)."""
+    entries = _list_entries(own_list)
+    if ("a", "*", "*", "rwm") in entries:
+        return None
+    allowed = []
+    for kind, major, minor, access in entries:
+        if kind not in ("a", "c") or major not in ("*", str(rule.major)) or not set("rw") <= set(access):
+            continue
+        if minor == "*" or major == "*":
+            return None
+        if rule.first <= int(minor) <= rule.last:
+            allowed.append(int(minor))
+    return tuple(sorted(set(allowed)))
+
+
+def v1_step_minors(devices_root: Path, job_id: str, step: str, rule: DenyRange, base: str = "mapa") -> tuple[int, ...] | None:
+    """What a step's v1 devices cgroup, configured before (by this agent before a restart, from
+    the SPANK plugin's request), lets its tasks open of ``rule``'s range: the kernel's record of
+    the step's GPUs. None if the step has no cgroup of its own or its list cannot say."""
+    _, step_dir = v1_directories(devices_root, job_id, step, base)
+    try:
+        return v1_allowed_minors((step_dir / "devices.list").read_text(), rule) if step_dir is not None else None
+    except (OSError, IsolationError):
+        return None
+
+
+def _has_child_cgroups(directory: Path) -> bool:
+    try:
+        return any(entry.is_dir(follow_symlinks=False) for entry in os.scandir(directory))
+    except OSError:
+        return True  # unknown: take the per-device path, which is safe either way
+
+
+def _configure_v1(directory: Path, rules: Sequence[DenyRange], created: bool) -> None:
+    """Write ``rules`` into the devices cgroup ``directory``. One we just ``created`` starts from
+    its parent's list (a cgroupfs has one in every directory; the nearest ancestor's is the same
+    thing for a directory tree that imitates one). One that existed (configured before an agent
+    restart, or by an agent that died midway) is brought to the rules from what the kernel says
+    it allows now, per device (v1_update_writes)."""
+    writes = None
+    if not created and (directory / "devices.list").exists():
+        writes = v1_update_writes((directory / "devices.list").read_text(), rules)
+        if writes is None and _has_child_cgroups(directory):
+            raise IsolationError(f"the devices cgroup {directory} allows GPUs it must deny through a wildcard entry, "
+                                 "and has child cgroups: it cannot be narrowed without emptying them")
+    if writes is None:
+        ancestor = directory.parent
+        while not (ancestor / "devices.list").exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        writes = v1_writes((ancestor / "devices.list").read_text(), rules)
+    for name, line in writes:
         _write(directory / name, line)
 
 
@@ -225,10 +307,14 @@ def apply_v1(devices_root: Path, job_id: str, job_rules: Sequence[DenyRange], st
         if directory is None or rules is None:
             continue
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            try:
+                directory.mkdir(parents=True)
+                created = True
+            except FileExistsError:
+                created = False
             key = _identity(directory)
             if configured is None or key not in configured:
-                _configure_v1(directory, rules)
+                _configure_v1(directory, rules, created)
                 if configured is not None:
                     configured.add(key)
         except OSError as error:

@@ -41,8 +41,9 @@ from typing import Callable, Mapping
 
 from ...errors import MapaError
 from .bpf import attach_device_program
-from .cgroups import apply_v1, apply_v2, check_v2_job_cgroup_owner, find_task_process, slurmstepd_binary_problem
-from .rules import RENDER_MINORS, IsolationError, ProcessInfo, SlurmCgroup, cgroup_mounts, device_rules, gpus_of_step
+from .cgroups import apply_v1, apply_v2, check_v2_job_cgroup_owner, find_task_process, slurmstepd_binary_problem, v1_step_minors
+from .rules import (RENDER_MINORS, IsolationError, ProcessInfo, SlurmCgroup, cgroup_mounts, device_rules, gpus_of_step,
+                    is_numbered_step)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class Isolator:
         id. ``scope``: "step" (every task of a step opens all of the step's GPUs, as CUDA/ROCm IPC
         between ranks needs) or "task" (each task its own, from its TaskProlog's request)."""
         task, cgroup = find_task_process(self.proc, peer_pid, peer_uid, self.binary_problem)
+        if peer_uid != 0 and cgroup.uid is not None and cgroup.uid != peer_uid:
+            raise IsolationError(f"task {task.pid} of uid {peer_uid} is in {cgroup.path!r}, a cgroup of uid {cgroup.uid}'s jobs")
         try:
             mounts = cgroup_mounts(self.mountinfo.read_text())
         except OSError as error:
@@ -127,6 +130,8 @@ class Isolator:
                 step, task_gpus = devices.job_gpus, None
             else:  # a TaskProlog: its task's GPUs, under a binding; the step's from the plugin when it asked
                 step = self.steps.get(key)
+                if step is None and cgroup.version == 1 and mounts[0] is not None and is_numbered_step(cgroup.step):
+                    step = self._v1_step_from_kernel(Path(mounts[0]), cgroup, devices)
                 if step is None:
                     # No plugin: the step's GPUs are unknown (each task sees its own); the job's
                     # cgroup holds, and a step of no GPUs (the task has none either) none.
@@ -157,6 +162,19 @@ class Isolator:
                             task_rules=rules.get("task"))
             return Outcome("cgroup-v2", cgroup.job_id, cgroup.step, f"gpus={gpus} job {cgroup.job_id} step {cgroup.step}: GPUs {gpus}"
                            + (f" (programs attached to {', '.join(map(str, done))})" if done else ""))
+
+
+    @staticmethod
+    def _v1_step_from_kernel(devices_root: Path, cgroup: SlurmCgroup, devices: JobDevices) -> tuple[int, ...] | None:
+        """A step's GPUs as its v1 devices cgroup (written for the SPANK plugin's request before
+        this agent restarted) allows them: the kernel's state, not this process's memory. None
+        where the kernel cannot say (no step cgroup; a default-allow one, whose list the kernel
+        does not show): the task then gets its job's cgroup, as without the plugin."""
+        (rule,) = device_rules(devices.vendor, [])
+        minors = v1_step_minors(devices_root, cgroup.job_id, cgroup.step, rule)
+        if minors is None:
+            return None
+        return tuple(gpu for gpu in devices.job_gpus if devices.minors(gpu) in minors)
 
 
 def effective_mode(config, node: str) -> tuple[str, str]:

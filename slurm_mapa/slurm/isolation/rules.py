@@ -28,8 +28,13 @@ _STEP = r"(?P<step>[0-9]+(?:\+[0-9]+)?|batch|extern|interactive)"
 # The directory above uid_U is Slurm's own: "slurm", or "slurm_<node>" with MULTIPLE_SLURMD
 # (xcgroup.c's prepend); on v2 the job's parent is slurmstepd's scope, "slurmstepd.scope" or
 # "<node>_slurmstepd.scope" (cgroup_v2.c). A directory of another name is no Slurm job's.
-_V1_PATH = re.compile(r"(?P<base>(?:.*/)?slurm(?:_[^/]+)?/uid_[0-9]+/job_(?P<job>[0-9]+)/step_" + _STEP
+_V1_PATH = re.compile(r"(?P<base>(?P<above>(?:.*/)?)slurm(?:_[^/]+)?/uid_(?P<uid>[0-9]+)/job_(?P<job>[0-9]+)/step_" + _STEP
                       + r")(?:/task_(?P<task>[0-9]+))?")
+# Above Slurm's top directory there is only the host's own layout (a container's /docker/<id>,
+# nothing on a bare host). Slurm hands a v1 step's directory to the job's user, who may create
+# cgroups in it named like Slurm's (…/step_0/slurm/uid_V/job_999/step_batch) and move their own
+# task there: a path with any Slurm level above its Slurm top directory is nobody's task path.
+_SLURM_LEVEL = re.compile(r"(?:^|/)(?:slurm(?:_[^/]+)?|uid_[0-9]+|job_[0-9]+|step_[^/]*|task_[^/]*)(?:/|$)")
 # v2, also <scope>/job_J/step_S/slurm: slurmstepd's own cgroup, where a forked task still is when
 # the SPANK plugin asks (before the parent places it, mgr.c:2414-2439).
 # From Slurm 26.05 the v2 job directory is the job's SLUID (cgroup_v2.c; cgroup.conf
@@ -57,6 +62,7 @@ class SlurmCgroup:
     task: str | None  # "3", "special" (v2), None (v1 with only step-level cgroups, e.g. freezer)
     path: str  # v2: the task's cgroup, relative to the cgroup2 mount; v1: the step's
     sluid: str = ""  # v2 on Slurm 26.05: the job directory's SLUID (job_id is "" until a mark names it)
+    uid: int | None = None  # v1: the job's user, from Slurm's uid_U level (v2 paths name none)
 
 
 def parse_proc_cgroup(text: str) -> SlurmCgroup | None:
@@ -80,9 +86,11 @@ def parse_proc_cgroup(text: str) -> SlurmCgroup | None:
             continue
         match = _V1_PATH.fullmatch(path)
         if match:
-            v1.append(SlurmCgroup(1, match["job"], match["step"], match["task"], match["base"]))
+            if _SLURM_LEVEL.search(match["above"]):
+                return None  # a cgroup a user made inside their own job's: see _SLURM_LEVEL
+            v1.append(SlurmCgroup(1, match["job"], match["step"], match["task"], match["base"], uid=int(match["uid"])))
     if v1:
-        if len({(c.job_id, c.step) for c in v1}) != 1:
+        if len({(c.job_id, c.step, c.uid) for c in v1}) != 1:
             return None
         with_task = [c for c in v1 if c.task is not None]
         return with_task[0] if with_task else v1[0]
