@@ -644,7 +644,7 @@ class CannedAgent(Agent):
         super().__init__("/nonexistent/mapa.toml", node="dgx1")
         self.answer = answer
 
-    def job_of(self, pid):
+    def job_of(self, pid, uid=None):
         return "55"  # the TaskProlog's task: admitted
 
     def isolate(self, pid, uid, env, public=False):
@@ -891,6 +891,22 @@ def test_a_task_forged_in_a_delegated_cgroup_subtree_is_refused_and_noted_nowher
     assert not (tmp_path / "journal").exists() or not any((tmp_path / "journal").iterdir())
     log = (tmp_path / "log").read_text()
     assert "job 999" not in log.replace("job_999", "")  # nothing was done or noted for job 999
+    # 4. The public socket's admission does not charge it to job 999's share either (issue 36).
+    assert agent.job_of(5000, USER) is None
+    os.chown(scope, 0, 0)
+    assert agent.job_of(5000, USER) == "999"  # root's cgroups all the way up: Slurm's own
+
+
+def test_a_freed_place_of_a_job_goes_to_any_uid_waiting_on_that_job():
+    """Issue 36: requests charged to a job (the per-job share) that its own user's tasks wait for;
+    a freed place of that job lets in whoever waits on it, not only the uid that freed it."""
+    from slurm_mapa.slurm.agent.server import PublicAdmission
+
+    admission = PublicAdmission(per_uid=4, per_job=1, queue_per_uid=4, queue_total=8)
+    assert admission.arrive(1001, "999", "intruder") == "run"
+    assert admission.arrive(1000, "999", "victim") == "wait"
+    assert admission.finish(1001, "999") == (1000, "999", "victim")
+    assert admission.finish(1000, "999") is None
 
 
 def test_a_task_of_a_job_unknown_here_asks_for_its_adoption_at_once(node):
@@ -935,7 +951,7 @@ def test_public_admission_limits_each_user_and_job_and_queues_the_rest():
     assert admission.arrive(2000, "9", "v") == "wait" and admission.arrive(3000, "5", "u") == "run"
     assert admission.arrive(3000, "5", "t") == "run" and admission.arrive(3000, "5", "s") == "refuse"  # 3 waiting in all
     assert admission.finish(1000, "8") is None  # job 7 is at its own limit: r2 keeps waiting
-    assert admission.finish(1000, "7") == ("7", "r2")  # the next of the same job takes the freed place
+    assert admission.finish(1000, "7") == (1000, "7", "r2")  # the next of the same job takes the freed place
     now[0] = 11.0
     assert sorted(admission.expired(10.0)) == ["r3", "v"]  # their clients gave up
     assert admission.finish(1000, "7") is None

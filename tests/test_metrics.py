@@ -12,6 +12,8 @@ import re
 import socket
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -430,3 +432,64 @@ def test_every_outcome_and_kind_is_a_series_from_the_start():
     found = samples(AgentMetrics("n1"))
     assert {dict(l)["outcome"] for n, l in found if n == "mapa_decisions_total"} == set(DECISION_OUTCOMES)
     assert {dict(l)["kind"] for n, l in found if n == "mapa_ledger_repairs_total"} == set(REPAIR_KINDS)
+
+
+def test_idle_connections_cannot_exhaust_the_agent_and_a_scrape_still_answers():
+    """Issue 36: any local user could open idle TCP connections to the metrics port, one thread
+    and one descriptor each, until the agent stopped answering its Prologs. Now at most a few are
+    open at once, each closed at its deadline, and the rest closed on arrival."""
+    from slurm_mapa.slurm.agent.metrics import MetricsServer
+
+    server = MetricsServer(("127.0.0.1", 0), lambda: b"up 1\n", max_connections=4, deadline=1.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    threads_before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(300):
+            connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+            connection.send(b"G")  # a request that never ends
+            idle.append(connection)
+        time.sleep(0.3)
+        assert threading.active_count() - threads_before <= 4
+        assert len(server.open) <= 4
+        # The idle ones are closed at their deadline: a scrape gets through within a few seconds.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3) as answer:
+                    assert answer.read() == b"up 1\n"
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "no scrape answered while idle connections were open"
+                time.sleep(0.2)
+        # Every idle connection was closed by the server (a read sees the end, not a hang).
+        for connection in idle[:20]:
+            connection.settimeout(5)
+            try:
+                assert connection.recv(100) == b""
+            except ConnectionResetError:
+                pass
+        assert server.turned_away >= 200  # (a few were admitted as earlier ones reached their deadline)
+    finally:
+        for connection in idle:
+            connection.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_metrics_endpoint_answers_only_get_of_metrics():
+    from slurm_mapa.slurm.agent.metrics import MetricsServer
+
+    server = MetricsServer(("127.0.0.1", 0), lambda: b"up 1\n")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=5)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+            connection.sendall(b"G" * 5000 + b"\r\n\r\n")  # a request line no scrape sends
+            assert b"200" not in connection.recv(1000)
+    finally:
+        server.shutdown()
+        server.server_close()

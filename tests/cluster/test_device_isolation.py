@@ -198,3 +198,53 @@ def test_the_spank_plugin_isolates_a_task_whose_taskprolog_never_asks(cluster):
         cluster.wait_state(jobid, "COMPLETED", timeout=60)
     finally:
         cluster.exec(node, ["chmod", "755", "/run/slurm-mapa-isolate"], check=False)
+
+
+# A 4-GPU job whose 2-GPU step (its own step cgroup below the job's) runs across a restart of the
+# node's mapa-agent; after the restart a 1-GPU step and the batch step probe again.
+RESTART_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:4 -N1 -n2
+#MAPA topology=ring sensitive=yes
+cat > /shared/jobs/probe-$SLURM_JOB_ID.sh <<'PROBE'
+{probe}
+PROBE
+P=/shared/jobs/probe-$SLURM_JOB_ID.sh
+srun --exact -n1 --gres=gpu:2 bash -c "bash $P held; while [ ! -e /shared/jobs/go-$SLURM_JOB_ID ]; do sleep 0.2; done; bash $P held-after" &
+for _ in $(seq 600); do [ -e /shared/jobs/go-$SLURM_JOB_ID ] && break; sleep 0.2; done
+srun --exact -n1 --gres=gpu:1 bash $P later
+bash $P batch-after
+wait
+"""
+
+
+def test_an_agent_restart_while_a_step_runs_leaves_every_later_step_isolated(cluster):
+    """Issue 36: mapa-agent is killed (a crash, an upgrade) while a job's smaller step runs in a
+    cgroup of its own; the agent the entrypoint brings back must isolate the job's later steps
+    from the kernel's state, not fail open because its memory is empty."""
+    node = "dgx1"
+    jobid = cluster.sbatch(RESTART_JOB.format(probe=PROBE.strip()), "-w", node)
+    out = _wait_output(cluster, jobid, "held smi")
+    _, gpus, _, _, _ = _seen(out, "held")
+    held_opens, _, _, _, held_state = _seen(out, "held")
+    assert held_state == "cgroup-v1" and sorted(g for g, e in held_opens.items() if e == "ENXIO") != list(range(8)), out
+    # The agent itself, not the entrypoint's loop that restarts it.
+    cluster.exec(node, ["pkill", "-KILL", "-f", "^/usr/bin/python3 .*slurm_mapa.slurm.agent.service import main"])
+    deadline = time.monotonic() + 60
+    time.sleep(0.5)
+    while cluster.exec(node, ["grep", "-q", "/run/slurm-mapa-agent/agent.sock", "/proc/net/unix"], check=False).returncode != 0:
+        assert time.monotonic() < deadline, "the entrypoint did not restart mapa-agent"
+        time.sleep(0.2)
+    cluster.run("touch", f"{cluster.job_dir}/go-{jobid}")
+    out = _wait_output(cluster, jobid, "batch-after smi")
+    out = _wait_output(cluster, jobid, "held-after smi")
+    log = cluster.exec(node, ["sh", "-c", "grep -a 'isolation' /var/log/slurm-mapa.log | tail -n 20"], check=False).stdout
+    job_gpus = parse_decisions(cluster.job(jobid).get("admin_comment", ""))[node].gpus
+    for where in ("later", "batch-after", "held-after"):
+        opens, _, _, _, state = _seen(out, where)
+        assert state == "cgroup-v1", (where, out, log)
+        allowed = {gpu for gpu, result in opens.items() if result == "ENXIO"}
+        assert set(opens.values()) <= {"ENXIO", "EPERM"} and allowed <= set(job_gpus), (where, out, log)
+    assert len({g for g, e in _seen(out, "later")[0].items() if e == "ENXIO"}) == 1, (out, log)
+    assert {g for g, e in _seen(out, "batch-after")[0].items() if e == "ENXIO"} == set(job_gpus), (out, log)
+    assert "failed-open" not in out, (out, log)
+    cluster.wait_state(jobid, "COMPLETED", timeout=60)

@@ -21,8 +21,12 @@ prometheus_client; this module imports it only when metrics are on.
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
+import socket
+import socketserver
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
@@ -280,13 +284,121 @@ class AgentMetrics:
 
     def serve(self, host: str, port: int) -> Any:
         """Serve the metrics on http://HOST:PORT/metrics from a daemon thread; the server (OSError
-        when the address cannot be bound)."""
+        when the address cannot be bound). The server is bounded (MetricsServer): idle or slow
+        connections cannot exhaust the agent's threads or descriptors."""
         import prometheus_client
 
         if hasattr(prometheus_client, "disable_created_metrics"):
             prometheus_client.disable_created_metrics()  # the *_created series only double the count
-        self.server, _ = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+        self.server = MetricsServer((host, port), self.exposition)
+        threading.Thread(target=self.server.serve_forever, name="mapa-metrics", daemon=True).start()
         return self.server
+
+
+# The metrics endpoint is reachable by any local user (and whoever the firewall lets in): each
+# connection gets a thread only while fewer than METRICS_MAX_CONNECTIONS are open, and is closed
+# METRICS_CONNECTION_DEADLINE_S after it was accepted whatever it sends (a scrape takes
+# milliseconds). Past the limit a connection is closed at once: a flood costs its sender the
+# metrics, never the agent its descriptors (systemd's default LimitNOFILE is 1,024) or threads.
+METRICS_MAX_CONNECTIONS = 8
+METRICS_CONNECTION_DEADLINE_S = 5.0
+METRICS_MAX_REQUEST_LINE = 1024
+
+
+class _MetricsHandler(http.server.BaseHTTPRequestHandler):
+    server: "MetricsServer"
+    protocol_version = "HTTP/1.0"  # one request per connection: no keep-alive holding a slot
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.send_error(404, "only /metrics")
+            return
+        try:
+            body = self.server.exposition()
+        except Exception:  # noqa: BLE001 - a scrape answers 500, the agent runs on
+            self.send_error(500, "metrics could not be computed")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def handle_one_request(self) -> None:
+        # A request line longer than a scrape's is refused before more is read.
+        self.raw_requestline = self.rfile.readline(METRICS_MAX_REQUEST_LINE + 1)
+        if len(self.raw_requestline) > METRICS_MAX_REQUEST_LINE:
+            self.close_connection = True
+            return
+        if not self.raw_requestline or not self.parse_request():
+            self.close_connection = True
+            return
+        if self.command != "GET":
+            self.send_error(405, "only GET")
+            return
+        self.do_GET()
+        self.wfile.flush()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+        pass  # a scrape every 30 s must not fill root's log
+
+
+class MetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """GET /metrics, with at most ``max_connections`` open and each closed ``deadline`` seconds
+    after it was accepted (a watchdog shuts its socket down, which ends a blocked read)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 16
+
+    def __init__(self, address: tuple[str, int], exposition: Callable[[], bytes],
+                 max_connections: int = METRICS_MAX_CONNECTIONS, deadline: float = METRICS_CONNECTION_DEADLINE_S) -> None:
+        host = address[0]
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.exposition = exposition
+        self.max_connections, self.deadline = max_connections, deadline
+        self.open_lock = threading.Lock()
+        self.open: dict[int, tuple[float, socket.socket]] = {}
+        self.turned_away = 0
+        super().__init__(address, _MetricsHandler)
+        self.timeout = min(1.0, deadline)  # serve_forever's poll: the watchdog runs at least this often
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.open_lock:
+            if len(self.open) >= self.max_connections:
+                self.turned_away += 1
+                self.shutdown_request(request)
+                return
+            self.open[id(request)] = (time.monotonic(), request)
+        try:
+            request.settimeout(self.deadline)
+            super().process_request(request, client_address)
+        except BaseException:
+            with self.open_lock:
+                self.open.pop(id(request), None)
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.open_lock:
+                self.open.pop(id(request), None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that timed out or went away: nothing for root's stderr
+
+    def service_actions(self) -> None:
+        """Between accepts: shut down connections past their deadline (their threads then end)."""
+        now = time.monotonic()
+        with self.open_lock:
+            late = [request for started, request in self.open.values() if now - started > self.deadline]
+        for request in late:
+            try:
+                request.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class _StateCollector:

@@ -38,7 +38,10 @@ MAX_HANDLERS = 128
 PUBLIC_PER_UID = 16
 PUBLIC_PER_JOB = 8
 PUBLIC_QUEUE_PER_UID = 256
-PUBLIC_QUEUE_TOTAL = 4096
+# Each waiting request holds its connection's descriptor: with the listen backlog, the handlers and
+# the metrics endpoint, the total stays well under systemd's default 1,024 descriptors (the unit
+# raises LimitNOFILE too), so a flood can never leave the agent unable to accept the Prologs'.
+PUBLIC_QUEUE_TOTAL = 512
 QUEUED_MAX_AGE_S = 10.0  # the client's own deadline (client.ISOLATE_TIMEOUT_S): older ones gave up
 # Log lines about refused public requests: LOG_BURST per caller, then one per LOG_INTERVAL_S.
 LOG_BURST = 5
@@ -271,24 +274,29 @@ class PublicAdmission:
             self.waiting_total += 1
             return "wait"
 
-    def finish(self, uid: int, job: str) -> tuple[str, object] | None:
-        """One request of ``uid``/``job`` is done; the next waiting request of the uid that fits (it
-        is counted as active and is the caller's to handle), or None. (Requests that waited past
-        their client's deadline are taken out by ``expired``.)"""
+    def finish(self, uid: int, job: str) -> tuple[int, str, object] | None:
+        """One request of ``uid``/``job`` is done; the next waiting request that the freed places
+        let in (it is counted as active and is the caller's to handle), as (uid, job, request), or
+        None: first the same uid's, then another uid's waiting on the same job (whose share was
+        freed: a job's tasks may run as several uids' requests reach it, and a caller charged to a
+        job must never keep that job's own tasks waiting). (Requests that waited past their
+        client's deadline are taken out by ``expired``.)"""
         with self.lock:
             for counts, key in ((self.active_uid, uid), (self.active_job, job)):
                 counts[key] -= 1
                 if counts[key] <= 0:
                     del counts[key]
-            queue = self.waiting.get(uid, [])
-            for position, (_, waiting_job, request) in enumerate(queue):
-                if self._fits(uid, waiting_job):
-                    del queue[position]
-                    self.waiting_total -= 1
-                    if not queue:
-                        del self.waiting[uid]
-                    self._start(uid, waiting_job)
-                    return waiting_job, request
+            candidates = [uid] + [other for other in self.waiting if other != uid]
+            for waiting_uid in candidates:
+                queue = self.waiting.get(waiting_uid, [])
+                for position, (_, waiting_job, request) in enumerate(queue):
+                    if (waiting_uid == uid or waiting_job == job) and self._fits(waiting_uid, waiting_job):
+                        del queue[position]
+                        self.waiting_total -= 1
+                        if not queue:
+                            del self.waiting[waiting_uid]
+                        self._start(waiting_uid, waiting_job)
+                        return waiting_uid, waiting_job, request
             return None
 
     def expired(self, max_age: float = QUEUED_MAX_AGE_S) -> list[object]:
@@ -353,7 +361,7 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             except OSError:
                 self.shutdown_request(request)
                 return
-            job = self.agent.job_of(pid)
+            job = self.agent.job_of(pid, uid)
             if job is None:
                 self._turn_away(request, uid, f"process {pid} is no task of a Slurm job on this node")
                 return
@@ -433,9 +441,9 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         following = self.admission.finish(*admitted)
         if following is None:
             return None
-        job, waiting = following
+        uid, job, waiting = following
         with self.admitted_lock:
-            self.admitted[id(waiting)] = (admitted[0], job)
+            self.admitted[id(waiting)] = (uid, job)
         return waiting  # type: ignore[return-value]
 
 

@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from ...errors import InputError, MapaError
@@ -163,17 +164,31 @@ class Agent:
     def _limited(self, log: Callable[[str], None], uid: int) -> Callable[[str], None]:
         return lambda text: self.public_log.say(uid, text, log)
 
-    def job_of(self, pid: int) -> str | None:
-        """The Slurm job whose task cgroup process ``pid`` is in, None if none: the public socket's
-        cheap first check (one small /proc read), before a thread or a log line is spent on it."""
-        from ..isolation.cgroups import read_proc_cgroup
-        from ..isolation.rules import parse_proc_cgroup
+    def job_of(self, pid: int, uid: int | None = None) -> str | None:
+        """The Slurm job whose task cgroup process ``pid`` (of ``uid``) is in, None if none: the
+        public socket's cheap first check, before a thread or a log line is spent on it. It
+        applies the isolator's checks on the path itself, so that nobody is charged to another
+        job's share: a v1 path of another uid, a v2 job cgroup a user owns (a subtree systemd
+        delegated to them, named like a job's)."""
+        from ..isolation.cgroups import check_v2_job_cgroup_owner, read_proc_cgroup
+        from ..isolation.rules import IsolationError, cgroup_mounts, parse_proc_cgroup
 
         try:
             cgroup = parse_proc_cgroup(read_proc_cgroup(self.isolator.proc, pid))
         except OSError:
             return None
-        return (cgroup.job_id or cgroup.sluid) if cgroup is not None else None
+        if cgroup is None:
+            return None
+        if cgroup.version == 1 and uid not in (None, 0) and cgroup.uid not in (None, uid):
+            return None
+        if cgroup.version == 2:
+            try:
+                _, unified = cgroup_mounts(self.isolator.mountinfo.read_text())
+                if unified is not None:
+                    check_v2_job_cgroup_owner(Path(unified), cgroup)
+            except (OSError, IsolationError):
+                return None
+        return cgroup.job_id or cgroup.sluid
 
     @staticmethod
     def _isolation_failed(mode: str, log: Callable[[str], None], reason: str, pid: int, uid: int) -> str:
