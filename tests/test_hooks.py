@@ -646,6 +646,29 @@ def test_a_symlink_in_the_ledger_locks_place_is_replaced_not_followed(setup, tmp
     assert lock.is_file() and not lock.is_symlink()
 
 
+def test_a_held_directory_lock_cannot_block_the_symlink_repair_past_the_deadline(tmp_path):
+    """Issue 36 (low): the repair's lock on the ledger's directory (mode 755: any user may open it
+    and flock it) was a blocking flock: one user holding it blocked every Prolog past its budget."""
+    import fcntl
+    import time as time_module
+
+    directory = tmp_path / "state"
+    directory.mkdir(mode=0o755)
+    os.symlink(tmp_path / "elsewhere", directory / "ledger.json.lock")
+    holder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        started = time_module.monotonic()
+        with pytest.raises(TimeoutError, match="could not lock"):
+            with LedgerFile(directory / "ledger.json", 8).locked(timeout=0.3):
+                pass
+        assert time_module.monotonic() - started < 5
+    finally:
+        os.close(holder)
+    with LedgerFile(directory / "ledger.json", 8).locked(timeout=1):  # released: repaired and locked
+        assert not (directory / "ledger.json.lock").is_symlink()
+
+
 def test_a_root_request_with_a_path_for_a_job_id_is_refused_in_one_line(tmp_path):
     """Security round 3 (low): a root request naming job ../../etc/passwd logged a traceback."""
     import socket as socket_module

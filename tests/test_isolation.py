@@ -722,7 +722,8 @@ def test_taskprolog_fails_the_task_when_the_agent_refuses(tmp_path):
 
 def test_taskprolog_without_an_agent_follows_its_mode(tmp_path):
     opened = run_taskprolog(tmp_path, "fail-open", None, socket_there=False)
-    assert (opened.returncode, opened.stdout.splitlines()) == (0, CUDA_LINES)
+    # Issue 36: the task says it runs unisolated (it said nothing before).
+    assert (opened.returncode, opened.stdout.splitlines()) == (0, ["export MAPA_ISOLATION=failed-open", *CUDA_LINES])
     closed = run_taskprolog(tmp_path, "fail-closed", None, socket_there=False)
     assert closed.returncode == 1 and "no mapa-agent answered" in closed.stdout
 
@@ -1287,3 +1288,64 @@ def test_on_a_real_v1_hierarchy_a_restarted_agent_isolates_a_job_whose_step_has_
                 break
             time.sleep(0.1)
         os.rmdir(base)
+
+
+def test_slurm_gpu_list_is_bounded_while_it_parses():
+    """Issue 36 (low): one 1.8 KB SLURM_STEP_GPUS of ranges was expanded before it was bounded."""
+    import tracemalloc
+
+    from slurm_mapa.slurm.isolation.rules import slurm_gpu_list
+
+    assert slurm_gpu_list("0-3,5,7-8") == (0, 1, 2, 3, 5, 7, 8)
+    assert slurm_gpu_list("3-1") == ()  # an empty range names nothing
+    assert slurm_gpu_list("0-255") == tuple(range(256)) and slurm_gpu_list("0-256") is None
+    hostile = ",".join(["0-9999"] * 256)
+    assert slurm_gpu_list(hostile) is None
+    # Stops at the first range past the bound: no list of millions of numbers is ever built.
+    tracemalloc.start()
+    try:
+        slurm_gpu_list(hostile)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 200_000, peak
+
+
+def test_tasks_started_while_no_agent_answered_are_isolated_by_the_next_sweep_and_noted(node):
+    """Issue 36: a job started while its node's agent was down ran unisolated and nothing said so.
+    The agent's sweep (at its start, then with each reconcile pass) finds the job's task processes
+    outside its devices cgroup from /proc, moves them in, and journals isolation=failed-open for the
+    AdminComment. Processes already in the job's cgroups, root's, and unknown jobs' stay put."""
+    agent, proc, cgroupfs, _, _, tmp_path = node
+    proc.add(6000, "python3", 5000, USER, V1_BATCH)  # a task of job 12, never isolated
+    proc.add(6001, "python3", 5000, USER, V1_BATCH.replace("12:devices:/system.slice/slurmd.service",
+                                                          "12:devices:/mapa/job_12/step_batch"))  # isolated already
+    proc.add(6002, "slurmstepd", 1, 0, V1_BATCH, exe=STEPD)  # root's: Slurm's daemon
+    proc.add(6003, "python3", 1, 1001, V1_BATCH.replace("uid_1000/job_12", "uid_1001/job_77"))  # a job unknown here
+    moved = agent.sweep_isolation()
+    job = cgroupfs / "devices" / "mapa" / "job_12"
+    # 6000, and the fixture's own processes of job 12 (the test's, its TaskProlog, its task)
+    assert moved == {"12": 4} and "6000" in lines(job / "cgroup.procs")
+    assert not {"6001", "6002", "6003"} & set(lines(job / "cgroup.procs"))
+    assert not (cgroupfs / "devices" / "mapa" / "job_77").exists()
+    assert lines(job / "devices.allow") == ["c 195:4 rwm", "c 195:5 rwm"]
+    notes = [entry.record for _, entry in journal_notes(tmp_path)]
+    assert any("isolation=failed-open why=" in record for record in notes), notes
+    assert "started while no mapa-agent answered" in (tmp_path / "log").read_text()
+    configure = node[4]
+    configure("off")
+    assert agent.sweep_isolation() == {}  # isolation off: nothing is moved
+
+
+def journal_notes(tmp_path):
+    from slurm_mapa.slurm.config import load_hook_config
+    from slurm_mapa.slurm.node_state import NodeState
+
+    config, _ = load_hook_config({"MAPA_CONFIG": str(tmp_path / "mapa.toml")}, validate=False)
+    state = NodeState.of(config)
+    found = []
+    for name, _, _ in state.pending_records():
+        entry = state.take_record(name)
+        if entry is not None:
+            found.append((name, entry))
+    return found

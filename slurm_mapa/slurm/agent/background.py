@@ -135,6 +135,11 @@ class Background:
             except Exception as error:  # noqa: BLE001 - the next pass tries again
                 self.agent.log_errors(f"mapa-agent: reconcile pass failed: {error}")
                 interval = 60.0
+            try:
+                # Tasks that started while no agent answered (the first pass runs at the agent's start).
+                self.agent.sweep_isolation()
+            except Exception as error:  # noqa: BLE001 - the next pass tries again
+                self.agent.log_errors(f"mapa-agent: isolation sweep failed: {error}")
             self.stop.wait(MIN_RECONCILE_GAP_S)  # however often tasks ask: one squeue a second at most
             self.reconcile_soon.wait(interval * random.uniform(0.75, 1.25))
 

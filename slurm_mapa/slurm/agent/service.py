@@ -150,6 +150,23 @@ class Agent:
         if self.background is not None:
             self.background.wake.set()
 
+    def sweep_isolation(self) -> dict[str, int]:
+        """Isolate the tasks that started while no agent answered (Isolator.sweep_v1), and say so in
+        the log and in each such job's AdminComment (isolation=failed-open: they ran without it
+        until now). Run at the agent's start and with every reconcile pass."""
+        config, _ = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)
+        mode, _ = effective_mode(config, self.node)
+        if mode == "off":
+            return {}
+        moved = self.isolator.sweep_v1(job_devices_for(config, self.node))
+        log = hook_logger(config.log)
+        for job_id, count in sorted(moved.items()):
+            reason = (f"{count} process(es) of its tasks started while no mapa-agent answered and ran without isolation "
+                      "until the agent moved them into the job's devices cgroup")
+            log(f"isolation: job {job_id}: {reason}")
+            self.note_isolation(config, log, job_id, "failed-open", reason)
+        return moved
+
     def isolation_failed(self, reason: str, pid: int, uid: int) -> str:
         """The answer to a public isolate request that could not even be read: as the mode says."""
         config, _ = load_hook_config({"MAPA_CONFIG": self.config_path}, validate=False)

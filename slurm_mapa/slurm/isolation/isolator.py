@@ -34,6 +34,7 @@ mount) so tests run them on a temporary directory, cgroups.py.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +42,10 @@ from typing import Callable, Mapping
 
 from ...errors import MapaError
 from .bpf import attach_device_program
-from .cgroups import apply_v1, apply_v2, check_v2_job_cgroup_owner, find_task_process, slurmstepd_binary_problem, v1_step_minors
-from .rules import (RENDER_MINORS, IsolationError, ProcessInfo, SlurmCgroup, cgroup_mounts, device_rules, gpus_of_step,
-                    is_numbered_step)
+from .cgroups import (apply_v1, apply_v2, check_v2_job_cgroup_owner, find_task_process, read_proc_cgroup, read_process,
+                      slurmstepd_binary_problem, v1_step_minors)
+from .rules import (RENDER_MINORS, IsolationError, ProcessInfo, SlurmCgroup, cgroup_mounts, device_rules, devices_cgroup_path,
+                    gpus_of_step, in_mapa_job_cgroup, is_numbered_step, parse_proc_cgroup)
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,54 @@ class Isolator:
             return Outcome("cgroup-v2", cgroup.job_id, cgroup.step, f"gpus={gpus} job {cgroup.job_id} step {cgroup.step}: GPUs {gpus}"
                            + (f" (programs attached to {', '.join(map(str, done))})" if done else ""))
 
+
+    def sweep_v1(self, job_devices: Callable[[str], JobDevices], limit: int = 100000) -> dict[str, int]:
+        """Isolate, at their job's level, the processes of Slurm tasks on this node that are in no
+        MAPA devices cgroup of their job: tasks that started while no mapa-agent answered (it was
+        down, restarting, or flooded), which the TaskProlog let run (fail-open). The kernel says
+        which they are (/proc/PID/cgroup), not this process's memory. Jobs MAPA does not know here
+        (no job file, no mark) and root's processes (Slurm's own daemons) are left alone. Job id ->
+        how many processes were moved. cgroup v1 only: on v2 nothing tells whether a job's cgroup
+        has the program (a re-attach on every pass would pile programs up)."""
+        try:
+            devices, _ = cgroup_mounts(self.mountinfo.read_text())
+        except OSError:
+            return {}
+        if devices is None:
+            return {}
+        moved: dict[str, int] = {}
+        rules_of: dict[str, object] = {}
+        try:
+            pids = [int(entry.name) for entry in os.scandir(self.proc) if entry.name.isdigit()][:limit]
+        except OSError:
+            return {}
+        for pid in pids:
+            try:
+                text = read_proc_cgroup(self.proc, pid)
+                cgroup = parse_proc_cgroup(text)
+                if cgroup is None or cgroup.version != 1 or in_mapa_job_cgroup(devices_cgroup_path(text), cgroup.job_id):
+                    continue
+                info = read_process(self.proc, pid)
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            if info.uids[0] == 0 or cgroup.uid != info.uids[0]:
+                continue
+            if cgroup.job_id not in rules_of:
+                try:
+                    job = job_devices(cgroup.job_id)
+                    rules_of[cgroup.job_id] = device_rules(job.vendor, map(job.minors, job.job_gpus))
+                except (IsolationError, MapaError):
+                    rules_of[cgroup.job_id] = None
+            rules = rules_of[cgroup.job_id]
+            if rules is None:
+                continue
+            with self.lock:
+                try:
+                    apply_v1(Path(devices), cgroup.job_id, rules, None, None, pid, configured=self.configured)  # type: ignore[arg-type]
+                except IsolationError:
+                    continue  # the process ended, or the cgroup cannot be written: the next pass tries again
+            moved[cgroup.job_id] = moved.get(cgroup.job_id, 0) + 1
+        return moved
 
     @staticmethod
     def _v1_step_from_kernel(devices_root: Path, cgroup: SlurmCgroup, devices: JobDevices) -> tuple[int, ...] | None:

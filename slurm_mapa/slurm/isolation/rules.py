@@ -97,6 +97,21 @@ def parse_proc_cgroup(text: str) -> SlurmCgroup | None:
     return v2
 
 
+def devices_cgroup_path(text: str) -> str | None:
+    """The path of the v1 devices hierarchy's line of a /proc/PID/cgroup text, None if none."""
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, sep, path = rest.partition(":")
+        if sep and hierarchy.isdigit() and "devices" in controllers.split(","):
+            return path
+    return None
+
+
+def in_mapa_job_cgroup(devices_path: str | None, job_id: str, base: str = "mapa") -> bool:
+    """Whether a v1 devices path is job ``job_id``'s MAPA cgroup or below it (a step's, a task's)."""
+    return devices_path is not None and re.search(rf"/{re.escape(base)}/job_{re.escape(job_id)}(?:/|$)", devices_path) is not None
+
+
 @dataclass(frozen=True)
 class ProcessInfo:
     pid: int
@@ -139,11 +154,18 @@ def slurm_gpu_list(text: str | None) -> tuple[int, ...] | None:
     not one. Slurm 26.05's ``Flags=env_uuid`` puts UUIDs in CUDA_VISIBLE_DEVICES, never here."""
     if text is None or not re.fullmatch(r"[0-9]{1,4}(?:-[0-9]{1,4})?(?:,[0-9]{1,4}(?:-[0-9]{1,4})?){0,255}", text):
         return None
-    gpus: list[int] = []
+    # Bounded while parsing: a task's variable may name "0-9999" hundreds of times, and the agent
+    # must not build millions of numbers for it (other Prologs wait meanwhile).
+    gpus: set[int] = set()
+    count = 0
     for part in text.split(","):
         first, _, last = part.partition("-")
-        gpus += range(int(first), int(last or first) + 1)
-    return tuple(sorted(set(gpus))) if len(gpus) <= 256 else None
+        low, high = int(first), int(last or first)
+        count += max(0, high - low + 1)
+        if count > 256:
+            return None
+        gpus.update(range(low, high + 1))
+    return tuple(sorted(gpus))
 
 
 def is_numbered_step(step: str) -> bool:

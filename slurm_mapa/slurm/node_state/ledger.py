@@ -232,6 +232,18 @@ def reconcile(
     return Ledger(holdings), ended
 
 
+def _flock_until(fd: int, deadline: float, message: str) -> None:
+    """An exclusive flock on ``fd``, retried until ``deadline`` (monotonic); TimeoutError(message)."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                raise TimeoutError(message) from None
+            time.sleep(0.005)
+
+
 class LedgerFile:
     """The ledger on disk: ``path`` plus ``path.lock`` for the lock, in a root-owned directory."""
 
@@ -245,34 +257,29 @@ class LedgerFile:
         """Hold the ledger's lock; TimeoutError after ``timeout`` seconds, UnsafePath if the
         directory is not root's alone (another user could swap the ledger or its lock)."""
         trusted.ensure_trusted_dir(self.path.parent)
+        deadline = time.monotonic() + timeout
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as error:
             if error.errno != errno.ELOOP:
                 raise
-            fd = self._open_replacing_symlink()
+            fd = self._open_replacing_symlink(deadline, timeout)
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as error:
-                    if error.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
-                        raise TimeoutError(f"could not lock {self.lock_path} within {timeout:g} s") from None
-                    time.sleep(0.005)
+            _flock_until(fd, deadline, f"could not lock {self.lock_path} within {timeout:g} s")
             yield
         finally:
             os.close(fd)  # closing drops the lock
 
-    def _open_replacing_symlink(self) -> int:
+    def _open_replacing_symlink(self, deadline: float, timeout: float) -> int:
         """The lock file, after removing a symlink found in its place (dangling or not: never
         followed; the directory is root's alone), else every Prolog would fail on it and fall back.
         The removal runs under a lock on the directory and only while the name is a symlink, so two
         Prologs repairing at once never remove the file one of them has just made and locked."""
         dir_fd = os.open(self.lock_path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fcntl.flock(dir_fd, fcntl.LOCK_EX)
+            # Within the same deadline: anyone may open the directory (mode 755) and flock it.
+            _flock_until(dir_fd, deadline, f"could not lock {self.lock_path.parent} within {timeout:g} s "
+                         "(to replace a symlink found at the ledger's lock)")
             try:
                 if os.path.islink(self.lock_path):
                     os.unlink(self.lock_path)
