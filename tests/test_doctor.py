@@ -23,6 +23,7 @@ from slurm_mapa.slurm.admin.doctor import FAIL, OK, WARN, Inputs, PathFacts, run
 from slurm_mapa.slurm.admin.install import job_submit_text, taskprolog_text, wrapper_text
 
 ROOT = Path(__file__).resolve().parents[1]
+GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 
 # `scontrol show config` of the mini cluster's Slurm 26.05.5 (an excerpt), as it prints it:
 # "%-23s = %s" (slurm_print_key_pairs, src/api/config_info.c); the cgroup.conf keys follow in a
@@ -380,7 +381,7 @@ def test_host_lists_and_gres_lines_for_one_node():
     assert slurm_text.node_gpu_count("NodeName=x Gres=(null) State=IDLE") is None
 
 
-@pytest.mark.parametrize("toml", sorted((ROOT / "gres_conf").glob("*.toml")), ids=lambda path: path.stem)
+@pytest.mark.parametrize("toml", sorted((GRES_CONF).glob("*.toml")), ids=lambda path: path.stem)
 def test_every_shipped_gres_conf_agrees_with_its_topology(toml):
     topology = load_topology_file(str(toml))
     gres = toml.with_suffix(".gres.conf").read_text()
@@ -448,3 +449,27 @@ def test_the_wrappers_python_and_package_are_read_from_this_release_and_the_one_
     old = "/opt/old/bin/python3 -I -S /opt/old/lib/slurm_mapa/slurm/agent_client.py prolog && exit 0\n"
     assert slurm_text.wrapper_program(old) == ("/opt/old/bin/python3", "/opt/old/lib/slurm_mapa")
     assert slurm_text.wrapper_program("#!/bin/sh\n/etc/slurm/site-prolog\n") is None
+
+
+def test_doctor_and_explain_run_nothing_an_untrusted_config_names(tmp_path, capsys):
+    """Issue 36: run as root, `mapa doctor` and `mapa explain` executed the scontrol a mapa.toml
+    names before judging whether root may trust that file (the hooks refuse the same config)."""
+    from slurm_mapa.cli import main as mapa_main
+
+    marker = tmp_path / "ran"
+    program = tmp_path / "scontrol"
+    program.write_text(f"#!/bin/sh\ntouch {marker}\necho SLURM_VERSION = 24.11.5\n")
+    program.chmod(0o755)
+    config = tmp_path / "mapa.toml"
+    config.write_text(f'scontrol = "{program}"\n[nodes]\n"node1" = "dgx1-v100"\n')
+    os.chown(config, 1000, 1000)  # a user's file: the user chose the program
+    os.chown(program, 1000, 1000)
+    inputs = gather_inputs.gather(str(config), "node1", {"PATH": os.environ.get("PATH", ""), "SLURM_CONF": str(tmp_path / "slurm.conf")},
+                                  agent_socket=str(tmp_path / "agent" / "agent.sock"),
+                                  isolate_socket=str(tmp_path / "isolate" / "isolate.sock"), proc=tmp_path / "no-proc")
+    assert not marker.exists()
+    assert inputs.show_config_error.startswith("not run: ") and "belongs to uid 1000" in inputs.show_config_error
+    found = by_name(run_checks(inputs))
+    assert found["scontrol"].status == FAIL and "root's files" in found["scontrol"].fix
+    assert mapa_main(["explain", "12", "--config", str(config)]) == 2
+    assert not marker.exists() and "not running scontrol" in capsys.readouterr().err

@@ -715,6 +715,38 @@ def test_a_prolog_asks_about_a_job_with_an_unreadable_mark_before_choosing(setup
     assert not {call[4] for call in slurm.calls if call[1:4] == ["--json", "show", "job"]} & {"40", "42"}
 
 
+def test_a_prolog_asks_about_a_job_the_kernel_shows_but_no_file_names_before_choosing(setup, monkeypatch):
+    """Issue 36: a job whose Prolog died before its first write has no mark; until the next
+    reconcile pass another job's Prolog could be given its GPUs. The node knows the job runs (its
+    Slurm job cgroup): the Prolog treats it as unknown and asks Slurm before it chooses."""
+    from slurm_mapa.slurm.hooks import prolog as prolog_module
+
+    config, slurm, logs = setup
+    slurm.gres["50"] = ["gpu:2(IDX:0-1)"]
+    slurm.running = {"50", "51"}
+    monkeypatch.setattr(prolog_module, "jobs_with_cgroups", lambda: {"50", "51"})
+    decision = run_prolog(env_for("51", "2,3", "mapa:sensitive=yes"), config, slurm, logs.append)
+    assert not {0, 1} & set(decision.gpus), decision
+    assert LedgerFile(config.ledger, 8).read().holdings["50"].gpus == (0, 1)
+    assert "50" in [call[4] for call in slurm.calls if call[1:4] == ["--json", "show", "job"]]
+
+
+def test_jobs_with_cgroups_reads_slurms_job_directories_of_both_versions(tmp_path):
+    from slurm_mapa.slurm.isolation.cgroups import jobs_with_cgroups
+
+    freezer, unified = tmp_path / "freezer", tmp_path / "unified"
+    (freezer / "slurm" / "uid_1000" / "job_7" / "step_0").mkdir(parents=True)
+    (freezer / "slurm" / "uid_1000" / "job_x").mkdir(parents=True)
+    (unified / "system.slice" / "slurmstepd.scope" / "job_9").mkdir(parents=True)
+    (unified / "system.slice" / "slurmstepd.scope" / "s0123456789ABC").mkdir(parents=True)  # a SLUID: no id
+    (unified / "user.slice" / "job_11").mkdir(parents=True)  # not Slurm's
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"36 31 0:33 / {freezer} rw - cgroup cgroup rw,freezer\n41 31 0:38 / {unified} rw - cgroup2 cgroup2 rw\n")
+    assert jobs_with_cgroups(mountinfo, older_than_s=0, now=time.time() + 1) == {"7", "9"}
+    assert jobs_with_cgroups(mountinfo, older_than_s=60) == set()  # too young: their Prologs may be marking them
+    assert jobs_with_cgroups(tmp_path / "missing") == set()
+
+
 def test_taskprolog_reads_slurms_indices_even_when_slurm_writes_uuids(tmp_path):
     """Slurm 26.05's gres.conf Flags=env_uuid puts GPU UUIDs in CUDA_VISIBLE_DEVICES; its
     SLURM_STEP_GPUS stays node indices (src/plugins/gres/common/gres_common.c), which is what the

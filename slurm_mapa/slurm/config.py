@@ -390,6 +390,19 @@ def _untrusted_program(config: HookConfig, where: str = "") -> str:
     return ""
 
 
+def programs_root_may_run(config: HookConfig, path: str | os.PathLike[str]) -> str:
+    """Why root must not run the scontrol or squeue that the config at ``path`` names, or "":
+    the file itself or the program is one another user could have chosen or changed (the hooks'
+    own rules, trusted_files.py). Read-only admin commands (`mapa doctor`, `mapa explain`) read any
+    config, but judge this before they run anything it names."""
+    try:
+        trusted_files.check_trusted_file(Path(path))
+    except (trusted_files.UnsafePath, OSError) as error:
+        if (config.scontrol, config.squeue) != (HookConfig.scontrol, HookConfig.squeue):
+            return f"{os.fspath(path)} names the programs to run, and is not a file root may trust: {error}"
+    return _untrusted_program(config, f" in {os.fspath(path)}")
+
+
 _ACCEPTED_FILE = "accepted: a UTF-8 TOML file of the keys in docs/admin.md, section 4 (an empty file means every default)"
 
 

@@ -19,7 +19,7 @@ from ...core.policies import Allocation, Request
 from ...core.search import Placement, preserved_bandwidth, score_placement
 from ...errors import InputError
 from ..text.commands import CommandFailed, Runner, is_job_id, parse_job_json, show_job_argv
-from ..config import DEFAULT_CONFIG_PATH, HookConfig, load_admin_config
+from ..config import DEFAULT_CONFIG_PATH, HookConfig, load_admin_config, programs_root_may_run
 from ..text.decision import parse_decisions, read_admin_comment, record_directive
 from ..text.directive import to_request
 from ..hooks.node_graph import load_graph
@@ -129,6 +129,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if not is_job_id(args.job):
         raise InputError(f"{args.job!r} is not a job id (digits only)")
     config = _config(args.config)
+    refused = programs_root_may_run(config, args.config or DEFAULT_CONFIG_PATH)
+    if refused:
+        raise InputError(f"not running scontrol: {refused}")
     try:
         job = parse_job_json(Runner(timeout=config.command_timeout)(show_job_argv(config.scontrol, args.job)), args.job)
     except CommandFailed as error:

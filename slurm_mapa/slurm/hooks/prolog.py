@@ -48,6 +48,7 @@ from .admin_comment import flush_entry, journal_decision
 from .budget import COMMIT_RESERVE_S, Budget, run_for_at_most, search_within, within_budget
 from .job_context import PrologContext, context_from_env
 from .node_graph import load_graph
+from ..isolation.cgroups import jobs_with_cgroups
 from .reconcile import MAX_ADOPTED_PER_PASS, adopt_jobs, reconcile_if_due
 
 if TYPE_CHECKING:  # the engine is imported when a decision is made, after the job is marked
@@ -221,6 +222,9 @@ def record_provisional(
     GPUs are claimed until the budget's end (MIN_CLAIM_WAIT_S at least)."""
     state = NodeState.of(config)
     ledger_file = state.ledger(size)
+    # The jobs the kernel shows here (their Slurm cgroups), read before the lock: one the files do
+    # not know is asked about before choosing (NodeState.current's ``unknown``).
+    seen = jobs_with_cgroups() if unknown is not None else frozenset()
     try:
         with ledger_file.locked(timeout=max(budget.for_step(budget.left()), 0.1)):
             if mark is not None and not state.owns(ctx.job_id, mark):
@@ -229,7 +233,7 @@ def record_provisional(
                 if unknown is not None:
                     unknown.clear()
                 ledger, ended, _ = state.current(ledger_file, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus,
-                                                  unknown=unknown)
+                                                  unknown=unknown, seen_jobs=seen)
                 decision = fallback_decision(ctx, ledger, size, "provisional")
                 try:
                     state.commit(ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log,

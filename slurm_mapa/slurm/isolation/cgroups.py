@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 
 from .. import trusted_files as trusted
 from .bpf import attach_device_program, device_program
-from .rules import (SLURM_V2_PATH, DenyRange, IsolationError, ProcessInfo, SlurmCgroup, cgroup_mounts, parse_proc_cgroup, parse_status, v1_rule_lines)
+from .rules import (SLURM_V2_PATH, DenyRange, IsolationError, ProcessInfo, SlurmCgroup, cgroup_hierarchies, cgroup_mounts,
+                    parse_proc_cgroup, parse_status, v1_rule_lines)
 
 
 MAX_ANCESTORS = 8  # the client, the TaskProlog's shell (and a few more if a site wraps it), the task
@@ -106,6 +107,38 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
         raise IsolationError(f"task {info.pid} is in no Slurm job cgroup (Slurm needs proctrack/cgroup or task/cgroup "
                              f"for isolation); /proc/{info.pid}/cgroup: {text.strip()[:300]!r}")
     return info, cgroup
+
+
+def jobs_with_cgroups(mountinfo: Path = Path("/proc/self/mountinfo"), older_than_s: float = 10.0,
+                      now: float | None = None, limit: int = 4096) -> set[str]:
+    """The ids of the jobs whose Slurm job cgroup exists on this node and is at least
+    ``older_than_s`` old: the kernel's word that the job runs here, whatever MAPA's files say (a job
+    whose Prolog died before its first write left none). Younger ones are left out: their Prolog
+    may simply not have marked them yet. v1: ``<hierarchy>/slurm*/uid_U/job_J``; v2:
+    ``<cgroup2>/system.slice/*slurmstepd.scope/job_J`` (Slurm 26.05's SLUID directories name no
+    job id and are not counted). Never raises: what cannot be read is not counted."""
+    import glob
+    import time as time_module
+
+    now = time_module.time() if now is None else now
+    try:
+        hierarchies = cgroup_hierarchies(mountinfo.read_text())
+    except OSError:
+        return set()
+    found: set[str] = set()
+    for version, root in hierarchies:
+        pattern = "slurm*/uid_[0-9]*/job_[0-9]*" if version == 1 else "system.slice/*slurmstepd.scope/job_[0-9]*"
+        for path in glob.glob(os.path.join(glob.escape(root), pattern))[:limit]:
+            job = path.rsplit("job_", 1)[1]
+            if not job.isdigit() or job in found:
+                continue
+            try:
+                if now - os.stat(path).st_ctime < older_than_s:
+                    continue
+            except OSError:
+                continue
+            found.add(job)
+    return found
 
 
 def _v2_job_dir(cgroup2_root: Path, cgroup: SlurmCgroup) -> tuple[re.Match, Path]:

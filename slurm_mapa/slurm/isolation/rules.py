@@ -149,6 +149,17 @@ def cgroup_mounts(mountinfo: str) -> tuple[str | None, str | None]:
     return devices, unified
 
 
+def cgroup_hierarchies(mountinfo: str) -> list[tuple[int, str]]:
+    """(version, mount point) of every cgroup hierarchy in a mountinfo text (v1: one per mount)."""
+    found = []
+    for line in mountinfo.splitlines():
+        before, sep, after = line.partition(" - ")
+        fields, tail = before.split(), after.split()
+        if sep and len(fields) >= 5 and tail and tail[0] in ("cgroup", "cgroup2"):
+            found.append((1 if tail[0] == "cgroup" else 2, fields[4]))
+    return found
+
+
 def slurm_gpu_list(text: str | None) -> tuple[int, ...] | None:
     """Slurm's ``SLURM_STEP_GPUS`` value (node-global indices, ``0,2`` or ``0-3``), None if it is
     not one. Slurm 26.05's ``Flags=env_uuid`` puts UUIDs in CUDA_VISIBLE_DEVICES, never here."""

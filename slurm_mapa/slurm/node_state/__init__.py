@@ -188,12 +188,14 @@ class NodeState:
     def current(
         self, ledger_file: LedgerFile, size: int, job_id: str, log: Log, running: set[str] | None = None,
         listed_at: float | None = None, slurm_gave: tuple[int, ...] = (), unknown: list[str] | None = None,
+        seen_jobs: set[str] | frozenset[str] = frozenset(),
     ) -> tuple[Ledger, list[str], list[tuple[str, float]]]:
         """The ledger reconciled with the jobs directory, without ``job_id`` (which chooses afresh),
         the jobs found to have ended and leftover temporary files. Local files only: no Slurm call.
         ``unknown``: filled with the jobs whose GPUs the files cannot tell (a mark this release
-        cannot read, an earlier release's, and nothing else): they are not forgotten, they are
-        asked about."""
+        cannot read, an earlier release's; and the ``seen_jobs``, which the kernel shows running
+        here, that the files and the ledger know nothing of: their Prolog died before its first
+        write): they are not forgotten, they are asked about."""
         who = f"job {job_id}" if job_id else "reconcile pass"
         try:
             ledger = ledger_file.read()
@@ -208,6 +210,8 @@ class NodeState:
             unknown += sorted((job for job, record in records.items()
                                if record.mark_unreadable and record.gpus is None and not record.ended and not record.claimed
                                and job not in ledger.holdings and job not in ended), key=int)
+            silent = set(seen_jobs) - self.jobs_told(records) - set(ledger.holdings) - set(ended) - {job_id} - set(unknown)
+            unknown += sorted(silent, key=int)
         shared = ledger.shared()
         for job, holding in ledger.holdings.items():
             if holding.policy == "slurm" and before.holdings.get(job) != holding:

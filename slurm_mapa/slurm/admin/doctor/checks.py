@@ -94,6 +94,11 @@ def node_role(inputs: Inputs, conf: Mapping[str, str] | None) -> Role:
 
 
 def check_scontrol(inputs: Inputs, conf: Mapping[str, str] | None) -> Check:
+    if conf is None and (inputs.show_config_error or "").startswith("not run: "):
+        return Check("scontrol", FAIL, f"`scontrol show config` was {inputs.show_config_error}; "
+                                       "the slurm.conf checks could not be made",
+                     "make mapa.toml and the scontrol/squeue it names root's files that only root may change "
+                     "(as the hooks require), then run mapa doctor again")
     if conf is None:
         return Check("scontrol", FAIL, f"`scontrol show config` failed: {inputs.show_config_error or 'no output'}; "
                                        "the slurm.conf checks could not be made",

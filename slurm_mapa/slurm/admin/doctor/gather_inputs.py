@@ -18,7 +18,7 @@ from ....hardware.topofile import Topology
 from ... import trusted_files as trusted
 from ...agent.client import DEFAULT_SOCKET, ISOLATE_SOCKET
 from ...text.commands import Runner
-from ...config import HookConfig
+from ...config import HookConfig, programs_root_may_run
 from .checks import parse_config
 from .records import AGENT_TIMEOUT_S, HOOKS, MAX_TEXT_BYTES, PROBE, SLURM_TIMEOUT_S, TOOL_TIMEOUT_S, Inputs, PathFacts
 from .slurm_text import gres_gpu_lines, parse_show_config, slurm_values, wrapper_program
@@ -202,8 +202,12 @@ def gather(config_path: str, node: str, environ: Mapping[str, str] | None = None
     got["slurm_conf_dir"] = str(conf_dir)
     got["processes"] = _safely(running_processes, proc)[0] or frozenset()
 
+    # Trust first: nothing the config names runs unless the hooks would run it too.
+    refused = _safely(programs_root_may_run, config, config_path)
     scontrol = find_program(config.scontrol, environ)
-    if scontrol is None:
+    if refused[0] or refused[1]:
+        got["show_config_error"] = got["show_node_error"] = f"not run: {refused[0] or refused[1]}"
+    elif scontrol is None:
         missing = f"scontrol not found ({config.scontrol} from mapa.toml is not there, and PATH has none)"
         got["show_config_error"] = got["show_node_error"] = missing
     else:
