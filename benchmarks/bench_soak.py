@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     while done < args.jobs:
         gpus, mode = combos[index % len(combos)]
         jobs = min(args.segment, args.jobs - done)
+        # Every third agent segment also floods the isolate socket and the metrics port (issue 36).
+        flooded = mode != "inprocess" and index % 3 == 2
         scenario = Scenario(seed=args.seed + index, jobs=jobs, gpus=gpus, mode=mode, package_root=args.package_root,
                             python=args.python, prolog_budget=args.budget, command_timeout=args.command_timeout,
-                            deadline=args.segment_deadline)
+                            deadline=args.segment_deadline, flood=flooded, metrics_flood=flooded)
         report = run_scenario(scenario)
         reports.append(report)
         done += report.jobs_run

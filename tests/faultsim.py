@@ -22,7 +22,8 @@ kill -9 of the agent, runs with and without an agent, non-UTF-8 batch scripts an
 slow / failing / hanging / garbage-printing Slurm commands, bursts of 32+ simultaneous Prologs,
 many CPU-only jobs, stale Prolog marks naming a live unrelated process, ledgers corrupted in every
 field (and replaced by a symlink), 8- and 64-GPU nodes, an upgrade (jobs running from the start
-with an earlier release's marks) and a local user flooding the agent's isolate socket.
+with an earlier release's marks) and a local user flooding the agent's isolate socket and its
+metrics port.
 
 A job whose every Prolog attempt was killed and that left no job file runs on Slurm's indices; if
 those collide with GPUs MAPA gave a job before, that is reported apart as
@@ -116,6 +117,8 @@ class Scenario:
     legacy_run_time: tuple[float, float] = (3.0, 15.0)
     # A local user with no job floods the agent's isolate socket (connections held open, junk sent).
     flood: bool = False
+    # ... and its metrics port ([metrics] on): idle TCP connections held open, as many as it can.
+    metrics_flood: bool = False
 
     def name(self) -> str:
         return f"{self.gpus}gpu-{self.mode}-seed{self.seed}"
@@ -494,6 +497,11 @@ class Simulation:
                  "from slurm_mapa.slurm.config import config_from_text\n"
                  "assert slurm_mapa.__file__.startswith(sys.argv[1]), slurm_mapa.__file__\n"
                  "try:\n    config_from_text(sys.argv[2]); print('yes')\nexcept Exception as e:\n    print('no', e)\n")
+        if self.sc.metrics_flood:
+            with socket.socket() as free:  # a port free a moment ago
+                free.bind(("127.0.0.1", 0))
+                self.metrics_port = free.getsockname()[1]
+            nodes += f'[metrics]\nlisten = "127.0.0.1:{self.metrics_port}"\n'
         with_budget = base + f"prolog_budget = {self.sc.prolog_budget}\n"
         # The newest config first (a short reconcile interval: a segment lasts about a minute),
         # then what older package roots accept.
@@ -531,6 +539,8 @@ class Simulation:
             self.start_agent(wait=True)
         if self.sc.flood:
             self.start_flood()
+        if self.sc.metrics_flood:
+            self.start_metrics_flood()
 
     def plant_legacy_jobs(self) -> None:
         """The upgrade: jobs that a Prolog of an earlier release started (its mark a bare pid whose
@@ -596,6 +606,40 @@ class Simulation:
         self.flooder = subprocess.Popen([self.sc.python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         start_new_session=True)
         self.bump("isolate socket floods")
+
+    def start_metrics_flood(self) -> None:
+        """A user with no job (uid 4242) opens idle TCP connections to the agent's metrics port,
+        sending one byte and never the rest of a request, up to 900 held at once (under systemd's
+        default 1,024 descriptors of the agent, had it kept them), reconnecting as they close."""
+        code = ("import os, socket, time\n"
+                "os.setgid(4242); os.setuid(4242)\n"
+                "held = []\n"
+                "while True:\n"
+                "    held = [s for s in held if s.fileno() >= 0]\n"
+                "    for i in range(100):\n"
+                "        if len(held) >= 900: break\n"
+                "        s = socket.socket(); s.settimeout(0.5)\n"
+                "        try:\n"
+                f"            s.connect(('127.0.0.1', {self.metrics_port})); s.send(b'G'); held.append(s)\n"
+                "        except OSError:\n"
+                "            s.close()\n"
+                "    print(len(held), flush=True)\n"
+                "    time.sleep(0.1)\n")
+        self.metrics_flooder = subprocess.Popen([self.sc.python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                start_new_session=True)
+        self.bump("metrics port floods")
+
+    def scrape_metrics(self) -> bool:
+        """Whether the agent's metrics endpoint answers a scrape (within a few tries)."""
+        import urllib.request
+
+        for _ in range(40):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as answer:
+                    return b"mapa_" in answer.read()
+            except OSError:
+                time.sleep(0.25)
+        return False
 
     def set_weather(self, weather: tuple[str, str]) -> None:
         self.weather = weather
@@ -1167,6 +1211,17 @@ class Simulation:
                 "admin_comment_records_not_yet_written": len(unwritten)}
 
     def cleanup(self) -> None:
+        metrics_flooder = getattr(self, "metrics_flooder", None)
+        if metrics_flooder is not None:
+            # Still under the flood: an agent (restarted if the schedule left it down) answers a scrape.
+            try:
+                self.start_agent(wait=True)
+                self.counts["metrics scrapes answered under the flood"] = int(self.scrape_metrics())
+            except RuntimeError:
+                self.counts["metrics scrapes answered under the flood"] = 0
+            metrics_flooder.kill()
+            held = metrics_flooder.communicate()[0].split()
+            self.counts["metrics connections opened by the flood"] = max(map(int, held)) if held else 0
         with self.agent_lock:
             if self.agent is not None and self.agent.poll() is None:
                 self.agent.kill()
@@ -1282,6 +1337,8 @@ class Report:
             "CPU-only jobs": c.get("CPU-only jobs started", 0),
             "jobs running from an earlier release": c.get("jobs running from an earlier release", 0),
             "isolate socket connections held by a flooding user": c.get("isolate socket connections held by the flood", 0),
+            "metrics connections opened by a flooding user": c.get("metrics connections opened by the flood", 0),
+            "metrics scrapes answered under the flood": c.get("metrics scrapes answered under the flood", 0),
         }
         return out
 

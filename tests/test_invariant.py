@@ -29,7 +29,7 @@ CASES = {
     # An upgrade under load: jobs of an earlier release (bare-pid marks, no job file) run from the
     # start, while a local user with no job floods the agent's isolate socket.
     "8gpu-upgrade-under-a-flood": Scenario(seed=14, jobs=150, gpus=8, mode="mixed", legacy_jobs=3, flood=True,
-                                           corrupt_ledger=0.1),
+                                           metrics_flood=True, corrupt_ledger=0.1),
 }
 
 
@@ -49,6 +49,9 @@ def test_no_gpu_is_used_by_two_live_jobs_whatever_fails(name, tmp_path):
         assert faults["jobs running from an earlier release"] == scenario.legacy_jobs
     if scenario.flood:
         assert faults["isolate socket connections held by a flooding user"] >= 100
+    if scenario.metrics_flood:  # issue 36: the metrics port's flood never took the agent down
+        assert faults["metrics connections opened by a flooding user"] >= 100
+        assert faults["metrics scrapes answered under the flood"] == 1
     assert report.counts.get("bursts", 0) > 0 and report.counts.get("max simultaneous Prologs", 0) >= 24
     # The guarantees.
     assert report.double_uses == 0, report.text(details=50)
