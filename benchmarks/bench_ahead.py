@@ -181,10 +181,9 @@ def timing(decisions: int) -> str:
 def plot(paths: list[str], png: str) -> None:
     import json
 
-    import matplotlib
+    from needs import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("bench_ahead.py plot")
 
     runs = []
     for path in paths:

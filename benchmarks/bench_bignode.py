@@ -12,43 +12,49 @@ double NVLink with SYS elsewhere (32 GPUs), and a 64-GPU NVSwitch node (all-to-a
 "after" is this tree's search with ``SearchLimit(seconds=budget, clock=time.perf_counter)``, as a
 Prolog with a 200 ms budget would call it; it reports how many decisions came back with a gap
 (None: proven optimal) and the largest one. "before" is the search of revision REV (default
-HEAD, read with ``git show``), loaded next to the new one in the same process family, run in a
-worker process that is killed after ``--before-cap`` seconds (then counted as "> cap"). Decisions
-that both finish with a proof are compared: they must agree. Last, every decision on the
-DGX-1 V100 (every free set, ring size and sensitivity, without a limit) is compared with before.
+2a547b1, the last commit before issue 28): REV's whole tree, extracted with ``git archive`` into a
+temporary directory and run in a worker process whose PYTHONPATH is that tree alone (no module of
+this checkout is loaded there; benchmarks/revisions.py), killed and started again when a decision
+takes more than ``--before-cap`` seconds (then counted as "> cap"). Decisions that both finish
+with a proof are compared: they must agree. Last, every decision on the DGX-1 V100 (every free
+set, ring size and sensitivity, without a limit) is compared with before. The worker dies with the
+benchmark (Ctrl-C, SIGTERM, SIGHUP; on Linux also SIGKILL, through the parent-death signal).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import multiprocessing as mp
+import os
 import platform
 import random
+import select
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from itertools import combinations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from slurm_mapa.core.model_files import paper_model  # noqa: E402
-from slurm_mapa.core.hardware import build_graph  # noqa: E402
-from slurm_mapa.core.links import Bandwidths  # noqa: E402
-from slurm_mapa.core.patterns import make_pattern  # noqa: E402
-from slurm_mapa.core.search import SearchLimit, best_placement, objective_key  # noqa: E402
-from slurm_mapa.core.placement_dfs import clear_caches as clear_set_tables  # noqa: E402
-from slurm_mapa.core.symmetry import _graph_automorphisms, _twin_classes  # noqa: E402
-from slurm_mapa.hardware.presets import preset  # noqa: E402
+from revisions import TREE_ENV, Workers, assert_one_tree, checkout, stop_on_signals  # noqa: E402
+
+if TREE_ENV not in os.environ:  # the driver (and bench_policies_bignode): this checkout's package
+    sys.path.insert(0, str(ROOT))
+
+# The slurm_mapa names are imported inside the functions: the worker of the "before" side runs
+# this file with an old revision's package, which has only what graphs() and the search need.
 
 ISSUE_FREE_SET = (0, 1, 2, 3, 4, 5, 7, 8, 10, 12, 13, 14, 15)  # torus2d-16, 13 GPUs: 3.7-5.3 s before
 
 
 def nvswitch_islands(islands: int = 4, per_island: int = 8):
+    from slurm_mapa.core.hardware import build_graph
+    from slurm_mapa.core.links import Bandwidths
+
     links = {}
     for island in range(islands):
         members = range(island * per_island, (island + 1) * per_island)
@@ -58,6 +64,8 @@ def nvswitch_islands(islands: int = 4, per_island: int = 8):
 
 
 def torus_2d(rows: int = 4, cols: int = 8):
+    from slurm_mapa.core.hardware import build_graph
+
     links = {}
     for r in range(rows):
         for c in range(cols):
@@ -68,11 +76,16 @@ def torus_2d(rows: int = 4, cols: int = 8):
 
 
 def nvswitch_node(size: int = 64):
+    from slurm_mapa.core.hardware import build_graph
+    from slurm_mapa.core.links import Bandwidths
+
     links = {(a, b): "NVS18" for a in range(size) for b in range(a + 1, size)}
     return build_graph(f"nvs-{size}", size, links, bandwidths=Bandwidths(nvlink_generation=4))
 
 
 def graphs():
+    from slurm_mapa.hardware.presets import preset
+
     return {
         "torus2d-16": preset("torus2d-16"),
         "cubemesh-16": preset("cubemesh-16"),
@@ -113,37 +126,87 @@ def objective(k: int, sensitive: bool) -> str:
     return "effective" if sensitive and k > 1 else "preserved"
 
 
-# --- the search before, in a worker process --------------------------------------------------
+# --- the search before, in a worker process of the old revision's tree -------------------------
 
-_BEFORE = None
-
-
-def _load_before(rev: str):
-    """The search module of ``rev``, loaded as a sibling of slurm_mapa.core.search."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:slurm_mapa/core/search.py"],
-                          check=True, capture_output=True, text=True).stdout
-    name = "slurm_mapa.core._search_before"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "slurm_mapa.core"
-    sys.modules[name] = module
-    exec(compile(text, f"{rev}:slurm_mapa/core/search.py", "exec"), module.__dict__)
-    return module
+def paper_model():
+    try:
+        from slurm_mapa.core.model_files import paper_model as load
+    except ImportError:  # revisions before core/model_files.py
+        from slurm_mapa.core.effbw import paper_model as load
+    return load()
 
 
-def _worker_init(rev: str) -> None:
-    global _BEFORE
-    _BEFORE = _load_before(rev)
+def _worker_decision(name: str, free, k: int, sensitive: bool):
+    from slurm_mapa.core.patterns import make_pattern
+    from slurm_mapa.core.search import best_placement, objective_key
 
-
-def _before_decision(case):
-    name, free, k, sensitive = case
     graph = graphs()[name]
     obj = objective(k, sensitive)
     start = time.perf_counter()
-    placement = _BEFORE.best_placement(graph, free, make_pattern("ring", k), obj, paper_model())
+    placement = best_placement(graph, tuple(free), make_pattern("ring", k), obj, paper_model())
     ms = (time.perf_counter() - start) * 1000
     return ms, objective_key(obj, placement), placement.gpus
+
+
+def _worker_dgx1():
+    from slurm_mapa.core.patterns import make_pattern
+    from slurm_mapa.core.search import best_placement
+    from slurm_mapa.hardware.presets import preset
+
+    graph, model = preset("dgx1-v100"), paper_model()
+    return [best_placement(graph, free, make_pattern("ring", k), objective(k, s), model).gpus
+            for _, free, k, s in dgx1_cases()]
+
+
+def worker() -> None:
+    """The "before" side: answers one JSON line per request line on stdin (``["decide", node, free,
+    k, sensitive]`` or ``["dgx1"]``), after a first line ``"ready"`` once its imports are done."""
+    import slurm_mapa.core.search  # noqa: F401 - imported before "ready": not timed against the cap
+
+    paper_model()
+    assert_one_tree()
+    print(json.dumps("ready"), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        answer = _worker_decision(*request[1:]) if request[0] == "decide" else _worker_dgx1()
+        assert_one_tree()
+        print(json.dumps(answer), flush=True)
+
+
+class Before:
+    """A worker process running the search of the old tree; restarted after a decision past the cap."""
+
+    def __init__(self, workers: Workers, tree: str) -> None:
+        self.workers, self.tree, self.process = workers, tree, None
+
+    def _start(self) -> None:
+        self.process = self.workers.start([sys.executable, os.path.abspath(__file__), "worker"], self.tree,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._answer(120.0) != "ready":
+            raise SystemExit(f"the worker of {self.tree} did not start")
+
+    def _answer(self, timeout: float | None):
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        if not ready:
+            return TimeoutError
+        line = self.process.stdout.readline()
+        if not line:
+            self.workers.kill(self.process)
+            raise SystemExit(f"the worker of {self.tree} ended (exit status {self.process.returncode}); its error is above")
+        return json.loads(line)
+
+    def ask(self, request: list, timeout: float | None = None):
+        """The worker's answer, or None when it took longer than ``timeout`` (the worker is then killed)."""
+        if self.process is None:
+            self._start()
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = self._answer(timeout)
+        if answer is TimeoutError:
+            self.workers.kill(self.process)
+            self.process = None
+            return None
+        return answer
 
 
 def dgx1_cases() -> list[tuple[str, tuple[int, ...], int, bool]]:
@@ -152,35 +215,24 @@ def dgx1_cases() -> list[tuple[str, tuple[int, ...], int, bool]]:
             for k in range(1, m + 1) for sensitive in (True, False)]
 
 
-def _before_dgx1(cases):
-    graph, model = preset("dgx1-v100"), paper_model()
-    return [(_BEFORE.best_placement(graph, free, make_pattern("ring", k), objective(k, s), model).gpus) for _, free, k, s in cases]
-
-
-def dgx1_unchanged(rev: str) -> tuple[int, int]:
+def dgx1_unchanged(before: Before) -> tuple[int, int]:
     """(decisions, how many chose the same GPUs in the same order as before)."""
+    from slurm_mapa.core.patterns import make_pattern
+    from slurm_mapa.core.search import best_placement
+    from slurm_mapa.hardware.presets import preset
+
     cases = dgx1_cases()
-    with mp.get_context("fork").Pool(1, initializer=_worker_init, initargs=(rev,)) as pool:
-        before = pool.apply(_before_dgx1, (cases,))
+    old = [tuple(gpus) for gpus in before.ask(["dgx1"])]
     graph, model = preset("dgx1-v100"), paper_model()
     after = [best_placement(graph, free, make_pattern("ring", k), objective(k, s), model).gpus for _, free, k, s in cases]
-    return len(cases), sum(1 for a, b in zip(after, before) if a == b)
+    return len(cases), sum(1 for a, b in zip(after, old) if a == b)
 
 
-def run_before(cases, rev: str, cap: float):
+def run_before(cases, before: Before, cap: float):
     results = []
-    ctx = mp.get_context("fork")
-    pool = ctx.Pool(1, initializer=_worker_init, initargs=(rev,))
-    try:
-        for case in cases:
-            try:
-                results.append(pool.apply_async(_before_decision, (case,)).get(timeout=cap))
-            except mp.TimeoutError:
-                results.append(None)
-                pool.terminate()
-                pool = ctx.Pool(1, initializer=_worker_init, initargs=(rev,))
-    finally:
-        pool.terminate()
+    for name, free, k, sensitive in cases:
+        answer = before.ask(["decide", name, list(free), k, sensitive], timeout=cap)
+        results.append(None if answer is None else (answer[0], tuple(answer[1]), tuple(answer[2])))
     return results
 
 
@@ -188,6 +240,9 @@ def run_before(cases, rev: str, cap: float):
 
 
 def run_after(cases, budget_s: float):
+    from slurm_mapa.core.patterns import make_pattern
+    from slurm_mapa.core.search import SearchLimit, best_placement, objective_key
+
     cache = graphs()
     results = []
     for name, free, k, sensitive in cases:
@@ -252,6 +307,9 @@ def table(rows, cap) -> list[str]:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["worker"]:
+        worker()
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-ms", type=float, default=200.0)
     parser.add_argument("--before-cap", type=float, default=5.0, help="seconds before a 'before' decision is given up")
@@ -259,6 +317,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few sizes only")
     parser.add_argument("--json", help="write the per-decision results here")
     args = parser.parse_args()
+    stop_on_signals()
+    with tempfile.TemporaryDirectory() as tmp, Workers() as workers:
+        measure(args, Before(workers, checkout(args.before, tmp)))
+
+
+def measure(args, before_side: Before) -> None:
+    from slurm_mapa.core.placement_dfs import clear_caches as clear_set_tables
+    from slurm_mapa.core.symmetry import _graph_automorphisms, _twin_classes
+
     cases = decisions(args.quick)
     # Warm-up: imports, the model file, the 16-GPU subset tables, pattern symmetries (what a
     # long-lived mapa-agent has); what depends on the free set is computed afresh (the searches
@@ -268,13 +335,13 @@ def main() -> None:
     _graph_automorphisms.cache_clear()
     clear_set_tables()
     after = run_after(cases, args.budget_ms / 1000)
-    before = run_before(cases, args.before, args.before_cap)
+    before = run_before(cases, before_side, args.before_cap)
     rows, mismatches = summarise(cases, before, after)
     print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}; "
           f"{len(cases)} decisions; budget {args.budget_ms:.0f} ms; before = {args.before}, cap {args.before_cap:.0f} s")
     print("\n".join(table(rows, args.before_cap)))
     print(f"proven decisions that differ from before: {len(mismatches)}")
-    total, same = dgx1_unchanged(args.before)
+    total, same = dgx1_unchanged(before_side)
     print(f"dgx1-v100, every free set, ring size and sensitivity: {same} of {total} decisions identical to before")
     for case, old, new in mismatches[:10]:
         print("  MISMATCH", case, old, new)

@@ -1,6 +1,6 @@
 """Decision time of the policies, from an idle node (the worst case: every GPU free).
 
-Usage: python benchmarks/bench_decision.py [--repeat N] [--max-gpus K] [--markdown]
+    .venv/bin/python benchmarks/bench_decision.py [--repeat N] [--max-gpus K]     # prints a Markdown table
 
 Each cell is the median over N decisions in one warm process (caches of the first call, such
 as the model file and the 16-GPU subset tables, are built before timing). All cells run side by

@@ -225,11 +225,9 @@ def variants(seeds: int, jobs_per_node: int, what: str) -> None:
 
 
 def plot(path: str, png: str) -> None:
-    import matplotlib
+    from needs import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("bench_nodechoice.py plot")
     with open(path) as handle:
         data = json.load(handle)
     cells = [c for c in data["cells"] if c["arrivals"] == "poisson" and not c["timemodel"] and c["policy"] == "preserve"]

@@ -10,13 +10,13 @@ decisions/s on 16-GPU nodes; the code of a baseline revision and the working tre
 Times are the process's CPU time (``time.process_time``: the development machine is shared, and
 CPU time moves much less with its load than wall time; ``big`` prints both). Every measurement
 runs in a fresh Python process (so each peak RSS is that run's own,
-``resource.getrusage(RUSAGE_SELF).ru_maxrss``), once with the working tree and once with the
-baseline: the working tree's package with ``slurm_mapa/replay/`` and ``slurm_mapa/core/ahead.py``
-taken from ``--baseline-rev`` (``git archive``, into a temporary directory put first on
-PYTHONPATH), so the core search (edited by others at the same time) is the same on both sides and
-the ratio is the replay's own; ``--baseline-paths slurm_mapa --baseline-rev REV`` takes the whole
-package from REV instead (to compare the core search). ``--old-max-jobs`` skips the baseline on runs longer than that
-(the old code needs minutes there; the table says "skipped").
+``resource.getrusage(RUSAGE_SELF).ru_maxrss``), once with the working tree ("new") and once with
+the whole tree of ``--baseline-rev`` ("old": ``git archive`` into a temporary directory, the
+worker's PYTHONPATH set to it alone; benchmarks/revisions.py), so each side runs its own core,
+replay and everything else, never mixed. ``--baseline-rev HEAD`` compares uncommitted changes
+with the last commit. ``--old-max-jobs`` skips the baseline on runs longer than that (the old
+code needs minutes there; the table says "skipped"). Workers die with the benchmark (Ctrl-C,
+SIGTERM, SIGHUP, or the kernel's parent-death signal on Linux).
 
 * ``nodes``: the paper workload (``generate('paper', JOBS, load=2 x nodes)``: the same load per
   node at every size, a short queue) replayed with preserve and ``--node-choice prefer`` (and first-fit) on N
@@ -35,41 +35,22 @@ package from REV instead (to compare the core search). ``--old-max-jobs`` skips 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import resource
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from revisions import Workers, assert_one_tree, checkout, stop_on_signals  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE_REV = "ba6ac7d"  # the last commit before issue 28's replay work
-BASELINE_PATHS = ("slurm_mapa/replay", "slurm_mapa/core/ahead.py")
 # Arrivals of the paper workload packed 2x per node: about 75 % of the GPUs asked for, a queue that
 # stays short at every log length (at 2.5x per node it grows without bound, and memory with it).
 LOAD_PER_NODE = 2
-
-
-def baseline_tree(rev: str, into: str, paths: tuple[str, ...] = BASELINE_PATHS) -> str:
-    """The working tree's package with ``paths`` (by default the replay and preserve-ahead) of ``rev``;
-    returns the PYTHONPATH entry."""
-    import shutil
-
-    shutil.copytree(os.path.join(ROOT, "slurm_mapa"), os.path.join(into, "slurm_mapa"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for path in paths:  # removed first: files the working tree added there must not stay
-        target = os.path.join(into, path)
-        if os.path.isdir(target):
-            shutil.rmtree(target)
-        elif os.path.exists(target):
-            os.remove(target)
-    data = subprocess.run(["git", "-C", ROOT, "archive", rev, *paths], check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
-        archive.extractall(into, filter="data")
-    return into
 
 
 # ---------------------------------------------------------------- workers (run in a child process)
@@ -173,17 +154,18 @@ WORKERS = {"nodes": work_nodes, "memory-generated": work_memory_generated, "memo
 
 # ---------------------------------------------------------------- the driver
 
-def run_worker(pythonpath: str, name: str, *args) -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath)
-    done = subprocess.run([sys.executable, __file__, "worker", name, *map(str, args)], env=env, capture_output=True,
-                          text=True)
+WORKERS_RUNNING = Workers()
+
+
+def run_worker(tree: str, name: str, *args) -> dict:
+    """One measurement in a fresh process that imports slurm_mapa from ``tree`` alone."""
+    done = WORKERS_RUNNING.run([sys.executable, os.path.abspath(__file__), "worker", name, *map(str, args)], tree)
     if done.returncode != 0:
-        raise SystemExit(f"worker {name} {args} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def sides(args) -> list[tuple[str, str | None]]:
-    return [("new", ROOT), ("old", args.old_path)]
+        raise SystemExit(f"worker {name} {args} on {tree} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result.get("code", 0) != 0:  # a replay command of that tree refused its arguments
+        raise SystemExit(f"worker {name} {args} on {tree}: mapa-replay exited {result['code']}:\n{done.stderr[-3000:]}")
+    return result
 
 
 def show(*cells) -> None:
@@ -243,7 +225,9 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         name, raw = sys.argv[2], sys.argv[3:]
         values = [int(v) if v.lstrip("-").isdigit() else v for v in raw]
-        print(json.dumps(WORKERS[name](*values)))
+        result = WORKERS[name](*values)
+        assert_one_tree()
+        print(json.dumps(result))
         return
     parser = argparse.ArgumentParser()
     parser.add_argument("what", choices=("all", "nodes", "memory", "rate", "big"))
@@ -254,17 +238,17 @@ def main() -> None:
     parser.add_argument("--sizes", default="100000,1000000")
     parser.add_argument("--long", type=int, default=200_000)
     parser.add_argument("--topologies", default="torus2d-16,cubemesh-16,dgx1-v100")
-    parser.add_argument("--baseline-rev", default=BASELINE_REV)
-    parser.add_argument("--baseline-paths", default=",".join(BASELINE_PATHS),
-                        help="what the baseline takes from --baseline-rev (e.g. slurm_mapa: the whole package)")
+    parser.add_argument("--baseline-rev", default=BASELINE_REV,
+                        help="the revision the old side runs, its whole tree (default %(default)s; HEAD: the last commit)")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--old-max-jobs", type=int, default=10**9, help="skip the baseline on longer runs")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = tuple(args.baseline_paths.split(","))
-        args.old_path = None if args.no_baseline or args.what == "big" else baseline_tree(args.baseline_rev, tmp, paths)
-        print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; baseline: {args.baseline_rev} "
-              f"({', '.join(paths)}) on the working tree")
+    stop_on_signals()
+    with tempfile.TemporaryDirectory() as tmp, WORKERS_RUNNING:
+        args.old_path = None if args.no_baseline or args.what == "big" else checkout(args.baseline_rev, tmp)
+        baseline = ("none" if args.old_path is None
+                    else f"{args.baseline_rev}, its whole tree ({os.path.basename(args.old_path)})")
+        print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; new: the working tree {ROOT}; old: {baseline}")
         for what, fn in (("nodes", bench_nodes), ("memory", bench_memory), ("rate", bench_rate), ("big", bench_big)):
             if args.what == what or (args.what == "all" and what != "big"):
                 print(f"\n### {what}\n")

@@ -31,8 +31,10 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faultsim import REPO, Scenario, default_python, run_scenario  # noqa: E402
+from revisions import stop_on_signals  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench_soak: run as root (mapa-agent refuses otherwise)", file=sys.stderr)
         return 2
+    # SIGTERM and SIGHUP end the run through the simulation's cleanup (its mapa-agent, floods and
+    # decoy run in sessions of their own and would otherwise outlive it), as Ctrl-C does.
+    stop_on_signals()
     combos = [(g, m) for g in ((args.gpus,) if args.gpus else (8, 64)) for m in ((args.mode,) if args.mode else ("agent", "inprocess", "mixed"))]
     reports = []
     done = 0

@@ -3,7 +3,7 @@
 #   mariadb | slurmdbd | slurmctld | slurmd      (init-db: used once at image build time)
 # Configuration is bind-mounted read-only under /etc/slurm-mapa (see compose.yml):
 #   config/     slurm.conf cgroup.conf plugstack.conf slurmdbd.conf mapa.toml prometheus.yml
-#   gres_conf/  <preset>.gres.conf, chosen by $MAPA_PRESET on compute nodes
+#   gres_conf/  <preset>.gres.conf, chosen by $MAPA_PRESET on compute nodes (slurm_mapa/data/gres_conf/)
 # and the repository's slurm_mapa/ package under /opt/slurm-mapa (job_submit.lua, and the code the
 # hooks run; compute nodes write their hook wrappers from it with `mapa hooks` at start), so that a
 # code change needs no image rebuild either.
@@ -68,8 +68,9 @@ mapa() {
 
 # Prometheus (Debian's package) beside slurmctld, as http://prometheus:9090 (compose.yml's alias of
 # this container): it scrapes every node's mapa-agent (config/prometheus.yml) and evaluates the
-# example alert rules (contrib/prometheus/mapa-alerts.yml). Like the releaser it comes back when it
-# dies; its database is the container's own, gone with it.
+# example alert rules (slurm_mapa/data/contrib/prometheus/mapa-alerts.yml, mounted under
+# /opt/slurm-mapa/contrib). Like the releaser it comes back when it dies; its database is the
+# container's own, gone with it.
 start_prometheus() {
     if ! command -v prometheus >/dev/null; then
         log "no prometheus in this image (scripts/cluster build installs it); no metrics scraping"

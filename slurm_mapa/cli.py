@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_commands(commands)
     from .slurm.admin.release import add_commands as add_release_commands
     add_release_commands(commands)
+    from .slurm.admin.contrib import add_commands as add_contrib_commands
+    add_contrib_commands(commands)
     from .calibrate.commands import add_commands as add_calibrate_commands
     add_calibrate_commands(commands)
     _add_plugin_commands(commands, topo_commands)

@@ -254,7 +254,7 @@ def test_gres_lines_name_render_nodes_as_autodetect_rsmi_does():
     assert gpu_of_device_file(odd, "/dev/dri/renderD128") == 2
     with pytest.raises(InputError, match="expected /dev/dri/renderD<N>"):
         gpu_of_device_file(odd, "/dev/nvidia0")
-    shipped = (Path(__file__).parent.parent / "gres_conf" / "mi250x.gres.conf").read_text()
+    shipped = (Path(__file__).parent.parent / "slurm_mapa" / "data" / "gres_conf" / "mi250x.gres.conf").read_text()
     assert "Flags=amd_gpu_env" in shipped and "AutoDetect=off" in shipped
 
 

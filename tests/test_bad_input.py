@@ -225,7 +225,7 @@ def test_free_list_forms_still_accepted(capsys):
     assert code == 0 and json.loads(out)["free"] == [0, 1, 2, 3], err
 
 
-# --- 5. rocm-smi's WARNING lines before its tables ----------------------------------------------
+# --- 5. rocm-smi's WARNING lines, before and among its tables ----------------------------------
 
 def _with_warning(name: str, *warnings: str) -> str:
     """A saved rocm-smi text with rocm-smi's warning lines where it prints them: after the command
@@ -253,16 +253,57 @@ def test_rocm_smi_low_power_warning_is_skipped(name, tmp_path, capsys):
     assert call(mapa_main, ["topo", "show", path], capsys)[0] == 0
 
 
+def _warned_inside(name: str) -> str:
+    """The saved text with rocm-smi's low-power warning where ROCm 7 prints it on an MI300-series node,
+    the line right after the 'ROCm System Management Interface' banner, and in the middle: before
+    the Hops section and between two rows of the first table."""
+    lines = (ROCM / name).read_text().splitlines(True)
+    out: list[str] = []
+    rows = 0
+    for line in lines:
+        if "Hops between two GPUs" in line:
+            out.append(LOW_POWER + "\n")
+        out.append(line)
+        if "ROCm System Management Interface" in line:
+            out.append(LOW_POWER + "\n")
+        elif line.startswith("GPU") and not line.startswith("GPU["):
+            rows += 1
+            if rows == 2:
+                out.append("WARNING: No AMD GPUs specified\n")
+    return "".join(out)
+
+
+@pytest.mark.parametrize("name", ["mi300x-showtopo.txt", "pcie-4gpu-showtopo.txt", "mi250x-showtopo-nodesbw.txt"])
+def test_rocm_smi_warnings_after_the_banner_and_between_tables_are_skipped(name, tmp_path, capsys):
+    from slurm_mapa.hardware.rocm_smi import parse_amd_topology
+
+    text = _warned_inside(name)
+    lines = text.splitlines()
+    banner = next(i for i, line in enumerate(lines) if "ROCm System Management Interface" in line)
+    assert lines[banner + 1] == LOW_POWER and text.count(LOW_POWER) == 2 and "WARNING: No AMD GPUs specified" in text
+    plain, warned = parse_amd_topology((ROCM / name).read_text()), parse_amd_topology(text)
+    assert warned.graph.bandwidth_matrix() == plain.graph.bandwidth_matrix()
+    assert warned.graph.links == plain.graph.links
+    assert (warned.notes, warned.numa_nodes, warned.products) == (plain.notes, plain.numa_nodes, plain.products)
+    path = tmp_path / name
+    path.write_text(text)
+    code, shown, err = call(mapa_main, ["topo", "show", path, "--json"], capsys)
+    assert code == 0, err
+    code, expected, err = call(mapa_main, ["topo", "show", ROCM / name, "--json"], capsys)
+    assert code == 0 and json.loads(shown)["links"] == json.loads(expected)["links"], err
+
+
 def test_rocm_smi_warning_lines_do_not_make_other_text_a_topology(tmp_path, capsys):
     path = tmp_path / "warnings.txt"
     path.write_text(f"WARNING: No AMD GPUs specified\n{LOW_POWER}\n\nnot a topology\n")
     refused(mapa_main, ["topo", "discover", "--source", "file", "--file", path], capsys, str(path), "expected")
-    # After the first banner a WARNING line is refused as before (here: read as a row of the table above it).
+    # Only a line that starts with WARNING: is skipped: other text where rocm-smi puts its warning is refused.
     lines = (ROCM / "mi300x-showtopo.txt").read_text().splitlines(True)
-    at = next(i for i, line in enumerate(lines) if "Hops between two GPUs" in line)
-    path.write_text("".join(lines[:at] + [LOW_POWER + "\n"] + lines[at:]))
-    refused(mapa_main, ["topo", "discover", "--source", "file", "--file", path], capsys,
-            f"rocm-smi, line {at + 1}: {LOW_POWER!r}")
+    at = next(i for i, line in enumerate(lines) if "ROCm System Management Interface" in line) + 1
+    for odd in ("Warning: AMD GPU device(s) is/are in a low-power state", "NOTE: " + LOW_POWER):
+        path.write_text("".join(lines[:at] + [odd + "\n"] + lines[at:]))
+        refused(mapa_main, ["topo", "discover", "--source", "file", "--file", path], capsys,
+                f"rocm-smi, line {at + 1}: {odd!r}")
 
 
 # --- any bytes as a file argument: exit 0 or 2, never a traceback -------------------------------

@@ -2,12 +2,12 @@
 
 Each one, in a code block or inline, must name subcommands and options the program has (a
 renamed or removed option makes its example fail here). Those that need no node, cluster, GPU or
-site file (concrete commands of topo show, select, gres-conf, calibrate plan/default, and the
-replay's demo, generate, policies and runs of bundled or generated workloads) are also run, from
-an empty directory, and must exit 0. Commands of a node or controller (status, explain, doctor,
-hooks, spank-plugin, job-submit-lua, release) and those whose input files are a site's own
-(node01-topo.txt, jobs.sacct) are checked for their options only; the cluster suite runs the
-node commands in the mini cluster.
+site file (concrete commands of topo show, select, gres-conf, calibrate plan/default, contrib list
+and show, and the replay's demo, generate, policies and runs of bundled or generated workloads)
+are also run, from an empty directory, and must exit 0. Commands of a node or controller (status,
+explain, doctor, hooks, spank-plugin, job-submit-lua, release, contrib write) and those whose
+input files are a site's own (node01-topo.txt, jobs.sacct) are checked for their options only;
+the cluster suite runs the node commands in the mini cluster.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _INLINE = re.compile(r"`((?:\.venv/bin/)?mapa(?:-replay)?(?: [^`]*)?)`")
 # Words that stand for a value the reader fills in, and the marks of a synopsis.
 _PLACEHOLDER = re.compile(r"(^|[\s=,])([A-Z][A-Z_]+|T|N|S|F)(?=$|[\s,:|\]])|\.\.\.|\[|\]|\||<|>|\*")
 OFFLINE = {("mapa", "topo", "show"), ("mapa", "select"), ("mapa", "gres-conf"), ("mapa", "calibrate", "plan"),
-           ("mapa", "calibrate", "default"), ("mapa-replay",), ("mapa-replay", "demo"), ("mapa-replay", "generate"),
+           ("mapa", "calibrate", "default"), ("mapa", "contrib", "list"), ("mapa", "contrib", "show"), ("mapa-replay",), ("mapa-replay", "demo"), ("mapa-replay", "generate"),
            ("mapa-replay", "policies"), ("mapa-replay", "run")}
 
 

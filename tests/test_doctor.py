@@ -381,7 +381,7 @@ def test_host_lists_and_gres_lines_for_one_node():
     assert slurm_text.node_gpu_count("NodeName=x Gres=(null) State=IDLE") is None
 
 
-@pytest.mark.parametrize("toml", sorted((GRES_CONF).glob("*.toml")), ids=lambda path: path.stem)
+@pytest.mark.parametrize("toml", sorted(GRES_CONF.glob("*.toml")), ids=lambda path: path.stem)
 def test_every_shipped_gres_conf_agrees_with_its_topology(toml):
     topology = load_topology_file(str(toml))
     gres = toml.with_suffix(".gres.conf").read_text()

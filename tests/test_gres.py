@@ -28,6 +28,7 @@ from slurm_mapa.hardware.presets import PRESETS, preset
 from slurm_mapa.hardware.topofile import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
+GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 
 
 def test_cpu_lists():
@@ -103,7 +104,7 @@ def test_binding_environment():
 @pytest.mark.parametrize("name", ["dgx1-v100", "torus2d-16", "summit"])
 def test_mini_cluster_files_keep_their_gpu_lines(name):
     """The mini cluster makes /dev/nvidia0..N-1 from the File= entries of these files."""
-    text = (ROOT / "gres_conf" / f"{name}.gres.conf").read_text()
+    text = (GRES_CONF / f"{name}.gres.conf").read_text()
     files = parse_gres_conf_files(text)
     assert files == [f"/dev/nvidia{n}" for n in range(preset(name).size)]
     for n, line in enumerate(l for l in text.splitlines() if l.startswith("Name=gpu")):
@@ -124,9 +125,9 @@ def test_mini_cluster_cores_fit_slurm_conf():
             continue
         node, sockets, per_socket = match.group(1), int(match.group(2)), int(match.group(3))
         seen.add(node)
-        preset_text = (ROOT / "gres_conf" / f"{nodes[node]}.gres.conf").read_text()
+        preset_text = (GRES_CONF / f"{nodes[node]}.gres.conf").read_text()
         script = f'log() {{ echo "$*" >&2; }}; source <(sed -n "/^socket_gres()/,/^}}/p" {entrypoint}); socket_gres "$1" "$2" "$3"'
-        done = subprocess.run(["bash", "-c", script, "bash", str(ROOT / "gres_conf" / f"{nodes[node]}.gres.conf"), str(conf), node],
+        done = subprocess.run(["bash", "-c", script, "bash", str(GRES_CONF / f"{nodes[node]}.gres.conf"), str(conf), node],
                               capture_output=True, text=True, check=True)
         before = re.findall(r"(?m)^Name=gpu (File=\S+) .*?Cores=(\S+)", preset_text)
         after = re.findall(r"(?m)^Name=gpu (File=\S+) .*?Cores=(\S+)", done.stdout)
@@ -156,7 +157,7 @@ def test_topo_show(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "NVLink generation 2" in out and "NV2 50" in out
     path = tmp_path / "t.toml"
-    path.write_text((ROOT / "gres_conf" / "summit.toml").read_text())
+    path.write_text((GRES_CONF / "summit.toml").read_text())
     assert commands_main(["topo", "show", "--topology", str(path), "--json"]) == 0
     assert '"gpus": 6' in capsys.readouterr().out
     assert commands_main(["topo", "show", "pcie-8", "--nvidia-smi-format"]) == 0

@@ -43,8 +43,8 @@ from slurm_mapa.slurm.agent.metrics import (DECISION_OUTCOMES, ISOLATION_OUTCOME
                                       decision_outcome, isolation_outcome, node_gauges, read_node_gauges, repairs_in, ring_sizes)
 
 ROOT = Path(__file__).resolve().parent.parent
-DASHBOARD = ROOT / "contrib" / "grafana" / "mapa-dashboard.json"
-ALERTS = ROOT / "contrib" / "prometheus" / "mapa-alerts.yml"
+DASHBOARD = ROOT / "slurm_mapa" / "data" / "contrib" / "grafana" / "mapa-dashboard.json"
+ALERTS = ROOT / "slurm_mapa" / "data" / "contrib" / "prometheus" / "mapa-alerts.yml"
 
 
 def samples(metrics: AgentMetrics) -> dict[tuple[str, frozenset], float]:

@@ -27,6 +27,7 @@ DATA = Path(__file__).parent / "data" / "nvidia-smi"
 NVIDIA_PRESETS = sorted(name for name in PRESETS if graph_vendor(preset(name)) == "nvidia")
 FIXTURES = sorted(path.stem for path in DATA.glob("*.txt"))
 ROOT = Path(__file__).resolve().parent.parent
+GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 MOCK = ROOT / "scripts" / "mock-nvidia-smi"
 
 
@@ -295,7 +296,7 @@ def test_discover_through_mock_nvidia_smi_reproduces_every_preset(name, tmp_path
 
 
 def test_mock_reads_a_topology_file(tmp_path):
-    topo = ROOT / "gres_conf" / "summit.toml"
+    topo = GRES_CONF / "summit.toml"
     env = {**os.environ, "MAPA_MOCK_TOPOLOGY": str(topo)}
     env.pop("MAPA_PRESET", None)
     done = subprocess.run([sys.executable, str(MOCK), "topo", "-m"], env=env, capture_output=True, text=True)

@@ -19,6 +19,7 @@ from slurm_mapa.hardware.topofile import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 
 SMALL = """
 name = "box"
@@ -101,10 +102,11 @@ def test_same_entry_twice_in_both_orders_is_fine():
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_gres_conf_directory_is_up_to_date(name):
-    """gres_conf/ holds the generated files of every preset (mapa gres-conf --write-presets gres_conf)."""
-    toml_file = ROOT / "gres_conf" / f"{name}.toml"
+    """slurm_mapa/data/gres_conf/ holds the generated files of every preset
+    (mapa gres-conf --write-presets slurm_mapa/data/gres_conf)."""
+    toml_file = GRES_CONF / f"{name}.toml"
     assert graph_from_toml_text(toml_file.read_text()) == preset(name)
-    gres_file = ROOT / "gres_conf" / f"{name}.gres.conf"
+    gres_file = GRES_CONF / f"{name}.gres.conf"
     expected = gres_conf_text(Topology(preset(name)), layout=PRESET_CPU_LAYOUTS.get(name),
                               generated_by=f"mapa gres-conf --topology {name}")
     assert gres_file.read_text() == expected

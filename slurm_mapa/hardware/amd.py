@@ -29,6 +29,7 @@ from typing import Any, Callable, Collection, Iterator
 from ..core.hardware import build_graph
 from ..core.links import Bandwidths
 from ..errors import InputError
+from ..extras import install_hint
 from .domains import infer_domains
 from .nvml import HealthReport
 from .topofile import RENDER_MINOR_BASE, Topology
@@ -61,13 +62,13 @@ class AmdDiscovery:
 
 
 def load_amdsmi() -> Any:
-    """Import AMD SMI's Python package (``pip install 'slurm-mapa[amd]'`` on a node with ROCm)."""
+    """Import AMD SMI's Python package (the ``amd`` extra, on a node with ROCm; :func:`slurm_mapa.extras.install_hint`)."""
     try:
         import amdsmi  # type: ignore[import-not-found]
     except (ImportError, OSError) as error:
         raise InputError(
-            f"AMD discovery needs the amdsmi package from ROCm ({error}); install ROCm's amd-smi "
-            f"(pip install 'slurm-mapa[amd]' next to it), or read a saved `rocm-smi --showtopo --shownodesbw`"
+            f"AMD discovery needs the amdsmi package from ROCm ({error}); install ROCm's amd-smi and its Python "
+            f"package ({install_hint('amd')}), or read a saved `rocm-smi --showtopo --shownodesbw`"
         ) from None
     return amdsmi
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Collection, Iterator
 from ..core.hardware import build_graph
 from ..core.links import Bandwidths
 from ..errors import InputError
+from ..extras import install_hint
 from .gres import format_cpu_list
 from .domains import infer_domains
 from .nvlink import nvlink_generation_of
@@ -81,12 +82,12 @@ class HealthReport:
 
 
 def load_pynvml() -> Any:
-    """Import pynvml (``pip install slurm-mapa[nvml]``)."""
+    """Import pynvml (nvidia-ml-py, the ``nvml`` extra; :func:`slurm_mapa.extras.install_hint`)."""
     try:
         import pynvml  # type: ignore[import-not-found]
     except ImportError:
         raise InputError(
-            "NVML discovery needs the nvidia-ml-py package (pip install 'slurm-mapa[nvml]'); "
+            f"NVML discovery needs the nvidia-ml-py package ({install_hint('nvml')}); "
             "or use --source nvidia-smi"
         ) from None
     return pynvml

@@ -28,10 +28,11 @@ no bandwidth (``N/A`` or ``0-0``). On an MI250X node that gives 50000-200000 ins
 
 What is accepted around the tables: blank lines, ``=====`` banners (titled or not), ``#``
 comments, a command line naming ``rocm-smi`` or ``amd-smi`` in any prompt, rocm-smi's footer
-lines, a bare shell prompt as the last line (hardware/pasted.py), ``WARNING: ...`` lines before
-the first table (ROCm 7's rocm-smi prints ``WARNING: AMD GPU device(s) is/are in a low-power
-state. Check power control/runtime_status`` there when it takes a GPU to be in a low-power state,
-e.g. on MI300-series nodes; amd-smi warns there of a user missing the render and video groups), a ``Numa
+lines, a bare shell prompt as the last line (hardware/pasted.py), rocm-smi's ``WARNING: ...``
+lines anywhere (ROCm 7's rocm-smi prints ``WARNING: AMD GPU device(s) is/are in a low-power
+state. Check power control/runtime_status`` right after its title banner when it takes a GPU to
+be in a low-power state, e.g. on MI300-series nodes), amd-smi's ``WARNING: ...`` lines before its
+first table (a user missing the render and video groups), a ``Numa
 Nodes`` section and a product section with ``GPU[n] : ...`` lines. Anything else, and any table
 that is not square, symmetric, labelled in order or made of the expected cells, is an
 :class:`InputError` that quotes the line.
@@ -181,14 +182,15 @@ def _sections_rocm(lines: list[str]) -> tuple[dict[str, _Table], dict[int, int],
     products: dict[int, str] = {}
     current: _Table | None = None
     section = ""
-    seen_banner = False
     for number, line in enumerate(lines, start=1):
         stripped = line.strip()
+        if stripped.startswith("WARNING:"):
+            # rocm-smi's warnings (low-power state, no GPUs specified): before the first banner,
+            # right after its title banner (ROCm 7 on MI300-series nodes), or between sections.
+            # A table row starts with its GPU's label, so no row is taken for one.
+            continue
         banner = _BANNER.match(stripped)
-        if not seen_banner and not banner and stripped.startswith("WARNING:"):
-            continue  # rocm-smi's warnings before its tables (low-power state, no GPUs specified)
         if banner:
-            seen_banner = True
             title = (banner.group(1) or "").lower()
             if not title:
                 continue

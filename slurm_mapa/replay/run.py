@@ -17,6 +17,7 @@ from ..core.affinity import DEFAULT_MAX_LOSS as AFFINITY_MAX_LOSS
 from ..core.effbw import EffectiveBandwidthModel
 from ..core.model_files import grounded_model
 from ..errors import InputError
+from ..extras import install_hint
 from . import report
 from .audit import audit
 from .cluster_spec import _build_nodes, _model, _models_used
@@ -308,7 +309,7 @@ def _plots(args, label: str, results: list[RunResult], out: dict, notes: list[st
     if not args.plot:
         return
     if not have_matplotlib():
-        notes.append("plots skipped: matplotlib is not installed (pip install 'slurm-mapa[plot]')")
+        notes.append(f"plots skipped: matplotlib is not installed ({install_hint('plot')})")
         return
     files = write_plots(args.plot, label, results)
     out["plots"] = files

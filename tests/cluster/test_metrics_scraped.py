@@ -21,9 +21,10 @@ from slurm_mapa.slurm.agent.metrics import ring_sizes
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
+GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 PROMETHEUS = "http://prometheus:9090"
-RULES = "/opt/slurm-mapa/contrib/prometheus/mapa-alerts.yml"  # contrib/, mounted read-only
-DASHBOARD = ROOT / "contrib" / "grafana" / "mapa-dashboard.json"
+RULES = "/opt/slurm-mapa/contrib/prometheus/mapa-alerts.yml"  # slurm_mapa/data/contrib/, mounted read-only
+DASHBOARD = ROOT / "slurm_mapa" / "data" / "contrib" / "grafana" / "mapa-dashboard.json"
 
 # Asks Prometheus's HTTP API from slurmctld (the image has no curl): argv[1] is the path and query.
 _GET = ("import sys, urllib.request; "
@@ -86,7 +87,7 @@ def test_promtool_accepts_the_example_alert_rules(cluster):
 
 def test_prometheus_sees_what_the_jobs_got(cluster):
     wait_for_targets(cluster)
-    node, graph, model = "dgx1", load_topology(str(ROOT / "gres_conf" / "dgx1-v100.toml")), paper_model()
+    node, graph, model = "dgx1", load_topology(str(GRES_CONF / "dgx1-v100.toml")), paper_model()
     decided = f'sum(mapa_decisions_total{{node="{node}",outcome="mapa"}})'
     prologs = f'sum(mapa_prolog_duration_seconds_count{{node="{node}"}})'
     isolated = f'sum(mapa_isolation_requests_total{{node="{node}",outcome="isolated"}})'

@@ -295,8 +295,11 @@ def start_metrics(config_path: str, node: str) -> "AgentMetrics | None":
                                state=lambda: read_node_gauges(load_hook_config({"MAPA_CONFIG": config_path}, validate=False)[0], node))
         port = metrics.serve(host, port).server_port
     except ImportError:
+        from ...extras import install_hint
+
         print("mapa-agent: [metrics] listen is set but the prometheus_client module is missing (Debian: "
-              "python3-prometheus-client; pip: slurm-mapa[metrics]); no metrics", file=sys.stderr, flush=True)
+              f"python3-prometheus-client for the system's Python; or {install_hint('metrics', system_python=False)}); no metrics",
+              file=sys.stderr, flush=True)
         return None
     except OSError as error:
         print(f"mapa-agent: cannot serve metrics on {host}:{port} ({error}); no metrics", file=sys.stderr, flush=True)
