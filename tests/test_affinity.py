@@ -174,9 +174,10 @@ def test_prefer_takes_the_local_ring_until_it_loses_too_much():
     free = (1, 3, 4, 5)  # local to socket 0: 1 and 3 (one NVLink); 4-5 has a single NVLink too, 1-5 a double one
     plain = select("preserve", dgx, free, request, MODEL)
     assert not set(plain.gpus) <= {1, 3}
-    kept, why = select_with_affinity("preserve", dgx, free, request, parse_cpu_ids("0-19"), "prefer", max_loss=1.0)
+    kept, why = select_with_affinity("preserve", dgx, free, request, parse_cpu_ids("0-19"), "prefer", max_loss=1.0, model=MODEL)
     assert set(kept.gpus) == {1, 3} and why.local is True and why.value == "effective" and 0 < why.loss < 1
-    lost, why_not = select_with_affinity("preserve", dgx, free, request, parse_cpu_ids("0-19"), "prefer", max_loss=why.loss / 2)
+    lost, why_not = select_with_affinity("preserve", dgx, free, request, parse_cpu_ids("0-19"), "prefer", max_loss=why.loss / 2,
+                                         model=MODEL)
     assert lost == plain and why_not.local is False and why_not.loss == why.loss
 
 
@@ -231,7 +232,7 @@ def test_the_rule_matches_brute_force_on_every_free_set(name):
                         near = brute(local, k)[objective] if len(local) >= k else None
                         for mode in MODES:
                             for max_loss in ((0.0, 0.1, 0.25, 1.0) if mode == "prefer" else (0.25,)):
-                                result, why = select_with_affinity("preserve", graph, free, request, job_cpus, mode, max_loss=max_loss)
+                                result, why = select_with_affinity("preserve", graph, free, request, job_cpus, mode, max_loss=max_loss, model=MODEL)
                                 _check(graph, free, local, everywhere, near, objective, mode, max_loss, result, why)
                                 checked += 1
     assert checked > 10_000
@@ -297,7 +298,7 @@ def cases(draw):
 @given(cases())
 def test_rule_properties(case):
     graph, free, job_cpus, request, policy, mode, max_loss = case
-    result, why = select_with_affinity(policy, graph, free, request, job_cpus, mode, max_loss=max_loss)
+    result, why = select_with_affinity(policy, graph, free, request, job_cpus, mode, max_loss=max_loss, model=MODEL)
     plain = select(policy, graph, free, request, MODEL)
     local = why.local_gpus
     assert set(local) <= set(free)
@@ -330,8 +331,9 @@ def test_rule_properties(case):
             assert result == plain  # the local optimum loses too much: the global one
         elif loss < max_loss - 1e-9:
             assert result.gpus == near.gpus  # the local optimum
-    enforced, why_enforced = select_with_affinity(policy, graph, free, request, job_cpus, mode, max_loss=max_loss, enforce_binding=True)
-    strict, _ = select_with_affinity(policy, graph, free, request, job_cpus, "strict")
+    enforced, why_enforced = select_with_affinity(policy, graph, free, request, job_cpus, mode, max_loss=max_loss, enforce_binding=True,
+                                                  model=MODEL)
+    strict, _ = select_with_affinity(policy, graph, free, request, job_cpus, "strict", model=MODEL)
     assert enforced == strict and why_enforced.mode == "strict"
 
 

@@ -145,7 +145,7 @@ def test_outlook_over_running_jobs_matches_brute_force(name):
     for free, k, sensitive, running in running_cases(name, 40, seed=17):
         _, expected = brute_choice(name, free, k, sensitive, running=running)
         assert ahead.choose_set(graph, free, request(k, sensitive), MODEL, running=running) == expected, (free, k, sensitive, running)
-        result = select("preserve-ahead", graph, free, request(k, sensitive), running=running)
+        result = select("preserve-ahead", graph, free, request(k, sensitive), MODEL, running=running)
         assert tuple(sorted(result.gpus)) == expected
         # the order of the running jobs, and of the GPUs in each, does not matter
         shuffled = [tuple(reversed(g)) for g in reversed(running)]

@@ -93,8 +93,8 @@ def test_admin_md_decision_record_parses_and_has_every_field_the_writer_writes()
 
 def test_admin_md_decision_record_is_the_decision_made_today():
     from slurm_mapa.core.affinity import cpus_of_slurms_gpus, select_with_affinity
-    from slurm_mapa.core.model_files import paper_model
     from slurm_mapa.core.explain import reported_allocation
+    from slurm_mapa.hardware.load import model_for_topology
     from slurm_mapa.hardware.presets import preset
     from slurm_mapa.slurm.text.decision import affinity_token
     from slurm_mapa.slurm.text.directive import parse_comment, to_request
@@ -102,7 +102,8 @@ def test_admin_md_decision_record_is_the_decision_made_today():
     example = _record_example()
     recorded = parse_decisions(example)["dgx1"]
     config = HookConfig()
-    graph, model = preset("dgx1-v100"), paper_model()
+    graph = preset("dgx1-v100")
+    model = model_for_topology(graph)  # the node's default model, as the Prolog's
     request = to_request(parse_comment(example.split("#", 1)[0]), len(recorded.slurm_gpus))
     result, _ = select_with_affinity(
         config.policy, graph, recorded.free, request, cpus_of_slurms_gpus(graph, recorded.slurm_gpus), config.affinity_mode,

@@ -133,7 +133,8 @@ POLICY_TABLE = [
     ("greedy takes the double link", "dgx1-v100", range(8), 2, False, "greedy", {0, 3}),
     ("preserve: sensitive pair gets a double link", "dgx1-v100", range(8), 2, True, "preserve", {0, 3}),
     ("preserve: insensitive job takes the GPU that strands least", "dgx1-v100", [0, 1, 2, 3, 5], 1, False, "preserve", {5}),
-    ("preserve: PIX pair for a sensitive pair on PCIe", "pcie-8", [1, 2, 4, 5], 2, True, "preserve", {1, 2}),
+    # 4,5 sit behind one PCIe switch (PIX); 1,2 reach each other through the host bridge (PHB)
+    ("preserve: PIX pair for a sensitive pair on PCIe", "pcie-8", [1, 2, 4, 5], 2, True, "preserve", {4, 5}),
     ("preserve: summit triangle", "summit", [0, 2, 3, 4, 5], 3, True, "preserve", {3, 4, 5}),
 ]
 
@@ -188,12 +189,14 @@ def test_one_bandwidth_per_gpu_set_for_collectives_and_order_for_rank_patterns()
         assert alt.placement.effective_bandwidth == pytest.approx(best)
 
 
-def test_the_dgx1_v100_is_still_priced_by_the_papers_model():
-    """Models per server (issue 27) leave the paper's machine alone: its own model is the paper's, so
-    every choice and every pinned value above stays as it was."""
+def test_the_paper_model_is_reproduced_by_name_and_prices_the_dgx1_by_default_no_more():
+    """The values above are the paper's model's, named (issue 38): the DGX-1 V100's default model
+    is one true to its links; the paper's regression keeps its numbers under its own name."""
+    from slurm_mapa.core.model_files import load_model
     from slurm_mapa.hardware.load import model_for_topology
 
-    model = model_for_topology(preset("dgx1-v100"))
+    assert model_for_topology(preset("dgx1-v100")).name == "derived-dgx1-v100"
+    model = load_model("mapa-paper-dgx1")
     assert model is paper_model()
     assert round(model.predict((2, 0, 0)), 6) == 58.925036 and round(model.predict((0, 3, 2)), 6) == 53.608775
 

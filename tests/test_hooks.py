@@ -483,24 +483,26 @@ def test_a_job_that_ended_after_squeue_listed_it_is_not_adopted(setup):
 
 def test_the_prolog_uses_preserve_aheads_configured_sizes(tmp_path):
     from slurm_mapa.core.ahead import make_preserve_ahead
-    from slurm_mapa.core.model_files import paper_model
+    from slurm_mapa.hardware.load import model_for_topology
 
     config = HookConfig(ledger=tmp_path / "l.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),),
                         policy="preserve-ahead", ahead_sizes=((4, 1.0),))
     slurm, logs = FakeSlurm(), []
     slurm.running = {"1", "2"}
-    LedgerFile(config.ledger, 8).write(Ledger({"1": Holding((3, 6), "preserve-ahead", 1.0)}))  # free: 0,1,2,4,5,7
+    LedgerFile(config.ledger, 8).write(Ledger({"1": Holding((0, 1), "preserve-ahead", 1.0)}))  # free: 2-7
     config.jobs_dir.mkdir(mode=0o755)
-    write_job_file(config.jobs_dir, "1", (3, 6))
-    decision = run_prolog(env_for("2", "0,1", "mapa:topology=ring sensitive=no"), config, slurm, logs.append)
+    write_job_file(config.jobs_dir, "1", (0, 1))
+    decision = run_prolog(env_for("2", "2,3,4", "mapa:topology=ring sensitive=no"), config, slurm, logs.append)
     graph = preset("dgx1-v100")
+    model = model_for_topology(graph)  # the node's default, as the Prolog's
     policy = make_preserve_ahead({4: 1.0})
-    want = policy(graph, (0, 1, 2, 4, 5, 7), Request(make_pattern("ring", 2), False), paper_model(), running=((3, 6),))
-    assert decision.policy == "preserve-ahead" and sorted(decision.gpus) == sorted(want.gpus) == [0, 2]
-    assert decision.running == ((3, 6),) and "running=3,6" in slurm.admin["2"]
+    free = (2, 3, 4, 5, 6, 7)
+    want = policy(graph, free, Request(make_pattern("ring", 3), False), model, running=((0, 1),))
+    assert decision.policy == "preserve-ahead" and sorted(decision.gpus) == sorted(want.gpus) == [2, 3, 6]
+    assert decision.running == ((0, 1),) and "running=0,1" in slurm.admin["2"]
     # Without job 1's GPUs in the outlook the choice would differ: the Prolog hands them over.
-    alone = policy(graph, (0, 1, 2, 4, 5, 7), Request(make_pattern("ring", 2), False), paper_model())
-    assert sorted(alone.gpus) == [2, 7]
+    alone = policy(graph, free, Request(make_pattern("ring", 3), False), model)
+    assert sorted(alone.gpus) == [2, 3, 4]
 
 
 def test_a_job_whose_prolog_is_running_is_not_adopted_but_one_whose_prolog_died_is(setup):

@@ -48,9 +48,9 @@ def test_each_node_type_is_priced_by_its_own_model_unless_one_is_given():
 
     own = replay()["model"]
     assert own["per_node_type"] is True
-    assert [m["name"] for m in own["models"]] == ["mapa-dgx1-v100", "nccl-tests-hgx-h100"]
-    one = replay("--model", "mapa-dgx1-v100")["model"]
-    assert one["per_node_type"] is False and [m["name"] for m in one["models"]] == ["mapa-dgx1-v100"]
+    assert [m["name"] for m in own["models"]] == ["derived-dgx1-v100", "nccl-tests-hgx-h100"]
+    one = replay("--model", "mapa-paper-dgx1")["model"]
+    assert one["per_node_type"] is False and [m["name"] for m in one["models"]] == ["mapa-paper-dgx1"]
     # On the H100 node alone: its published nccl-tests curve (370 GB/s for 2-4 GPUs, up to 480) prices
     # every sensitive job, not the DGX-1 regression (58.9 GB/s for a 2-GPU ring).
     def sensitive(*extra: str) -> dict:
@@ -60,4 +60,4 @@ def test_each_node_type_is_priced_by_its_own_model_unless_one_is_given():
         return json.loads(out.getvalue())["policies"][0]["effective_bw_sensitive"]
 
     assert sensitive()["min"] >= 370.0 and sensitive()["max"] <= 480.0
-    assert sensitive("--model", "mapa-dgx1-v100")["min"] < 100.0
+    assert sensitive("--model", "mapa-paper-dgx1")["min"] < 100.0

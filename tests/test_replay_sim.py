@@ -89,7 +89,10 @@ def test_decisions_are_memoised_per_state():
 
 
 def test_preserve_improves_the_lower_tail_on_the_paper_workload_dgx1():
-    decider = Decider()
+    """The paper's result, with the paper's model named (issue 38: it is no server's default)."""
+    from slurm_mapa.core.model_files import paper_model
+
+    decider = Decider(model=paper_model())
     results = {p: simulate(generate("paper", 300, seed=1, load=4), DGX, p, decider=decider)
                for p in ("baseline", "topo-aware", "greedy", "preserve")}
     pres = results["preserve"].eff_sensitive
@@ -216,9 +219,9 @@ def test_audit_replays_preserve_ahead_with_the_running_jobs_it_recorded():
 
     graph = preset("dgx1-v100")
     free, running = (0, 1, 2, 3), ((4, 5), (6, 7))
-    chosen = tuple(sorted(select("preserve-ahead", graph, free, request_for("ring", 2, False), running=running).gpus))
-    assert chosen != tuple(sorted(select("preserve-ahead", graph, free, request_for("ring", 2, False)).gpus))
-    jobs = [Job("9", 0, 10, 2, node="n1", recorded=chosen, start=0, recorded_free=free, recorded_running=running)]
+    chosen = tuple(sorted(select("preserve-ahead", graph, free, request_for("ring", 3, False), running=running).gpus))
+    assert chosen != tuple(sorted(select("preserve-ahead", graph, free, request_for("ring", 3, False)).gpus))
+    jobs = [Job("9", 0, 10, 3, node="n1", recorded=chosen, start=0, recorded_free=free, recorded_running=running)]
     result = audit(jobs, DGX, ["preserve-ahead"], Decider())
     assert result["policies"]["preserve-ahead"]["same_set"] == 1
     jobs[0].recorded_running = ()

@@ -490,7 +490,7 @@ def test_explain_shows_the_recorded_model_and_mark(capsys):
     assert entries["mi1"]["alternatives"] and not any(alt["extrapolated"] for alt in entries["mi1"]["alternatives"])
     # an old record (no model=) is priced again by the paper's model, as the hooks then did
     (old,) = explain_job(config, "mapa:topology=ring sensitive=yes # mi1=0,1 policy=preserve free=0-7 eff=58.925")
-    assert old["alternatives_model"] == "mapa-dgx1-v100" and old["model"] is None
+    assert old["alternatives_model"] == "mapa-paper-dgx1" and old["model"] is None  # (its name since issue 38)
     assert all(alt["extrapolated"] for alt in old["alternatives"])  # xGMI links: outside the paper's links
 
 

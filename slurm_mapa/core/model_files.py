@@ -243,12 +243,21 @@ _MODELS_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
 GROUNDED_MODEL_FILE = "link-bound.toml"
 
 
+PAPER_MODEL = "mapa-paper-dgx1"
+# The paper's regression's name before it stopped being the DGX-1 V100's default (decision records
+# and configs of earlier releases name it): still read as the paper's model.
+PAPER_MODEL_OLD_NAME = "mapa-dgx1-v100"
+# Models that reproduce a paper and rank no server unless asked for by name.
+REPRODUCTION_ONLY = frozenset({PAPER_MODEL})
+
+
 @lru_cache(maxsize=None)
 def paper_model() -> EffectiveBandwidthModel:
-    """The MAPA paper's DGX-1 V100 model, shipped as package data."""
+    """The MAPA paper's DGX-1 V100 regression (its Table 2), shipped as package data under its own
+    name; no server's default (docs/engine.md, "The paper's model")."""
     # A path next to the package, not importlib.resources: the Prolog pays for every import.
-    text = (_MODELS_DIR / "mapa-dgx1-v100.toml").read_text()
-    return load_model_text(text, source="mapa-dgx1-v100.toml")
+    text = (_MODELS_DIR / f"{PAPER_MODEL}.toml").read_text()
+    return load_model_text(text, source=f"{PAPER_MODEL}.toml")
 
 
 def bundled_model_names() -> list[str]:
@@ -256,8 +265,13 @@ def bundled_model_names() -> list[str]:
     return sorted(p.stem for p in _MODELS_DIR.glob("*.toml") if p.name != GROUNDED_MODEL_FILE)
 
 
+def is_bundled_model(name: str) -> bool:
+    """Whether ``name`` names a bundled model (its file's stem, or the paper model's old name)."""
+    return name == PAPER_MODEL_OLD_NAME or name in bundled_model_names()
+
+
 def load_model(name_or_path: str) -> EffectiveBandwidthModel:
-    """A model file by path, or a bundled model by name (``mapa-dgx1-v100``, ``bottleneck-generic``)."""
+    """A model file by path, or a bundled model by name (``mapa-paper-dgx1``, ``bottleneck-generic``)."""
     if os.path.isfile(name_or_path):
         return load_model_file(name_or_path)
     stem = name_or_path[:-5] if name_or_path.endswith(".toml") else name_or_path
@@ -266,7 +280,7 @@ def load_model(name_or_path: str) -> EffectiveBandwidthModel:
             f"model {name_or_path!r} is the link-bound reporting model: it scores a chosen GPU set but cannot rank "
             f"placements (accepted: a model file or one of {', '.join(bundled_model_names())})"
         )
-    if stem in bundled_model_names():
+    if is_bundled_model(stem):
         return bundled_model(stem)
     raise InputError(f"no model file or bundled model {name_or_path!r} (accepted: a model file path or one of {', '.join(bundled_model_names())})")
 
@@ -274,7 +288,7 @@ def load_model(name_or_path: str) -> EffectiveBandwidthModel:
 @lru_cache(maxsize=None)
 def bundled_model(name: str) -> EffectiveBandwidthModel:
     """A model shipped in ``data/models`` by its name (the file's stem), read once."""
-    if name == "mapa-dgx1-v100":
+    if name in (PAPER_MODEL, PAPER_MODEL_OLD_NAME):
         return paper_model()
     return load_model_text((_MODELS_DIR / f"{name}.toml").read_text(), source=f"{name}.toml")
 

@@ -25,7 +25,7 @@ from ..errors import InputError
 from .ahead import AHEAD_POLICIES
 from .allocation import Allocation, NoFit, Policy, Request, order_within
 from .effbw import EffectiveBandwidthModel
-from .model_files import paper_model
+from .server_models import default_model
 from .hardware import HardwareGraph
 from .peers import PEER_POLICIES
 from .search import SearchLimit, best_placement
@@ -125,11 +125,11 @@ def select(
     if limit is not None and getattr(chosen_policy, "takes_limit", False):
         extra["limit"] = limit
     try:
-        return chosen_policy(graph, free_tuple, request, model or paper_model(), **extra)
+        return chosen_policy(graph, free_tuple, request, model or default_model(graph), **extra)
     except OutOfWork:
         # A policy that cannot decide on this node (preserve-ahead on more than 16 GPUs): Preserve
         # chooses, within the limit, and the allocation says it was Preserve.
-        return preserve(graph, free_tuple, request, model or paper_model(), limit=limit)
+        return preserve(graph, free_tuple, request, model or default_model(graph), limit=limit)
 
 
 def running_groups(graph: HardwareGraph, free: tuple[int, ...], running: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:

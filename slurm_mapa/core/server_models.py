@@ -8,11 +8,12 @@ Imports :mod:`.effbw` (the model types), :mod:`.model_files` (the bundled models
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any, Mapping
 
 from .effbw import DEFAULT_PCIE_PATH_FACTORS, EffectiveBandwidthModel
 from .links import PCIE_LEVELS, Link
-from .model_files import bundled_model, bundled_model_names, paper_model
+from .model_files import REPRODUCTION_ONLY, bundled_model, bundled_model_names, paper_model
 
 
 def _path_bandwidth(graph: Any, link: Link, pcie_factors: Mapping[str, float] | None = None) -> float:
@@ -117,14 +118,27 @@ def covers(model: EffectiveBandwidthModel, graph: Any) -> int | None:
     return len(model.fitted_links) - len(used)
 
 
+@lru_cache(maxsize=256)
+def default_model(graph: Any) -> EffectiveBandwidthModel:
+    """The model a policy ranks ``graph``'s GPU sets by when it is given none: :func:`matching_model`
+    (a preset's own numbers; hardware.load.model_for_topology also gives a preset its file's name)."""
+    return matching_model(graph)
+
+
 def matching_model(graph: Any) -> EffectiveBandwidthModel:
-    """The bundled model fitted on exactly this server's link classes (at its bandwidths), else the one fitted
-    on the fewest others besides them, else a model derived for it (:func:`derived_model`). Between models
-    that cover it equally, a fitted one beats a published one, which beats a derived one."""
-    rank = {"fitted": 0, "published": 1, "": 2, "derived": 3}
+    """The bundled model fitted or published on exactly this server's link classes (at its bandwidths),
+    else the one fitted on the fewest others besides them, else a model derived for it
+    (:func:`derived_model`). Between models that cover it equally, a fitted one beats a published
+    one. The paper's regression (REPRODUCTION_ONLY) and the presets' derived files are never matched."""
+    rank = {"fitted": 0, "published": 1, "": 2}
     best: tuple[int, int, str] | None = None
     for name in bundled_model_names():
         model = bundled_model(name)
+        # The paper's regression reproduces the paper; it ranks no server by default (it is not
+        # monotone in link quality: docs/engine.md). A bundled derived model is its preset's: any
+        # other server gets one derived for it (same numbers for the same links, its own name).
+        if name in REPRODUCTION_ONLY or model.basis not in rank:
+            continue
         extra = covers(model, graph)
         if extra is not None and (best is None or (extra, rank[model.basis], name) < best):
             best = (extra, rank[model.basis], name)
@@ -156,6 +170,17 @@ def _reference_class(link: Link) -> int:
     return 0 if link.links >= 2 else 1
 
 
+def relative_path_factors(graph: Any) -> dict[str, float]:
+    """DEFAULT_PCIE_PATH_FACTORS divided by that of the best PCIe level among ``graph``'s pairs (so
+    that level keeps the graph's bandwidth and each slower level is scaled below it)."""
+    levels = {graph.link(a, b).level for a, b in graph.pairs() if graph.link(a, b).kind == "pcie"}
+    known = [DEFAULT_PCIE_PATH_FACTORS[level] for level in levels if level in DEFAULT_PCIE_PATH_FACTORS]
+    if not known:
+        return {}
+    best = max(known)
+    return {level: factor / best for level, factor in DEFAULT_PCIE_PATH_FACTORS.items()}
+
+
 def derived_model(graph: Any, *, name: str | None = None) -> EffectiveBandwidthModel:
     """A model for ``graph`` from its links' bandwidths and the fitted DGX-1 efficiency curve (``basis = "derived"``).
 
@@ -163,14 +188,18 @@ def derived_model(graph: Any, *, name: str | None = None) -> EffectiveBandwidthM
     levels at the graph's own bandwidths, unscaled); each class's GB/s at k = 2..5 edges is its bandwidth x :func:`dgx1_efficiency`
     of its reference class; a pattern gets its slowest used class's value at its edge count.
     """
-    # No PCIe path factors: the DGX-1's PCIe curve was measured on its own paths (all SYS) counted at
-    # 12 GB/s, so every level takes the graph's own PCIe bandwidth, as the paper's Table 1 does.
-    base = bottleneck_model(graph, pcie_factors={})
+    # PCIe paths in order (PIX > PXB > PHB > NODE > SYS, as NCCL and nvidia-smi order them): when
+    # the graph gives every level the same bandwidth, the best level present keeps it and each
+    # slower one is scaled down by DEFAULT_PCIE_PATH_FACTORS relative to it. A server with one
+    # level only keeps the graph's bandwidth: the DGX-1's PCIe curve was measured on its own paths
+    # (all SYS) counted at 12 GB/s, as the paper's Table 1 does.
+    base = bottleneck_model(graph, pcie_factors=relative_path_factors(graph))
     links = {graph.link(a, b) for a, b in graph.pairs()}
     curves = []
+    factors = relative_path_factors(graph)
     for selectors, bandwidth in zip(base.selectors, base.class_bandwidths):
         link = next(link for link in sorted(links) if _selector(link) == selectors[0] and
-                    round(_path_bandwidth(graph, link, {}), 6) == bandwidth)
+                    round(_path_bandwidth(graph, link, factors), 6) == bandwidth)
         reference = _reference_class(link)
         curves.append(tuple((k, round(bandwidth * dgx1_efficiency(reference, k), 3)) for k in _CURVE_EDGES))
     fitted_links = tuple(sorted({(link.token, graph.bandwidths.of(link)) for link in links}))

@@ -216,10 +216,11 @@ PRESETS: dict[str, Callable[[], HardwareGraph]] = {
 
 
 # The effective-bandwidth model that prices each preset (data/models/NAME.toml; docs/engine.md):
-# the paper's fitted regression for the machine it was fitted on, published nccl-tests figures
-# where we found them, else a model derived from the links and the DGX-1 efficiency curve.
+# published nccl-tests figures where we found them, else a model derived from the links and the
+# DGX-1 efficiency curve (the DGX-1 V100 too: the paper's own regression, mapa-paper-dgx1, is not
+# monotone in link quality and ranks no server by default).
 PRESET_MODELS: dict[str, str] = {
-    "dgx1-v100": "mapa-dgx1-v100",
+    "dgx1-v100": "derived-dgx1-v100",
     "dgx1-p100": "derived-dgx1-p100",
     "summit": "derived-summit",
     "torus2d-16": "derived-torus2d-16",

@@ -140,9 +140,9 @@ class HookConfig:
 def _check_model_setting(value: str, where: str, source: str) -> None:
     """A model setting is "auto", "", a bundled model's name or a model file (anything with a / or
     ending in .toml, checked when it is used, like a topology file)."""
-    from ..core.model_files import bundled_model_names
+    from ..core.model_files import bundled_model_names, is_bundled_model
 
-    if value in ("", "auto") or "/" in value or value.endswith(".toml") or value in bundled_model_names():
+    if value in ("", "auto") or "/" in value or value.endswith(".toml") or is_bundled_model(value):
         return
     names = bundled_model_names()
     close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)

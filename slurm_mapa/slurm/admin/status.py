@@ -12,7 +12,7 @@ import socket
 from typing import Any
 
 from ...core.effbw import EffectiveBandwidthModel
-from ...core.model_files import bundled_model, bundled_model_names, paper_model
+from ...core.model_files import bundled_model, is_bundled_model, paper_model
 from ...core.server_models import out_of_range
 from ...core.explain import alternatives
 from ...core.policies import Allocation, Request
@@ -118,7 +118,7 @@ def _recorded_model(config: HookConfig, node: str, graph: Any, recorded: str) ->
     named a file, so that is what prices it again."""
     from ...hardware.load import resolve_model
 
-    if recorded in bundled_model_names():
+    if is_bundled_model(recorded):
         return bundled_model(recorded)
     if recorded:
         return resolve_model(config.model_for(node), graph)
