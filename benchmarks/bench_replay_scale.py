@@ -64,11 +64,20 @@ def work_nodes(jobs: int, nodes: int, choice: str, policy: str) -> dict:
     from slurm_mapa.replay.generate import generate
     from slurm_mapa.replay.simulate import Decider, Node, Options, simulate
 
+    try:
+        from slurm_mapa.core.model_files import load_model
+    except ImportError:  # a revision before core/effbw.py was split (50a51e8)
+        from slurm_mapa.core.effbw import load_model
+
     graph = preset("dgx1-v100")  # one graph object for every node, as mapa-replay builds them
     cluster = [Node(f"n{i}", graph) for i in range(nodes)]
+    # One model named on both sides, so that the two trees replay the same decisions (the default
+    # model of a node may change between revisions: issue 38 changed the DGX-1 V100's). The paper's
+    # regression has this name in every revision.
+    model = load_model("mapa-dgx1-v100")
     t0, c0 = time.perf_counter(), time.process_time()
     result = simulate(generate("paper", jobs, seed=1, load=LOAD_PER_NODE * nodes), cluster, policy, Options(node_choice=choice),
-                      decider=Decider())
+                      decider=Decider(model=model))
     elapsed = time.perf_counter() - t0
     return {"jobs": result.jobs, "decisions": result.decisions, "s": elapsed, "cpu_s": time.process_time() - c0,
             "peak_mib": _peak_mib(),
