@@ -1349,3 +1349,29 @@ def journal_notes(tmp_path):
         if entry is not None:
             found.append((name, entry))
     return found
+
+
+def test_a_second_request_never_moves_a_task_to_a_wider_cgroup(node):
+    """Issue 36 (low): with isolation_scope = "task" on v1, a task isolated to its own GPU could ask
+    again (a user's --task-prolog runs after the site's TaskProlog, before exec) naming its step's
+    whole set, and was moved up to the step's cgroup. A task is never moved up."""
+    agent, proc, cgroupfs, _, configure, tmp_path = node
+    text = (tmp_path / "mapa.toml").read_text().replace('isolation = "fail-open"\n', 'isolation = "fail-open"\nisolation_scope = "task"\n')
+    (tmp_path / "mapa.toml").write_text(text)
+    (tmp_path / "jobs" / "12").write_text("MAPA_GPUS=4,5,6,7\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=4,5,6,7\n")
+    as_spank, as_taskprolog = _as_spank_then_taskprolog(proc, "1", "0")
+    as_spank()
+    assert agent.isolate(os.getpid(), 0, {"MAPA_STEP_ENV": "1", "SLURM_STEP_GPUS": "0,1"}).startswith("done cgroup-v1 gpus=4,5 ")
+    as_taskprolog()
+    first = agent.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": "0"})
+    task_dir = cgroupfs / "devices" / "mapa" / "job_12" / "step_1" / "task_0"
+    assert first.startswith(f"done cgroup-v1 gpus=4 job 12 step 1 task pid 5000: GPUs 4 in {task_dir}"), first
+    # The kernel now shows the task in its task cgroup (the fake /proc is updated as the kernel would).
+    moved = (V1_BATCH.replace("step_batch/task_0", "step_1/task_0").replace("step_batch", "step_1")
+             .replace("12:devices:/system.slice/slurmd.service", "12:devices:/mapa/job_12/step_1/task_0"))
+    proc.add(5000, "slurmstepd", 4000, USER, moved, exe=STEPD)
+    proc.add(5001, "sh", 5000, USER, moved, exe="/bin/dash")
+    proc.add(os.getpid(), "python3", 5001, USER, moved)
+    second = agent.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": "0,1"})  # names the whole step
+    assert "kept: a task is never moved to a wider cgroup" in second and second.startswith("done cgroup-v1 gpus=4 "), second
+    assert "5000" not in lines(task_dir.parent / "cgroup.procs")  # the task was never written into the step's cgroup

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from typing import Callable, Mapping
 from ...errors import MapaError
 from .bpf import attach_device_program
 from .cgroups import (apply_v1, apply_v2, check_v2_job_cgroup_owner, find_task_process, read_proc_cgroup, read_process,
-                      slurmstepd_binary_problem, v1_step_minors)
+                      slurmstepd_binary_problem, v1_allowed_minors, v1_directories, v1_step_minors)
 from .rules import (RENDER_MINORS, IsolationError, ProcessInfo, SlurmCgroup, cgroup_mounts, device_rules, devices_cgroup_path,
                     gpus_of_step, in_mapa_job_cgroup, is_numbered_step, parse_proc_cgroup)
 
@@ -83,6 +84,8 @@ class Isolator:
         # (job, step) -> the step's GPUs, as the SPANK plugin's request (root, before Slurm narrows
         # the environment to each task) said: a TaskProlog's request then knows the whole step's.
         self.steps: dict[tuple[str, str], tuple[int, ...]] = {}
+        # (job, step, task) -> the GPUs a v1 task cgroup was configured with (isolation_scope = "task")
+        self.tasks: dict[tuple[str, str, str], tuple[int, ...]] = {}
 
     def isolate(self, peer_pid: int, peer_uid: int, request: Mapping[str, str],
                 job_devices: Callable[[str], JobDevices], scope: str = "step",
@@ -154,6 +157,18 @@ class Isolator:
                     raise IsolationError("Slurm uses cgroup v1 here, but no v1 devices hierarchy is mounted")
                 if "task" in rules and cgroup.task is None:
                     raise IsolationError(f"task {task.pid}'s v1 cgroups name no task level: no per-task isolation")
+                held = self._v1_narrower_already(Path(mounts[0]), task.pid, cgroup, devices,
+                                                 2 if "task" in rules else 1 if "step" in rules else 0, openable)
+                if held is not None:
+                    where, kept = held
+                    kept_text = ",".join(map(str, kept)) or "none"
+                    return Outcome("cgroup-v1", cgroup.job_id, cgroup.step,
+                                   f"gpus={kept_text} job {cgroup.job_id} step {cgroup.step} task pid {task.pid}: GPUs {kept_text} "
+                                   f"in {where} (kept: a task is never moved to a wider cgroup)")
+                if task_gpus is not None and cgroup.task is not None:
+                    if len(self.tasks) > 100000:
+                        self.tasks.clear()
+                    self.tasks[(cgroup.job_id, cgroup.step, cgroup.task)] = task_gpus
                 where = apply_v1(Path(mounts[0]), cgroup.job_id, rules[None], cgroup.step, rules.get("step"), task.pid,
                                  configured=self.configured, task=cgroup.task, task_rules=rules.get("task"))
                 return Outcome("cgroup-v1", cgroup.job_id, cgroup.step,
@@ -213,6 +228,40 @@ class Isolator:
                     continue  # the process ended, or the cgroup cannot be written: the next pass tries again
             moved[cgroup.job_id] = moved.get(cgroup.job_id, 0) + 1
         return moved
+
+    def _v1_narrower_already(self, devices_root: Path, pid: int, cgroup: SlurmCgroup, devices: JobDevices,
+                             target_depth: int, asked: tuple[int, ...]) -> tuple[Path, tuple[int, ...]] | None:
+        """Where task ``pid`` already is, and what it may open there, when that is a MAPA cgroup of
+        its own job and step deeper than the request's (0 job, 1 step, 2 task); else None. A task
+        is never moved up: a second request from the same task (a user's own --task-prolog after
+        the site's TaskProlog, or a request after an agent restart that knows less of the step)
+        cannot widen what the first one narrowed. The GPUs come from the kernel's list of that
+        cgroup, else from what this agent configured there, else (a default-allow cgroup after a
+        restart: the kernel does not list it) the request's own set is named, the task staying put."""
+        try:
+            current = devices_cgroup_path(read_proc_cgroup(self.proc, pid))
+        except OSError:
+            return None
+        match = re.search(rf"/mapa/job_{re.escape(cgroup.job_id)}(?:/step_([^/]+)(?:/task_([0-9]+))?)?$", current or "")
+        if match is None or (match[1] is not None and match[1] != cgroup.step):
+            return None
+        depth = 2 if match[2] is not None else 1 if match[1] is not None else 0
+        if depth <= target_depth:
+            return None
+        job_dir, step_dir = v1_directories(devices_root, cgroup.job_id, cgroup.step)
+        where = step_dir / f"task_{match[2]}" if depth == 2 and step_dir is not None else step_dir
+        if where is None:
+            return None
+        (rule,) = device_rules(devices.vendor, [])
+        try:
+            minors = v1_allowed_minors((where / "devices.list").read_text(), rule)
+        except (OSError, IsolationError):
+            minors = None
+        if minors is not None:
+            return where, tuple(gpu for gpu in devices.job_gpus if devices.minors(gpu) in minors)
+        known = self.tasks.get((cgroup.job_id, cgroup.step, match[2] or "")) if depth == 2 else None
+        known = known if known is not None or depth == 2 else self.steps.get((cgroup.job_id, cgroup.step))
+        return where, known if known is not None else asked
 
     @staticmethod
     def _v1_step_from_kernel(devices_root: Path, cgroup: SlurmCgroup, devices: JobDevices) -> tuple[int, ...] | None:
