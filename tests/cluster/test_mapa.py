@@ -283,7 +283,9 @@ def test_preserve_ahead_decides_with_the_running_jobs_and_its_log_replays_exactl
     assert 'policy = "preserve"\n' in base
     cluster.exec("dgx1", ["sh", "-c", "cat > /etc/slurm/mapa.toml"], input=base.replace('policy = "preserve"\n', 'policy = "preserve-ahead"\n'))
     try:
-        steps = [("A", 3, False), ("B", 2, False), ("C", 2, False), ("release", "A"), ("D", 2, True)]
+        # Chosen so that the running jobs change at least two decisions under the node's default model
+        # whatever GPU indices Slurm gives each job (checked offline over every index choice).
+        steps = [("A", 2, False), ("B", 3, False), ("C", 2, False), ("release", "A"), ("D", 2, True)]
         ids, running_mattered = _run_job_sequence(cluster, "preserve-ahead", steps)
         assert running_mattered >= 1  # the sequence would not tell a policy blind to running jobs apart
         for jobid in ids.values():

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.core.features import best_free
 from slurm_mapa.core.search import preserved_bandwidth
-from slurm_mapa.hardware.load import load_topology
+from slurm_mapa.hardware.load import load_topology, resolve_model
 from slurm_mapa.slurm.text.decision import parse_decisions
 from slurm_mapa.slurm.agent.metrics import ring_sizes
 
@@ -87,7 +86,8 @@ def test_promtool_accepts_the_example_alert_rules(cluster):
 
 def test_prometheus_sees_what_the_jobs_got(cluster):
     wait_for_targets(cluster)
-    node, graph, model = "dgx1", load_topology(str(GRES_CONF / "dgx1-v100.toml")), paper_model()
+    node, graph = "dgx1", load_topology(str(GRES_CONF / "dgx1-v100.toml"))
+    model = resolve_model("", graph)  # the node's default model (mapa.toml's model = "auto"), as the agent's
     decided = f'sum(mapa_decisions_total{{node="{node}",outcome="mapa"}})'
     prologs = f'sum(mapa_prolog_duration_seconds_count{{node="{node}"}})'
     isolated = f'sum(mapa_isolation_requests_total{{node="{node}",outcome="isolated"}})'
