@@ -358,6 +358,15 @@ def fake_binary_problem(exe_link):
 USER = 1000  # the job's user (the agent gets it from the socket; these tests pass it)
 
 
+def _as_task(proc, cgroup_text: str) -> None:
+    """The test process as a TaskProlog's client, all three in the cgroups of ``cgroup_text``: this
+    process (pid os.getpid()), its TaskProlog's shell (5001) and the task before exec (5000, a
+    slurmstepd of the job's user, child of the step's slurmstepd 4000)."""
+    proc.add(os.getpid(), "python3", 5001, USER, cgroup_text)
+    proc.add(5001, "sh", 5000, USER, cgroup_text, exe="/bin/dash")
+    proc.add(5000, "slurmstepd", 4000, USER, cgroup_text, exe=STEPD)
+
+
 @pytest.fixture
 def node(tmp_path):
     """A node: config, jobs directory with job 12 (GPUs 4,5), a fake /proc and cgroupfs, an agent."""
@@ -372,10 +381,7 @@ def node(tmp_path):
     mountinfo.write_text(f"36 31 0:33 / {cgroupfs}/devices rw - cgroup cgroup rw,devices\n"
                          f"41 31 0:38 / {cgroupfs}/unified rw - cgroup2 cgroup2 rw\n")
     proc = FakeProc(tmp_path / "proc")
-    me, uid = os.getpid(), USER
-    proc.add(me, "python3", 5001, uid, V1_BATCH)  # the client: this test, in its task's cgroups
-    proc.add(5001, "sh", 5000, uid, V1_BATCH, exe="/bin/dash")  # the TaskProlog
-    proc.add(5000, "slurmstepd", 4000, uid, V1_BATCH, exe=STEPD)  # the task, before exec
+    _as_task(proc, V1_BATCH)  # this test as the TaskProlog's client, the TaskProlog, the task before exec
     proc.add(4000, "slurmstepd", 1, 0, "", exe=STEPD)  # the step's slurmstepd
     attached: list[tuple[Path, bytes]] = []
     agent = Agent(str(tmp_path / "mapa.toml"), node="dgx1",
@@ -1064,9 +1070,7 @@ def _as_spank_then_taskprolog(proc, step, task):
         proc.add(me, "slurmstepd", 4000, 0, text.replace(f"/task_{task}", ""), exe=STEPD)  # not in its task cgroup yet
 
     def as_taskprolog():
-        proc.add(me, "python3", 5001, USER, text)
-        proc.add(5001, "sh", 5000, USER, text, exe="/bin/dash")
-        proc.add(5000, "slurmstepd", 4000, USER, text, exe=STEPD)
+        _as_task(proc, text)
 
     return as_spank, as_taskprolog
 
@@ -1232,18 +1236,14 @@ def test_a_task_in_cgroups_its_user_made_inside_their_step_is_refused(node):
     agent, proc, cgroupfs, _, _, tmp_path = node
     (tmp_path / "jobs" / "999").write_text("MAPA_GPUS=0,1\n")
     nested = V1_BATCH.replace("/slurm/uid_1000/job_12/step_batch", "/slurm/uid_1000/job_12/step_batch/slurm/uid_1001/job_999/step_batch")
-    for pid in (os.getpid(), 5001, 5000):
-        proc.add(pid, *{os.getpid(): ("python3", 5001), 5001: ("sh", 5000), 5000: ("slurmstepd", 4000)}[pid], USER, nested,
-                 exe=STEPD if pid == 5000 else "/bin/dash")
+    _as_task(proc, nested)
     answer = agent.isolate(os.getpid(), USER, {})
     assert answer.startswith("done failed-open") and "no Slurm job cgroup" in answer, answer
     assert not (cgroupfs / "devices" / "mapa" / "job_999").exists()
     assert agent.job_of(5000) is None  # the public socket turns it away before any work
     # Another user's uid_ level, not nested: refused too.
     other = V1_BATCH.replace("uid_1000", "uid_1001")
-    for pid in (os.getpid(), 5001, 5000):
-        proc.add(pid, *{os.getpid(): ("python3", 5001), 5001: ("sh", 5000), 5000: ("slurmstepd", 4000)}[pid], USER, other,
-                 exe=STEPD if pid == 5000 else "/bin/dash")
+    _as_task(proc, other)
     answer = agent.isolate(os.getpid(), USER, {})
     assert answer.startswith("done failed-open") and "a cgroup of uid 1001's jobs" in answer, answer
 
@@ -1369,9 +1369,7 @@ def test_a_second_request_never_moves_a_task_to_a_wider_cgroup(node):
     # The kernel now shows the task in its task cgroup (the fake /proc is updated as the kernel would).
     moved = (V1_BATCH.replace("step_batch/task_0", "step_1/task_0").replace("step_batch", "step_1")
              .replace("12:devices:/system.slice/slurmd.service", "12:devices:/mapa/job_12/step_1/task_0"))
-    proc.add(5000, "slurmstepd", 4000, USER, moved, exe=STEPD)
-    proc.add(5001, "sh", 5000, USER, moved, exe="/bin/dash")
-    proc.add(os.getpid(), "python3", 5001, USER, moved)
+    _as_task(proc, moved)
     second = agent.isolate(os.getpid(), USER, {"SLURM_STEP_GPUS": "0,1"})  # names the whole step
     assert "kept: a task is never moved to a wider cgroup" in second and second.startswith("done cgroup-v1 gpus=4 "), second
     assert "5000" not in lines(task_dir.parent / "cgroup.procs")  # the task was never written into the step's cgroup

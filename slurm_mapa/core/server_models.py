@@ -193,10 +193,10 @@ def derived_model(graph: Any, *, name: str | None = None) -> EffectiveBandwidthM
     # slower one is scaled down by DEFAULT_PCIE_PATH_FACTORS relative to it. A server with one
     # level only keeps the graph's bandwidth: the DGX-1's PCIe curve was measured on its own paths
     # (all SYS) counted at 12 GB/s, as the paper's Table 1 does.
-    base = bottleneck_model(graph, pcie_factors=relative_path_factors(graph))
+    factors = relative_path_factors(graph)
+    base = bottleneck_model(graph, pcie_factors=factors)
     links = {graph.link(a, b) for a, b in graph.pairs()}
     curves = []
-    factors = relative_path_factors(graph)
     for selectors, bandwidth in zip(base.selectors, base.class_bandwidths):
         link = next(link for link in sorted(links) if _selector(link) == selectors[0] and
                     round(_path_bandwidth(graph, link, factors), 6) == bandwidth)

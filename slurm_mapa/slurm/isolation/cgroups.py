@@ -126,9 +126,15 @@ def jobs_with_cgroups(mountinfo: Path = Path("/proc/self/mountinfo"), older_than
     except OSError:
         return set()
     found: set[str] = set()
-    for version, root in hierarchies:
+    v1_read = False
+    for version, root, _ in hierarchies:
+        if version == 1 and v1_read:
+            continue  # Slurm makes a job's cgroups in every v1 hierarchy it uses: one names them all
         pattern = "slurm*/uid_[0-9]*/job_[0-9]*" if version == 1 else "system.slice/*slurmstepd.scope/job_[0-9]*"
-        for path in glob.glob(os.path.join(glob.escape(root), pattern))[:limit]:
+        paths = glob.glob(os.path.join(glob.escape(root), pattern))[:limit]
+        if version == 1 and glob.glob(os.path.join(glob.escape(root), "slurm*")):
+            v1_read = True
+        for path in paths:
             job = path.rsplit("job_", 1)[1]
             if not job.isdigit() or job in found:
                 continue
@@ -267,15 +273,21 @@ def v1_allowed_minors(own_list: str, rule: DenyRange) -> tuple[int, ...] | None:
     return tuple(sorted(set(allowed)))
 
 
+def v1_minors_allowed_in(directory: Path, rule: DenyRange) -> tuple[int, ...] | None:
+    """What the v1 devices cgroup ``directory`` lets its processes open of ``rule``'s range, as the
+    kernel lists it; None if it cannot be read or its list cannot say (v1_allowed_minors)."""
+    try:
+        return v1_allowed_minors((directory / "devices.list").read_text(), rule)
+    except (OSError, IsolationError):
+        return None
+
+
 def v1_step_minors(devices_root: Path, job_id: str, step: str, rule: DenyRange, base: str = "mapa") -> tuple[int, ...] | None:
     """What a step's v1 devices cgroup, configured before (by this agent before a restart, from
     the SPANK plugin's request), lets its tasks open of ``rule``'s range: the kernel's record of
     the step's GPUs. None if the step has no cgroup of its own or its list cannot say."""
     _, step_dir = v1_directories(devices_root, job_id, step, base)
-    try:
-        return v1_allowed_minors((step_dir / "devices.list").read_text(), rule) if step_dir is not None else None
-    except (OSError, IsolationError):
-        return None
+    return v1_minors_allowed_in(step_dir, rule) if step_dir is not None else None
 
 
 def _has_child_cgroups(directory: Path) -> bool:

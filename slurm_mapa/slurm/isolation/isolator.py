@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +43,9 @@ from typing import Callable, Mapping
 from ...errors import MapaError
 from .bpf import attach_device_program
 from .cgroups import (apply_v1, apply_v2, check_v2_job_cgroup_owner, find_task_process, read_proc_cgroup, read_process,
-                      slurmstepd_binary_problem, v1_allowed_minors, v1_directories, v1_step_minors)
+                      slurmstepd_binary_problem, v1_directories, v1_minors_allowed_in)
 from .rules import (RENDER_MINORS, IsolationError, ProcessInfo, SlurmCgroup, cgroup_mounts, device_rules, devices_cgroup_path,
-                    gpus_of_step, in_mapa_job_cgroup, is_numbered_step, parse_proc_cgroup)
+                    gpus_of_step, is_numbered_step, mapa_job_cgroup_level, parse_proc_cgroup)
 
 
 @dataclass(frozen=True)
@@ -205,7 +204,7 @@ class Isolator:
             try:
                 text = read_proc_cgroup(self.proc, pid)
                 cgroup = parse_proc_cgroup(text)
-                if cgroup is None or cgroup.version != 1 or in_mapa_job_cgroup(devices_cgroup_path(text), cgroup.job_id):
+                if cgroup is None or cgroup.version != 1 or mapa_job_cgroup_level(devices_cgroup_path(text), cgroup.job_id):
                     continue
                 info = read_process(self.proc, pid)
             except (OSError, ValueError):
@@ -239,41 +238,39 @@ class Isolator:
         cgroup, else from what this agent configured there, else (a default-allow cgroup after a
         restart: the kernel does not list it) the request's own set is named, the task staying put."""
         try:
-            current = devices_cgroup_path(read_proc_cgroup(self.proc, pid))
+            level = mapa_job_cgroup_level(devices_cgroup_path(read_proc_cgroup(self.proc, pid)), cgroup.job_id)
         except OSError:
             return None
-        match = re.search(rf"/mapa/job_{re.escape(cgroup.job_id)}(?:/step_([^/]+)(?:/task_([0-9]+))?)?$", current or "")
-        if match is None or (match[1] is not None and match[1] != cgroup.step):
+        if level is None or (level[0] is not None and level[0] != cgroup.step):
             return None
-        depth = 2 if match[2] is not None else 1 if match[1] is not None else 0
+        step, task = level
+        depth = 2 if task is not None else 1 if step is not None else 0
         if depth <= target_depth:
             return None
-        job_dir, step_dir = v1_directories(devices_root, cgroup.job_id, cgroup.step)
-        where = step_dir / f"task_{match[2]}" if depth == 2 and step_dir is not None else step_dir
-        if where is None:
+        _, step_dir = v1_directories(devices_root, cgroup.job_id, cgroup.step)
+        if step_dir is None:
             return None
-        (rule,) = device_rules(devices.vendor, [])
-        try:
-            minors = v1_allowed_minors((where / "devices.list").read_text(), rule)
-        except (OSError, IsolationError):
-            minors = None
-        if minors is not None:
-            return where, tuple(gpu for gpu in devices.job_gpus if devices.minors(gpu) in minors)
-        known = self.tasks.get((cgroup.job_id, cgroup.step, match[2] or "")) if depth == 2 else None
-        known = known if known is not None or depth == 2 else self.steps.get((cgroup.job_id, cgroup.step))
-        return where, known if known is not None else asked
+        where = step_dir / f"task_{task}" if depth == 2 else step_dir
+        kept = self._gpus_allowed_in(where, devices)
+        if kept is None:
+            kept = self.tasks.get((cgroup.job_id, cgroup.step, task)) if depth == 2 else self.steps.get((cgroup.job_id, cgroup.step))
+        return where, kept if kept is not None else asked
 
-    @staticmethod
-    def _v1_step_from_kernel(devices_root: Path, cgroup: SlurmCgroup, devices: JobDevices) -> tuple[int, ...] | None:
+    def _v1_step_from_kernel(self, devices_root: Path, cgroup: SlurmCgroup, devices: JobDevices) -> tuple[int, ...] | None:
         """A step's GPUs as its v1 devices cgroup (written for the SPANK plugin's request before
         this agent restarted) allows them: the kernel's state, not this process's memory. None
         where the kernel cannot say (no step cgroup; a default-allow one, whose list the kernel
         does not show): the task then gets its job's cgroup, as without the plugin."""
+        _, step_dir = v1_directories(devices_root, cgroup.job_id, cgroup.step)
+        return self._gpus_allowed_in(step_dir, devices) if step_dir is not None else None
+
+    @staticmethod
+    def _gpus_allowed_in(directory: Path, devices: JobDevices) -> tuple[int, ...] | None:
+        """The job's GPUs that the v1 devices cgroup ``directory`` lets open, as the kernel lists
+        them; None where its list cannot say."""
         (rule,) = device_rules(devices.vendor, [])
-        minors = v1_step_minors(devices_root, cgroup.job_id, cgroup.step, rule)
-        if minors is None:
-            return None
-        return tuple(gpu for gpu in devices.job_gpus if devices.minors(gpu) in minors)
+        minors = v1_minors_allowed_in(directory, rule)
+        return None if minors is None else tuple(gpu for gpu in devices.job_gpus if devices.minors(gpu) in minors)
 
 
 def effective_mode(config, node: str) -> tuple[str, str]:

@@ -107,9 +107,11 @@ def devices_cgroup_path(text: str) -> str | None:
     return None
 
 
-def in_mapa_job_cgroup(devices_path: str | None, job_id: str, base: str = "mapa") -> bool:
-    """Whether a v1 devices path is job ``job_id``'s MAPA cgroup or below it (a step's, a task's)."""
-    return devices_path is not None and re.search(rf"/{re.escape(base)}/job_{re.escape(job_id)}(?:/|$)", devices_path) is not None
+def mapa_job_cgroup_level(devices_path: str | None, job_id: str, base: str = "mapa") -> tuple[str | None, str | None] | None:
+    """Where a v1 devices path sits among job ``job_id``'s MAPA cgroups: (step, task), each None
+    above its level ((None, None): the job's own), or None when it is in none of them."""
+    match = re.search(rf"/{re.escape(base)}/job_{re.escape(job_id)}(?:/step_([^/]+)(?:/task_([0-9]+))?)?(?:/|$)", devices_path or "")
+    return (match[1], match[2]) if match else None
 
 
 @dataclass(frozen=True)
@@ -134,30 +136,25 @@ def parse_status(pid: int, text: str) -> ProcessInfo:
         raise ValueError(f"/proc/{pid}/status lacks Name, PPid or Uid") from None
 
 
-def cgroup_mounts(mountinfo: str) -> tuple[str | None, str | None]:
-    """(the v1 devices hierarchy's mount point, the cgroup2 mount point) of a mountinfo text."""
-    devices = unified = None
-    for line in mountinfo.splitlines():
-        before, sep, after = line.partition(" - ")
-        fields, tail = before.split(), after.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        if tail[0] == "cgroup" and "devices" in tail[2].split(",") and devices is None:
-            devices = fields[4]
-        elif tail[0] == "cgroup2" and unified is None:
-            unified = fields[4]
-    return devices, unified
-
-
-def cgroup_hierarchies(mountinfo: str) -> list[tuple[int, str]]:
-    """(version, mount point) of every cgroup hierarchy in a mountinfo text (v1: one per mount)."""
+def cgroup_hierarchies(mountinfo: str) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(version, mount point, v1 controllers) of every cgroup hierarchy in a mountinfo text (v1:
+    one per mount)."""
     found = []
     for line in mountinfo.splitlines():
         before, sep, after = line.partition(" - ")
         fields, tail = before.split(), after.split()
-        if sep and len(fields) >= 5 and tail and tail[0] in ("cgroup", "cgroup2"):
-            found.append((1 if tail[0] == "cgroup" else 2, fields[4]))
+        if sep and len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
+            version = 1 if tail[0] == "cgroup" else 2
+            found.append((version, fields[4], tuple(tail[2].split(",")) if version == 1 else ()))
     return found
+
+
+def cgroup_mounts(mountinfo: str) -> tuple[str | None, str | None]:
+    """(the v1 devices hierarchy's mount point, the cgroup2 mount point) of a mountinfo text."""
+    hierarchies = cgroup_hierarchies(mountinfo)
+    devices = next((root for version, root, controllers in hierarchies if version == 1 and "devices" in controllers), None)
+    unified = next((root for version, root, _ in hierarchies if version == 2), None)
+    return devices, unified
 
 
 def slurm_gpu_list(text: str | None) -> tuple[int, ...] | None:
