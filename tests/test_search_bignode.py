@@ -412,3 +412,17 @@ def test_searches_under_one_limit_share_its_end():
     assert ended_looks < alone_looks
     proven = best_placement(graph, free, pattern, "preserved", paper_model())
     assert ended.preserved_bandwidth <= proven.preserved_bandwidth <= ended.preserved_bandwidth + ended.gap
+
+
+@pytest.mark.parametrize("size", [6, 7])
+def test_a_limit_spent_while_the_tied_sets_orbits_are_added_still_gives_a_bounded_choice(size):
+    """On a node with automorphisms and no twins the set search adds back the orbits of the sets
+    that tie; a limit spent there (work, or a clock under load) must leave the sets found so far
+    and a proven gap, never an internal error. Every work limit up to the whole search's."""
+    graph = _cycle_node(size)
+    pattern = make_pattern("ring", 2)
+    free = tuple(range(size))
+    expected = brute_force_all(graph, free, pattern, MODEL)
+    with every_node_big():
+        for work in range(1, 200):
+            _check_within_gap(graph, free, pattern, "preserved", MODEL, SearchLimit(work=work), expected)

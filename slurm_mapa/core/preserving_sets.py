@@ -151,11 +151,14 @@ class SetSearch:
         self.greedy()
         try:
             self.visit(0, self.m, 0.0)
+            # Adding back the orbits counts against the limit too: running out there leaves the
+            # best value proven and the tied sets found so far.
+            tied = self.orbits(self.tied)
         except OutOfWork:
             upper = max(self.best, round(self.open_bound, _DIGITS))
             found = min(self.taken_set(list(x)) for x in self.tied) if self.tied else self.taken_set(self.incumbent)
             raise OutOfWork(upper=self.value_to_kept(upper), found=found) from None
-        return sorted(self.taken_set(list(x)) for x in self.orbits(self.tied))
+        return sorted(self.taken_set(list(x)) for x in tied)
 
     def orbits(self, chosen_sets: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """Every image of the given sets under the automorphisms used (they generate the group)."""

@@ -121,11 +121,14 @@ def _best_preserving(
     try:
         tied = _sets_keeping_most_bandwidth(graph, free, k, meter)
     except OutOfWork as stop:
-        # No proof of the best set: the best set found, in a good order, and the set's gap.
-        assert stop.upper is not None and stop.found is not None
-        gpus = improved_placement(graph, stop.found, pattern, "aggregated", model, meter, None)
+        # No proof of the best set: the best set found, in a good order, and the set's gap. A limit
+        # spent before the first set was found (a clock that ran out at once, under load) leaves the
+        # lowest free GPUs, bounded by what keeping every free GPU would preserve.
+        found = stop.found if stop.found is not None else free[:k]
+        upper = stop.upper if stop.upper is not None else preserved_bandwidth(graph, free)
+        gpus = improved_placement(graph, found, pattern, "aggregated", model, meter, None)
         placement = score_placement(graph, free, pattern, gpus, model)
-        return with_gap(placement, stop.upper, round(placement.preserved_bandwidth, _DIGITS))
+        return with_gap(placement, upper, round(placement.preserved_bandwidth, _DIGITS))
     try:
         if tied is None:
             # Every set ties (e.g. at most one GPU stays free): one search over all of them.
