@@ -81,6 +81,7 @@ def allocation_as_dict(result: Allocation | NoFit, graph: HardwareGraph, free: S
         "aggregated_bandwidth": placement.aggregated_bandwidth,
         "effective_bandwidth": placement.effective_bandwidth,
         "preserved_bandwidth": placement.preserved_bandwidth,
+        "ring_rate": placement.ring_rate,
         "link_counts": dict(zip(model.class_names, placement.link_counts)),
         "model": model.name,
         "model_basis": model.basis or "unstated",
@@ -191,6 +192,8 @@ def _format_selection(out: dict[str, Any]) -> str:
         f"  effective bandwidth  {_fmt(out['effective_bandwidth'])}{extrapolated_text(out)}",
         f"  aggregated bandwidth {_fmt(out['aggregated_bandwidth'])}",
         f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])}",
+        *([f"  ring rate            {_fmt(out['ring_rate'])} (the bus bandwidth rings can carry over the set's links; "
+           "breaks the model's ties)"] if out.get("ring_rate") is not None else []),
         f"  link counts          {', '.join(f'{k}={v}' for k, v in out['link_counts'].items())} (model {model_text(out)})",
     ]
     if "affinity" in out:

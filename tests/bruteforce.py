@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 from itertools import permutations
+from math import comb
 
 DIGITS = 9
+RING_SHAPES = ("ring", "ring+tree")
+PCIE_FACTORS = {"PIX": 1.0, "PXB": 0.9, "PHB": 0.8, "NODE": 0.6, "SYS": 0.35}
 
 
 @lru_cache(maxsize=None)
@@ -33,6 +36,69 @@ def canonical(placement, automorphisms):
     return min(tuple(placement[p[i]] for i in range(len(placement))) for p in automorphisms)
 
 
+def ring_rate(graph, gpus):
+    """The most bus bandwidth rings can carry over the links among ``gpus`` (3+ GPUs), solved here
+    as a directed programme by scipy's HiGHS: one variable per directed Hamiltonian cycle (over fast
+    links only when some cycle is); per
+    ordered pair with a direct link its bandwidth, per GPU and direction its NVSwitch port and its
+    one PCIe link, per ordered PCIe pair its path's bandwidth (scaled by level when the graph
+    gives every PCIe level one value)."""
+    return _ring_rate(graph, tuple(sorted(gpus)))
+
+
+@lru_cache(maxsize=None)
+def _ring_rate(graph, gpus):
+    import numpy as np
+    from scipy.optimize import linprog
+
+    k = len(gpus)
+    cycles = [(gpus[0], *rest) for rest in permutations(gpus[1:])]
+    fast = [c for c in cycles if all(graph.links[c[i]][c[(i + 1) % k]].kind != "pcie" for i in range(k))]
+    cycles = fast or cycles  # rings over fast links only when the set has one
+    one_level = len(set(graph.bandwidths.pcie.values())) == 1
+    rows, caps = [], []
+    for a in gpus:
+        for b in gpus:
+            if a == b:
+                continue
+            link = graph.links[a][b]
+            if link.kind == "nvswitch":
+                continue
+            value = graph.bandwidths.of(link)
+            if link.kind == "pcie" and one_level:
+                value *= PCIE_FACTORS.get(link.level, 1.0)
+            rows.append([1.0 if any(c[i] == a and c[(i + 1) % k] == b for i in range(k)) else 0.0 for c in cycles])
+            caps.append(value)
+    for a in gpus:
+        for kind, cap in (("pcie", max(graph.bandwidths.pcie.values())),
+                          ("nvswitch", max((graph.bandwidths.of(graph.links[a][b]) for b in gpus
+                                            if b != a and graph.links[a][b].kind == "nvswitch"), default=0.0))):
+            sending = [sum(1.0 for i in range(k) if c[i] == a and graph.links[a][c[(i + 1) % k]].kind == kind) for c in cycles]
+            receiving = [sum(1.0 for i in range(k) if c[(i + 1) % k] == a and graph.links[c[i]][a].kind == kind) for c in cycles]
+            for row in (sending, receiving):  # full duplex: each direction carries its bandwidth
+                if any(row):
+                    rows.append(row)
+                    caps.append(cap)
+    result = linprog(-np.ones(len(cycles)), A_ub=np.array(rows), b_ub=np.array(caps), bounds=(0, None), method="highs")
+    assert result.status == 0, result.message
+    return -result.fun
+
+
+def ranks_by_rings(pattern, free):
+    """MAPA's rule for ranking a sensitive job's ties by ring rate (core.ring_choice), restated."""
+    from slurm_mapa.core.ring_choice import MAX_TIE_SETS
+
+    return (pattern.shape in RING_SHAPES and 3 <= pattern.size <= 8 and pattern.size <= len(free)
+            and comb(len(free), pattern.size) <= MAX_TIE_SETS)
+
+
+def preserve_objective(pattern, free, sensitive):
+    """The objective MAPA's preserve ranks a job by."""
+    if not sensitive or pattern.size < 2:
+        return "preserved"
+    return "effective-rings" if ranks_by_rings(pattern, free) else "effective"
+
+
 def all_keys(graph, free, pattern, model):
     """Yield (placement, {objective: key}) for every injective placement of pattern on free."""
     free = sorted(free)
@@ -49,11 +115,14 @@ def all_keys(graph, free, pattern, model):
         preserved = sum(bw[a][b] for i, a in enumerate(left) for b in left[i + 1 :])
         eff = model.predict(tuple(counts)) if pattern.edges else 0.0
         agg_r = round(agg, DIGITS)
-        yield gpus, {
+        keys = {
             "effective": (round(eff, DIGITS), agg_r),
             "aggregated": (agg_r,),
             "preserved": (round(preserved, DIGITS), agg_r),
         }
+        if pattern.shape in RING_SHAPES and 3 <= pattern.size <= 8:
+            keys["effective-rings"] = (round(eff, DIGITS), round(ring_rate(graph, gpus), DIGITS), agg_r)
+        yield gpus, keys
 
 
 def brute_force_all(graph, free, pattern, model):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bruteforce import brute_force_all
+from bruteforce import brute_force_all, preserve_objective
 from slurm_mapa.cli import main as mapa_main
 from slurm_mapa.core.affinity import (
     MAX_CPU_ID,
@@ -224,7 +224,7 @@ def test_the_rule_matches_brute_force_on_every_free_set(name):
         for free in combinations(range(graph.size), free_size):
             for k in range(1, min(4, free_size) + 1):
                 for sensitive in (True, False):
-                    objective = "effective" if sensitive and k > 1 else "preserved"
+                    objective = preserve_objective(make_pattern("ring", k), free, sensitive)
                     request = Request(make_pattern("ring", k), sensitive)
                     everywhere = brute(free, k)[objective]
                     for job_cpus in JOB_CPUS[name]:
@@ -256,13 +256,13 @@ def _check(graph, free, local, everywhere, near, objective, mode, max_loss, resu
         assert result.gpus == everywhere[1] and why.loss is None, case
         return
     best_value = everywhere[0][0]
-    near_value = near[0][0] if objective == "effective" else _kept(graph, set(free) - set(near[1]))
+    near_value = near[0][0] if objective != "preserved" else _kept(graph, set(free) - set(near[1]))
     loss = loss_fraction(near_value, best_value)
     assert why.loss == pytest.approx(loss, abs=1e-9), case
     if abs(loss - max_loss) < 1e-6:
         assert result.gpus in (near[1], everywhere[1]), case  # on the edge: rounding decides
     elif loss > max_loss:
-        assert result.gpus == everywhere[1] and why.value == objective, case
+        assert result.gpus == everywhere[1] and why.value == ("preserved" if objective == "preserved" else "effective"), case
     else:
         assert result.gpus == near[1] and why.local, case
         assert result.placement.preserved_bandwidth == pytest.approx(_kept(graph, set(free) - set(near[1]))), case

@@ -304,16 +304,19 @@ def test_the_replay_table_marks_runs_with_figures_outside_the_fitted_range():
     nodes = [Node("n1", preset("dgx1-v100"))]
     inside = [Job("a", 0, 10, 4, sensitive=True), Job("b", 20, 10, 2, sensitive=True)]
     whole = inside + [Job("c", 40, 10, 8, sensitive=True)]
-    plain = simulate(inside, nodes, "preserve")
-    extrapolated = simulate(whole, nodes, "preserve", Options(extrapolate=True), decider=Decider(extrapolate=True))
-    grounded = simulate(whole, nodes, "greedy")
+    judge = bundled_model("derived-dgx1-v100")  # a judge fitted on 2-5 GPUs: 8 is outside it
+    plain = simulate(inside, nodes, "preserve", Options(judge=judge))
+    extrapolated = simulate(whole, nodes, "preserve", Options(extrapolate=True, judge=judge))
+    grounded = simulate(whole, nodes, "greedy", Options(judge=judge))
     text = report.table([plain, extrapolated, grounded])
     rows = {line.split(" |")[0].rsplit(maxsplit=1)[0]: line for line in text.splitlines()[3:] if " | " in line}
     assert "preserve (MAPA)" in rows and "preserve (MAPA)*" in rows and "greedy*" in rows
     footnotes = [line for line in text.splitlines() if line.startswith("* ")]
-    assert footnotes == ["* effective bandwidths outside the model's fitted range: "
+    assert footnotes == ["* effective bandwidths outside the judging model's fitted range: "
                          "preserve: 1 EXTRAPOLATED by the model; greedy: 1 from the link-bound model instead"]
     assert "*" not in report.table([plain])
+    # The default judge, the link-bound model, has no fitted range: nothing is marked.
+    assert "*" not in report.table([simulate(whole, nodes, "greedy"), simulate(whole, nodes, "preserve", decider=Decider())])
     summary = report.summary(extrapolated)
     assert summary["extrapolated"] is True and summary["extrapolated_predictions"] == 1
     assert summary["by_gpus"]["8"]["extrapolated"] is True and summary["by_gpus"]["4"]["extrapolated"] is False

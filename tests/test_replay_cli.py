@@ -43,7 +43,7 @@ def test_demo_csv_keeps_both_inputs_rows(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "bundled paper workload" in out and "bundled sacct log" in out
     rows = csv.read_text().splitlines()
-    assert rows[0] == "input,job,policy,node,submit,start,end,wait,runtime,base_runtime,gpus,sensitive,pattern,effective_bw,aggregated_bw,preserved_bw"
+    assert rows[0] == "input,job,policy,node,submit,start,end,wait,runtime,base_runtime,gpus,sensitive,pattern,effective_bw,aggregated_bw,preserved_bw,ranked_bw,fast_ring"
     inputs = [row.split(",", 1)[0] for row in rows[1:]]
     assert inputs.count("paper-dgx1-300.jobs") == 2 * 300 and inputs.count("sample-sacct.txt") == 2 * 36
     assert inputs == sorted(inputs, key=["paper-dgx1-300.jobs", "sample-sacct.txt"].index)

@@ -57,7 +57,7 @@ def test_prefer_sends_a_sensitive_job_to_a_node_with_its_ring_and_counts_it():
     _, sl = _run(jobs(), nodes, "slurm")
     result, pr = _run(jobs(), nodes, "prefer")
     assert sl["s"].node == "n1"  # tightest: 3 free GPUs on PCIe
-    assert pr["s"].node == "n2" and pr["s"].effective > 50  # mapa_ring2 is active on the DGX-1 only
+    assert pr["s"].node == "n2" and pr["s"].ranked > 50  # mapa_ring2 is active on the DGX-1 only
     assert result.preference_met == 1 and result.preference_missed == 0
 
 
@@ -79,12 +79,12 @@ def test_features_are_stale_within_a_pass_and_fresh_at_the_next():
     nodes = [Node("n1", ONE_PAIR), Node("n2", ONE_PAIR)]
     fill = Job("fill", 0, 100, 2, node="n1")  # n1: 4 free with the good pair: the tightest preferred node
     _, same_pass = _run([fill, Job("c", 1, 50, 2, sensitive=True), Job("d", 1, 50, 2, sensitive=True)], nodes, "prefer")
-    assert same_pass["c"].node == "n1" and same_pass["c"].effective > 50
+    assert same_pass["c"].node == "n1" and same_pass["c"].ranked > 50
     # d is looked at in the same pass: n1 still publishes mapa_ring2 (as the agent had not republished yet)
-    assert same_pass["d"].node == "n1" and same_pass["d"].effective < 15
+    assert same_pass["d"].node == "n1" and same_pass["d"].ranked < 15
     fill = Job("fill", 0, 100, 2, node="n1")
     _, next_pass = _run([fill, Job("c", 1, 50, 2, sensitive=True), Job("d", 2, 50, 2, sensitive=True)], nodes, "prefer")
-    assert next_pass["d"].node == "n2" and next_pass["d"].effective > 50
+    assert next_pass["d"].node == "n2" and next_pass["d"].ranked > 50
 
 
 def test_require_holds_out_until_the_wait_bound_then_relaxes():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_mapa.core.model_files import paper_model
+from slurm_mapa.core.model_files import bundled_model, paper_model
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.replay.cli import main
@@ -125,7 +125,9 @@ def test_the_sacct_command_in_the_docs_asks_for_every_field_the_reader_uses():
 
 
 def test_out_of_range_predictions_come_from_the_link_bound_model_and_are_marked(capsys, nodeless_log):
-    argv = ["run", str(nodeless_log), "--nodes", "4", "--topology", "dgx1-v100", "--policies", "preserve", "--sensitive-share", "1"]
+    """A judge fitted on 2-5 GPUs (derived-dgx1-v100, named with --judge) scores 8-GPU jobs by the link-bound model, marked."""
+    argv = ["run", str(nodeless_log), "--nodes", "4", "--topology", "dgx1-v100", "--policies", "preserve", "--sensitive-share", "1",
+            "--judge", "derived-dgx1-v100"]
     assert main([*argv, "--json"]) == 0
     data = _json(capsys)
     eight = data["policies"][0]["by_gpus"]["8"]
@@ -192,13 +194,14 @@ def test_every_policy_reports_the_same_bandwidth_for_the_same_set():
     dgx = [Node("n1", preset("dgx1-v100"))]
     jobs = lambda: [Job("a", 0, 10, 8, sensitive=True), Job("b", 20, 10, 4, sensitive=False)]  # noqa: E731
     policies = ("baseline", "greedy", "preserve", "slurm-native")
-    for settings in ({}, {"extrapolate": True}):
+    derived = bundled_model("derived-dgx1-v100")
+    for settings in ({}, {"judge": derived}, {"judge": derived, "extrapolate": True}):
         values = {}
         for policy in policies:
             result = simulate(jobs(), dgx, policy, Options(**settings))
             values[policy] = round(result.eff_sensitive.quantile(0.5), 6)
         assert len(set(values.values())) == 1, values  # the 8 GPUs are one set: one number
-    assert values["greedy"] == pytest.approx(111.564)  # the model's own (extrapolated) best ring: all double NVLinks
+    assert values["greedy"] == pytest.approx(111.564)  # the judge's own (extrapolated) best ring: all double NVLinks
 
 
 def test_rank_order_patterns_keep_the_policys_order():

@@ -89,10 +89,12 @@ def test_decisions_are_memoised_per_state():
 
 
 def test_preserve_improves_the_lower_tail_on_the_paper_workload_dgx1():
-    """The paper's result, with the paper's model named (issue 38: it is no server's default)."""
+    """The paper's result, with the paper's model named (issue 38: it is no server's default), and
+    judged by it, as the paper judged its policies."""
     from slurm_mapa.core.model_files import paper_model
+    from slurm_mapa.replay.simulate import JUDGE_RANKING
 
-    decider = Decider(model=paper_model())
+    decider = Decider(model=paper_model(), judge=JUDGE_RANKING)
     results = {p: simulate(generate("paper", 300, seed=1, load=4), DGX, p, decider=decider)
                for p in ("baseline", "topo-aware", "greedy", "preserve")}
     pres = results["preserve"].eff_sensitive

@@ -42,7 +42,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from ..errors import InputError
-from .links import PCIE_LEVELS, Link
+from .links import DEFAULT_PCIE_PATH_FACTORS, PCIE_LEVELS, Link, path_bandwidth  # noqa: F401 - DEFAULT_PCIE_PATH_FACTORS re-exported
 
 _PRODUCT = r"x[0-9]+(?:\*x[0-9]+)*"
 _TERM = re.compile(rf"^(?:(?P<product>{_PRODUCT})|1/\((?P<inverse>{_PRODUCT})\+1\))$")
@@ -146,29 +146,25 @@ def _matches(selector: str, link: Link) -> bool:
     return link.links == int(selector[2:])
 
 
-# How much of a PCIe link's nominal bandwidth a GPU-to-GPU transfer gets, by path. Applied by
-# bottleneck_model() only when the graph gives every PCIe level the same bandwidth (the default):
-# a site that configured per-level bandwidths has already said what each path delivers.
-#   PIX/PXB: peer-to-peer through PCIe switches only, full link rate.
-#   PHB: through the CPU's root complex; P2P still works but the root port is shared (~0.8).
-#   NODE: between host bridges of one socket; P2P often crosses the CPU's internal fabric (~0.6).
-#   SYS: across the socket interconnect (QPI/UPI/xGMI); NCCL disables P2P there by default and
-#        stages through host memory, roughly halving the rate again (~0.35).
-DEFAULT_PCIE_PATH_FACTORS: dict[str, float] = {"PIX": 1.0, "PXB": 0.9, "PHB": 0.8, "NODE": 0.6, "SYS": 0.35}
+# Collectives whose rings bound them: the link-bound model prices them by ring packing (.ring_packing).
+RING_PACKED_SHAPES = ("ring", "ring+tree")
 
 
 @dataclass(frozen=True)
 class LinkBoundModel:
     """A physically grounded estimate of the bus bandwidth a job gets, from its links alone.
 
-    Collectives (``Pattern.scored_by_set``): NCCL and RCCL run several rings at once over every
-    link among the job's GPUs, and in a ring all-reduce each GPU sends at the bus bandwidth, so
-    the bus bandwidth is at most the slowest GPU's outgoing bandwidth to the rest of the set: the
-    sum of its point-to-point NVLink bandwidths (or its NVSwitch port bandwidth). When the set's
-    fast links do not connect all of it, every ring crosses PCIe, and the slowest PCIe path among
-    the GPUs that must cross it bounds it instead. Rank-order patterns are bounded by the slowest
-    link one of their edges uses. ``efficiency`` is the share of that bound a tuned library
-    reaches; it is an assumption, set in the model file (see docs/replay.md).
+    Ring collectives (ring, ring+tree) of 3 to ring_packing.MAX_PACKED_GPUS GPUs: NCCL and RCCL
+    run several rings at once, each crossing every GPU of the set, so the bus bandwidth is at
+    most the largest total rate rings can carry over the set's links (:mod:`.ring_packing`: a
+    link, an NVSwitch port and a GPU's one PCIe link each carry at most their bandwidth per
+    direction). Other collectives, and bigger sets: each GPU sends at the bus bandwidth, so it
+    is at most the slowest GPU's outgoing bandwidth to the rest of the set: the sum of its
+    point-to-point NVLink bandwidths (or its NVSwitch port bandwidth); when the set's fast links
+    do not connect all of it, every ring crosses PCIe, and the slowest PCIe path among the GPUs
+    that must cross it bounds it instead. Two GPUs: their link. Rank-order patterns are bounded
+    by the slowest link one of their edges uses. ``efficiency`` is the share of that bound a
+    tuned library reaches; it is an assumption, set in the model file (see docs/replay.md).
     """
 
     name: str
@@ -182,6 +178,12 @@ class LinkBoundModel:
         if not pattern.scored_by_set:
             slowest = min(self._pair(graph, gpus[a], gpus[b]) for a, b in pattern.edges)
             return round(slowest, 6)
+        if pattern.shape in RING_PACKED_SHAPES and len(gpus) >= 3:
+            from .ring_packing import max_ring_rate
+
+            rate = max_ring_rate(graph, tuple(gpus))
+            if rate is not None:
+                return round(self.efficiency * rate, 6)
         components = self._fast_components(graph, gpus)
         if len(components) > 1:
             # Every ring leaves each fast island at least once: the island whose best way out is
@@ -207,13 +209,9 @@ class LinkBoundModel:
 
     def _pair(self, graph: Any, a: int, b: int) -> float:
         link = graph.link(a, b)
-        value = graph.bandwidths.of(link)
         if link.kind == "pcie":
-            pcie_values = {graph.bandwidths.pcie[level] for level in PCIE_LEVELS}
-            if len(pcie_values) == 1:
-                value *= DEFAULT_PCIE_PATH_FACTORS.get(link.level, 1.0)
-            return self.pcie_efficiency * value
-        return self.efficiency * value
+            return self.pcie_efficiency * path_bandwidth(graph, link)
+        return self.efficiency * graph.bandwidths.of(link)
 
     @staticmethod
     def _fast_components(graph: Any, gpus: tuple[int, ...]) -> list[list[int]]:

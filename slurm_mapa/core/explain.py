@@ -18,6 +18,8 @@ from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern
 from .allocation import Allocation, Request
+from .placement import RING_OBJECTIVE
+from .ring_choice import with_ring_rate
 from .search import Placement, SearchLimit, best_placement, objective_key, score_placement
 
 MAX_SETS_EXPLAINED = 20000
@@ -42,7 +44,7 @@ def reported_placement(
     if best.gap is not None and placement.effective_bandwidth is not None and (
             best.effective_bandwidth is None or best.effective_bandwidth < placement.effective_bandwidth):
         return placement
-    return replace(best, preserved_bandwidth=placement.preserved_bandwidth, gap=placement.gap)
+    return replace(best, preserved_bandwidth=placement.preserved_bandwidth, gap=placement.gap, ring_rate=placement.ring_rate)
 
 
 def reported_allocation(graph: HardwareGraph, request: Request, chosen: Allocation, model: EffectiveBandwidthModel,
@@ -65,6 +67,8 @@ _TERMS = {
     "effective": ("predicted effective bandwidth", "aggregated bandwidth"),
     "aggregated": ("aggregated bandwidth",),
     "preserved": ("preserved bandwidth", "aggregated bandwidth"),
+    RING_OBJECTIVE: ("predicted effective bandwidth", "ring rate of the set (the bus bandwidth rings can carry over its links)",
+                     "aggregated bandwidth"),
 }
 
 
@@ -91,10 +95,12 @@ def alternatives(
     for subset in combinations(free, request.gpus):
         if list(subset) == chosen_set:
             continue
-        inner_objective = "aggregated" if objective == "preserved" else objective
+        inner_objective = "aggregated" if objective == "preserved" else "effective" if objective == RING_OBJECTIVE else objective
         inside = best_placement(graph, subset, request.pattern, inner_objective, model)
         assert inside is not None
         placement = score_placement(graph, free, request.pattern, inside.gpus, model)
+        if objective == RING_OBJECTIVE:
+            placement = with_ring_rate(graph, placement)
         scored.append((objective_key(objective, placement), placement.gpus, reported_placement(graph, request.pattern, placement, model)))
     scored.sort(key=lambda item: (tuple(-v for v in item[0]), item[1]))
     return [Alternative(placement=p, key=key, reason=_why_lost(objective, key, chosen_key)) for key, _, p in scored[:limit]]

@@ -28,6 +28,10 @@ wants features of another shape passes ``shape=``; the names become ``mapa_<shap
 (:func:`~.search.best_placement`, objective ``effective``), so a rank-order shape is scored on its
 best mapping, as MAPA would place it.
 
+The model: one for every node type (a site's `model`), or each node type's own (a function of
+the graph: each server's default model, true to its links, issue 38); a node's rings are then
+compared with the fleet's best in GB/s, each priced by its own server's model.
+
 Sizes outside the model's fitted range are ranked by the model's own prediction there: the
 features only compare a node with the fleet's idle best, and for k equal to a node's size the
 answer (the whole node is free) does not depend on the model.
@@ -39,25 +43,32 @@ each search once.
 Owns the node features; imports .effbw, .hardware, .patterns and .search.
 
 >>> from slurm_mapa.hardware.presets import preset
->>> from slurm_mapa.core.model_files import paper_model
+>>> from slurm_mapa.core.server_models import default_model
 >>> dgx = preset("dgx1-v100")
->>> best = fleet_best([dgx], (2, 4), paper_model())
->>> node_features(dgx, range(8), best, paper_model())
+>>> best = fleet_best([dgx], (2, 4), default_model)
+>>> node_features(dgx, range(8), best, default_model)
 ('mapa_ring2', 'mapa_ring4')
->>> node_features(dgx, (0, 5, 6), best, paper_model())
+>>> node_features(dgx, (0, 5, 6), best, default_model)
 ('mapa_ring2', 'mapa_noring4')
 """
 
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Union
 
 from ..errors import InputError
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import SHAPES, make_pattern
 from .search import best_placement
+
+# One model for every node type, or a function giving each node type's own.
+ModelFor = Union[EffectiveBandwidthModel, Callable[[HardwareGraph], EffectiveBandwidthModel]]
+
+
+def _model_of(model: ModelFor, graph: HardwareGraph) -> EffectiveBandwidthModel:
+    return model if isinstance(model, EffectiveBandwidthModel) else model(graph)
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -116,13 +127,14 @@ def _mask(graph: HardwareGraph, free: Iterable[int] | int) -> int:
     return mask
 
 
-def best_free(graph: HardwareGraph, free: Iterable[int] | int, k: int, model: EffectiveBandwidthModel,
+def best_free(graph: HardwareGraph, free: Iterable[int] | int, k: int, model: ModelFor,
               shape: str = "ring") -> float | None:
     """The highest predicted effective bandwidth of a k-GPU ``shape`` on the free GPUs (a set or a
     bit mask); None when fewer than k are free (or the pattern has no edges, e.g. k = 1)."""
     mask = _mask(graph, free)
     if k < 2 or mask.bit_count() < k:
         return None
+    model = _model_of(model, graph)
     key = (graph, mask, k, shape, model)
     if key in _cache:
         return _cache[key]
@@ -139,7 +151,7 @@ def clear_cache() -> None:
     _cache.clear()
 
 
-def fleet_best(graphs: Iterable[HardwareGraph], sizes: Iterable[int], model: EffectiveBandwidthModel,
+def fleet_best(graphs: Iterable[HardwareGraph], sizes: Iterable[int], model: ModelFor,
                shape: str = "ring") -> dict[int, float]:
     """Per size k: the best idle k-GPU ``shape`` of the fleet (over its distinct node types, all GPUs
     free). Sizes no node can hold (or k < 2) are left out: no node could ever publish them."""
@@ -153,7 +165,7 @@ def fleet_best(graphs: Iterable[HardwareGraph], sizes: Iterable[int], model: Eff
     return best
 
 
-def has_good(graph: HardwareGraph, free: Iterable[int] | int, k: int, fleet_k: float, model: EffectiveBandwidthModel,
+def has_good(graph: HardwareGraph, free: Iterable[int] | int, k: int, fleet_k: float, model: ModelFor,
              threshold: float = DEFAULT_THRESHOLD, shape: str = "ring") -> bool:
     """Whether a k-GPU ``shape`` of at least ``threshold`` x ``fleet_k`` GB/s is free."""
     value = best_free(graph, free, k, model, shape)
@@ -161,7 +173,7 @@ def has_good(graph: HardwareGraph, free: Iterable[int] | int, k: int, fleet_k: f
 
 
 def node_features(graph: HardwareGraph, free: Iterable[int] | int, best: Mapping[int, float],
-                  model: EffectiveBandwidthModel, threshold: float = DEFAULT_THRESHOLD,
+                  model: ModelFor, threshold: float = DEFAULT_THRESHOLD,
                   shape: str = "ring") -> tuple[str, ...]:
     """The features a node publishes: for each size k of ``best`` (from :func:`fleet_best`),
     ``mapa_ring<k>`` if a good k-ring is free, else ``mapa_noring<k>``; sorted by k."""

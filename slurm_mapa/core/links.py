@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from ..errors import InputError
 
@@ -188,3 +189,23 @@ class Bandwidths:
                 self.xgmi_relayed,
             )
         )
+
+
+# How much of a PCIe link's nominal bandwidth a GPU-to-GPU transfer gets, by path. Applied by
+# path_bandwidth() (and so bottleneck_model(), the link-bound model) only when the graph gives every PCIe level the same bandwidth (the default):
+# a site that configured per-level bandwidths has already said what each path delivers.
+#   PIX/PXB: peer-to-peer through PCIe switches only, full link rate.
+#   PHB: through the CPU's root complex; P2P still works but the root port is shared (~0.8).
+#   NODE: between host bridges of one socket; P2P often crosses the CPU's internal fabric (~0.6).
+#   SYS: across the socket interconnect (QPI/UPI/xGMI); NCCL disables P2P there by default and
+#        stages through host memory, roughly halving the rate again (~0.35).
+DEFAULT_PCIE_PATH_FACTORS: dict[str, float] = {"PIX": 1.0, "PXB": 0.9, "PHB": 0.8, "NODE": 0.6, "SYS": 0.35}
+
+
+def path_bandwidth(graph: Any, link: Link, factors: Mapping[str, float] | None = None) -> float:
+    """The graph's bandwidth of ``link`` (GB/s, one direction); a PCIe path's times its level's
+    factor (DEFAULT_PCIE_PATH_FACTORS, or ``factors``) when the graph gives every PCIe level the same value."""
+    value = graph.bandwidths.of(link)
+    if link.kind == "pcie" and len({graph.bandwidths.pcie[level] for level in PCIE_LEVELS}) == 1:
+        value *= (DEFAULT_PCIE_PATH_FACTORS if factors is None else factors).get(link.level, 1.0)
+    return value

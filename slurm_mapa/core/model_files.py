@@ -241,6 +241,7 @@ def load_model_file(path: str) -> EffectiveBandwidthModel:
 
 _MODELS_DIR = Path(__file__).resolve().parent.parent / "data" / "models"
 GROUNDED_MODEL_FILE = "link-bound.toml"
+GROUNDED_MODEL_NAME = GROUNDED_MODEL_FILE[:-5]
 
 
 PAPER_MODEL = "mapa-paper-dgx1"

@@ -5,6 +5,8 @@ Objectives (each a tuple compared lexicographically, floats rounded to :data:`DI
 * ``effective``  - (predicted effective bandwidth, aggregated bandwidth)
 * ``aggregated`` - (aggregated bandwidth,)
 * ``preserved``  - (preserved bandwidth of the GPUs left free, aggregated bandwidth)
+* ``effective-rings`` - (predicted effective bandwidth, ring rate of the set, aggregated
+  bandwidth): a sensitive ring job's choice among sets its model ranks equal (:mod:`.ring_choice`)
 
 Owns Placement, score_placement, preserved_bandwidth, objective_key and OBJECTIVES; imports
 .effbw, .hardware and .patterns.
@@ -20,7 +22,8 @@ from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern
 
-OBJECTIVES = ("effective", "aggregated", "preserved")
+OBJECTIVES = ("effective", "aggregated", "preserved")  # what the search ranks by
+RING_OBJECTIVE = "effective-rings"  # ranked by .ring_choice on top of the search's "effective"
 DIGITS = 9
 
 
@@ -38,6 +41,9 @@ class Placement:
     # is proven to lie in [value, value + gap]. 0.0: that term is proven optimal, but a later term
     # or the tie-break among equals is not.
     gap: float | None = None
+    # The most bus bandwidth rings can carry over the set's links (.ring_packing), where the policy
+    # ranked by it (objective effective-rings); None otherwise.
+    ring_rate: float | None = None
 
 
 def with_gap(placement: Placement, upper: float, value: float) -> Placement:
@@ -104,4 +110,8 @@ def objective_key(objective: str, placement: Placement) -> tuple[float, ...]:
         return (agg,)
     if objective == "preserved":
         return (round(placement.preserved_bandwidth, DIGITS), agg)
-    raise InputError(f"unknown objective {objective!r} (accepted: {', '.join(OBJECTIVES)})")
+    if objective == RING_OBJECTIVE:
+        eff = placement.effective_bandwidth
+        rate = placement.ring_rate
+        return (round(eff, DIGITS) if eff is not None else 0.0, round(rate, DIGITS) if rate is not None else 0.0, agg)
+    raise InputError(f"unknown objective {objective!r} (accepted: {', '.join((*OBJECTIVES, RING_OBJECTIVE))})")

@@ -5,7 +5,8 @@
   GPUs inside one CPU socket / PCIe domain when the job fits in one, else baseline.
 * ``greedy``     - the highest aggregated bandwidth (paper Eq. 1).
 * ``preserve``   - MAPA Algorithm 1: bandwidth-sensitive jobs of 2+ GPUs get the highest
-  predicted effective bandwidth (Eq. 2); every other job the highest preserved bandwidth (Eq. 3).
+  predicted effective bandwidth (Eq. 2), ring jobs among equals the set whose links carry the most
+  rings (:mod:`.ring_choice`); every other job the highest preserved bandwidth (Eq. 3).
 
 A policy picks the GPU *set*; the order of the GPUs inside the set (which GPU runs which pattern
 vertex) is always the best for the job's pattern, as NCCL would build its ring over whatever GPUs
@@ -28,6 +29,7 @@ from .effbw import EffectiveBandwidthModel
 from .server_models import default_model
 from .hardware import HardwareGraph
 from .peers import PEER_POLICIES
+from .ring_choice import RING_OBJECTIVE, best_by_rings, ranks_by_rings
 from .search import SearchLimit, best_placement
 from .search_limit import OutOfWork
 
@@ -69,6 +71,10 @@ def preserve(
     found = best_placement(graph, free, request.pattern, objective, model, limit)
     if found is None:
         return NoFit("preserve", request, free)
+    if objective == "effective" and found.gap is None and ranks_by_rings(request.pattern, free):
+        # Among the sets the model ranks equal, the one whose links carry the most rings (.ring_choice).
+        return Allocation(policy="preserve", placement=best_by_rings(graph, free, request.pattern, model, found, limit),
+                          objective=RING_OBJECTIVE)
     return Allocation(policy="preserve", placement=found, objective=objective)
 
 

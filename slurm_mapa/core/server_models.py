@@ -12,17 +12,13 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 from .effbw import DEFAULT_PCIE_PATH_FACTORS, EffectiveBandwidthModel
-from .links import PCIE_LEVELS, Link
+from .links import PCIE_LEVELS, Link, path_bandwidth
 from .model_files import REPRODUCTION_ONLY, bundled_model, bundled_model_names, paper_model
 
 
 def _path_bandwidth(graph: Any, link: Link, pcie_factors: Mapping[str, float] | None = None) -> float:
     """The graph's bandwidth of ``link``, a PCIe level's times its path factor when the graph gives every level the same."""
-    factors = DEFAULT_PCIE_PATH_FACTORS if pcie_factors is None else pcie_factors
-    value = graph.bandwidths.of(link)
-    if link.kind == "pcie" and len({graph.bandwidths.pcie[level] for level in PCIE_LEVELS}) == 1:
-        value *= factors.get(link.level, 1.0)
-    return value
+    return path_bandwidth(graph, link, pcie_factors)
 
 
 def _selector(link: Link) -> str:

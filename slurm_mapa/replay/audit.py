@@ -163,12 +163,13 @@ def _audit(events: Iterator[tuple[float, int, int, Job]], nodes: Sequence[Node],
                 if decision.mask == mask:
                     row["same_set"] += 1
                 rec_value = recorded.effective_bandwidth if objective == "effective" else recorded.preserved_bandwidth
-                pol_value = decision.effective if objective == "effective" else decision.preserved
+                # The record is compared by the model that ranked it (the decision's ``ranked``), not the replay's judge.
+                pol_value = decision.ranked if objective == "effective" else decision.preserved
                 if rec_value is not None and pol_value is not None and abs(rec_value - pol_value) <= _EPS:
                     row["as_good"] += 1
-                if recorded.effective_bandwidth is not None and decision.effective is not None:
+                if recorded.effective_bandwidth is not None and decision.ranked is not None:
                     row["bw_rec"] += recorded.effective_bandwidth
-                    row["bw_pol"] += decision.effective
+                    row["bw_pol"] += decision.ranked
                     row["n_bw"] += 1
             job.recorded_bw = recorded.effective_bandwidth
         else:

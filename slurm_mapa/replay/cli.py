@@ -153,10 +153,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="run times depend on effective bandwidth (BW:SLOWDOWN points, default: the paper's curve)")
     p.add_argument("--backfill", action="store_true", help="let later jobs start when the queue head does not fit")
     p.add_argument("--model", metavar="FILE|NAME",
-                   help="effective-bandwidth model for every node: a model file or a bundled name (default: the config's "
-                        "`model`, else auto: each node type's own model, as the Prolog prices it)")
+                   help="the ranking model (what the policies maximize) for every node: a model file or a bundled name "
+                        "(default: the config's `model`, else auto: each node type's own model, as the Prolog ranks)")
+    p.add_argument("--judge", metavar="FILE|NAME", default=None,
+                   help="the model every reported effective bandwidth is scored by: link-bound (the default: no policy "
+                        "ranks with it), 'ranking' (each node's ranking model: the paper's own way), or a model file or "
+                        "bundled name")
     p.add_argument("--extrapolate", action="store_true",
-                   help="report the model's own numbers outside the sizes it was fitted on (marked) instead of the link-bound model's")
+                   help="report a fitted judge's own numbers outside the sizes it was fitted on (marked) instead of the link-bound model's")
     p.add_argument("--sensitive-share", type=float, default=None, metavar="F",
                    help="assume a share F (0-1) of the jobs with 2+ GPUs on a node and no directive or rule are "
                         "bandwidth-sensitive, picked by a hash of the job id")

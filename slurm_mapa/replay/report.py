@@ -8,7 +8,7 @@ from .results import Record, RunResult
 
 CSV_HEADER = (
     "job,policy,node,submit,start,end,wait,runtime,base_runtime,gpus,sensitive,pattern,"
-    "effective_bw,aggregated_bw,preserved_bw"
+    "effective_bw,aggregated_bw,preserved_bw,ranked_bw,fast_ring"
 )
 
 
@@ -26,8 +26,11 @@ def summary(result: RunResult) -> dict:
         "jobs": result.jobs,
         "dropped": dict(result.dropped),
         "stuck_in_queue": result.stuck,
+        "judged_by": result.judge,
         "effective_bw_sensitive": five(result.eff_sensitive),
         "effective_bw_insensitive": five(result.eff_insensitive),
+        "ranked_bw_sensitive": five(result.ranked_sensitive),
+        "fast_ring_sensitive": {"checked": result.ring_checked, "fast": result.fast_ring},
         "preserved_bw_after_decision": five(result.preserved_after),
         "preserved_bw_time_mean": _r(result.mean_preserved),
         "fragmentation_time_mean": _r(result.mean_fragmentation, 4),
@@ -49,6 +52,8 @@ def summary(result: RunResult) -> dict:
                 "jobs": size.jobs,
                 "effective_bw_sensitive": five(size.eff_sensitive),
                 "effective_bw_insensitive": five(size.eff_insensitive),
+                "ranked_bw_sensitive": five(size.ranked_sensitive),
+                "fast_ring_sensitive": {"checked": size.ring_checked, "fast": size.fast_ring},
                 "wait": five(size.wait),
                 "grounded_predictions": size.grounded,
                 "extrapolated_predictions": size.extrapolated,
@@ -95,15 +100,19 @@ MAPA_POLICY = "preserve"
 
 TABLE_LEGEND = """\
 columns: 'preserve (MAPA)' is MAPA's policy (the paper's Preserve); the others are the allocators clusters use
-  today (`mapa-replay policies`). sensitive effective BW: the predicted effective bandwidth (GB/s, by the model
-  named above) of the GPU set each bandwidth-sensitive job of 2+ GPUs got: min, 25th percentile (p25), median,
-  75th (p75), max over those jobs; higher is better. insens.: the median of the same for the other jobs.
+  today (`mapa-replay policies`). sensitive effective BW: the predicted effective bandwidth (GB/s, by the judging
+  model named above, 'judged by') of the GPU set each bandwidth-sensitive job of 2+ GPUs got: min, 25th percentile
+  (p25), median, 75th (p75), max over those jobs; higher is better. insens.: the median of the same for the other
+  jobs. ranked: the median of the sensitive jobs' score by the ranking model (what the policies maximize; a
+  policy that ranks with it scores well there by construction).
   preserved: the link bandwidth (GB/s) among the GPUs left free, averaged over time (what the next sensitive
   job can still get); frag: 1 - preserved / the most any free set of that size could keep, averaged (0 = none).
   wait: seconds from submit to start (mean, and p95: 95th percentile); makespan: first submit to last end."""
 
 BY_GPUS_LEGEND = ("n: the sensitive jobs of that size; p10, med, p90: 10th percentile, median, 90th percentile of "
-                  "their predicted effective bandwidth (and of the insensitive jobs')")
+                  "their effective bandwidth by the judging model (and of the insensitive jobs'); ranked: their median "
+                  "by the ranking model; fast ring: the share of them whose GPUs hold a ring over NVLink/xGMI/NVSwitch "
+                  "links only, read from the links, no model ('-': not checked, sets above 12 GPUs)")
 
 
 def policy_label(result: RunResult) -> str:
@@ -114,33 +123,35 @@ def policy_label(result: RunResult) -> str:
 def table(results: Sequence[RunResult]) -> str:
     """The comparison table: one line per policy, then what its columns mean."""
     head = (
-        f"{'policy':<18} {'jobs':>6} | {'sensitive effective BW (GB/s)':^34} | {'insens.':>7} | "
+        f"{'policy':<18} {'jobs':>6} | {'sensitive effective BW (GB/s)':^34} | {'insens.':>7} | {'ranked':>7} | "
         f"{'preserved':>9} {'frag':>5} | {'wait mean':>9} {'p95':>8} | {'makespan':>9} {'jobs/h':>8}"
     )
-    sub = f"{'':<18} {'':>6} | {'min':>6} {'p25':>6} {'med':>6} {'p75':>6} {'max':>6} | {'median':>7} | {'mean GB/s':>9} {'mean':>5} | {'(s)':>9} {'(s)':>8} | {'(s)':>9} {'':>8}"
+    sub = (f"{'':<18} {'':>6} | {'min':>6} {'p25':>6} {'med':>6} {'p75':>6} {'max':>6} | {'median':>7} | {'median':>7} | "
+           f"{'mean GB/s':>9} {'mean':>5} | {'(s)':>9} {'(s)':>8} | {'(s)':>9} {'':>8}")
     lines = [head, sub, "-" * len(head)]
     for r in results:
         f = r.eff_sensitive.five()
         lines.append(
             f"{policy_label(r) + _outside_mark(r):<18} {r.jobs:>6} | "
             + " ".join(_fmt(f[k], 6) for k in ("min", "p25", "median", "p75", "max"))
-            + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
+            + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_fmt(r.ranked_sensitive.quantile(0.5), 7)}"
+            + f" | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
             + f"{_fmt(r.wait.mean, 9)} {_fmt(r.wait.quantile(0.95), 8)} | {_fmt(r.makespan, 9, 0)} {_fmt(r.throughput_per_hour, 8)}"
         )
     notes = [f"{r.label}: {outside_text(r)}" for r in results if _outside_mark(r)]
     if notes:
-        lines.append("* effective bandwidths outside the model's fitted range: " + "; ".join(notes))
+        lines.append("* effective bandwidths outside the judging model's fitted range: " + "; ".join(notes))
     lines.append(TABLE_LEGEND)
     return "\n".join(lines)
 
 
 def _outside_mark(result: RunResult) -> str:
-    """``*`` after a run whose effective bandwidths include some outside the model's fitted range."""
+    """``*`` after a run whose effective bandwidths include some outside the judging model's fitted range."""
     return "*" if result.extrapolated or result.grounded else ""
 
 
 def outside_text(result: RunResult) -> str:
-    """How many of a run's effective bandwidths lie outside the model's fitted range, and how each is reported."""
+    """How many of a run's effective bandwidths lie outside the judging model's fitted range, and how each is reported."""
     parts = []
     if result.extrapolated:
         parts.append(f"{result.extrapolated} EXTRAPOLATED by the model")
@@ -173,9 +184,11 @@ def by_gpus_text(results: Sequence[RunResult]) -> str:
     sizes = sorted({g for r in results for g in r.by_gpus})
     if not sizes:
         return ""
-    head = (f"{'GPUs':>4} {'policy':<18} {'jobs':>6} | {'sensitive eff. BW (GB/s)':^27} | {'insensitive':^20} | {'wait mean':>9}")
-    sub = f"{'':>4} {'':<18} {'':>6} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} | {'p10':>6} {'med':>6} {'p90':>6} | {'(s)':>9}"
-    lines = ["by GPUs per node (* = outside the model's fitted range: see the model line above); " + BY_GPUS_LEGEND,
+    head = (f"{'GPUs':>4} {'policy':<18} {'jobs':>6} | {'sensitive eff. BW (GB/s)':^27} | {'ranked':>6} {'fast':>5} | "
+            f"{'insensitive':^20} | {'wait mean':>9}")
+    sub = (f"{'':>4} {'':<18} {'':>6} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} | {'med':>6} {'ring':>5} | "
+           f"{'p10':>6} {'med':>6} {'p90':>6} | {'(s)':>9}")
+    lines = ["by GPUs per node (* = outside the judging model's fitted range: see the 'judged by' line above); " + BY_GPUS_LEGEND,
              head, sub, "-" * len(head)]
     for gpus in sizes:
         for r in results:
@@ -187,10 +200,18 @@ def by_gpus_text(results: Sequence[RunResult]) -> str:
             lines.append(
                 f"{gpus:>3}{mark} {policy_label(r):<18} {size.jobs:>6} | {s.count:>6} "
                 + " ".join(_fmt(s.quantile(q), 6) for q in (0.1, 0.5, 0.9))
+                + f" | {_fmt(size.ranked_sensitive.quantile(0.5), 6)} {_fast_share(size)}"
                 + " | " + " ".join(_fmt(i.quantile(q), 6) for q in (0.1, 0.5, 0.9))
                 + f" | {_fmt(size.wait.mean, 9)}"
             )
     return "\n".join(lines)
+
+
+def _fast_share(size) -> str:
+    """The share of a size's sensitive jobs whose GPUs hold a ring over fast links only, as a percentage."""
+    if not size.ring_checked:
+        return "-".rjust(5)
+    return f"{100.0 * size.fast_ring / size.ring_checked:.0f}%".rjust(5)
 
 
 def table3_text(rows: list[dict]) -> str:
@@ -211,7 +232,8 @@ def csv_row(rec: Record) -> str:
     fields = [
         rec.id, rec.policy, rec.node, num(rec.submit), num(rec.start), num(rec.end), num(rec.wait), num(rec.runtime),
         num(rec.base_runtime), " ".join(map(str, rec.gpus)), "1" if rec.sensitive else "0", rec.shape,
-        num(rec.effective), num(rec.aggregated), num(rec.preserved),
+        num(rec.effective), num(rec.aggregated), num(rec.preserved), num(rec.ranked),
+        "" if rec.fast_ring is None else "1" if rec.fast_ring else "0",
     ]
     return ",".join(_quote(f) for f in fields)
 

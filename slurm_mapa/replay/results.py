@@ -26,10 +26,12 @@ class Record:
     gpus: tuple[int, ...]
     sensitive: bool
     shape: str
-    effective: float | None
+    effective: float | None  # by the judging model
     aggregated: float
     preserved: float
     base_runtime: float
+    ranked: float | None = None  # by the ranking model (what the policy maximized)
+    fast_ring: bool | None = None  # its GPUs hold a ring over fast links only (None: not checked)
 
     @property
     def wait(self) -> float:
@@ -50,6 +52,9 @@ class SizeStats:
     wait: Dist = field(default_factory=Dist)
     grounded: int = 0
     extrapolated: int = 0
+    ranked_sensitive: Dist = field(default_factory=Dist)  # the ranking model's own score of the sensitive jobs
+    ring_checked: int = 0  # sensitive jobs whose GPU set was checked for a ring over fast links only
+    fast_ring: int = 0  # ... and those that hold one
 
 
 @dataclass
@@ -59,6 +64,7 @@ class RunResult:
     dropped: dict = field(default_factory=dict)
     eff_sensitive: Dist = field(default_factory=Dist)
     eff_insensitive: Dist = field(default_factory=Dist)
+    ranked_sensitive: Dist = field(default_factory=Dist)  # the ranking model's own score of the sensitive jobs
     wait: Dist = field(default_factory=Dist)
     wait_sensitive: Dist = field(default_factory=Dist)  # sensitive jobs of 2+ GPUs
     runtime: Dist = field(default_factory=Dist)
@@ -74,8 +80,11 @@ class RunResult:
     decisions: int = 0
     stuck: int = 0
     by_gpus: dict = field(default_factory=dict)  # GPUs per node -> SizeStats
-    grounded: int = 0  # jobs whose effective bandwidth came from the link-bound model
-    extrapolated: int = 0  # jobs whose effective bandwidth the model extrapolated (--extrapolate)
+    grounded: int = 0  # jobs whose effective bandwidth came from the link-bound model (outside the judge's fitted range)
+    extrapolated: int = 0  # jobs whose effective bandwidth the judge extrapolated (--extrapolate)
+    judge: str = "link-bound"  # the model every effective bandwidth above is judged by
+    ring_checked: int = 0  # sensitive jobs of 2+ GPUs whose set was checked for a ring over fast links only
+    fast_ring: int = 0  # ... and those that hold one
     node_choice: str = "first-fit"
     preference_met: int = 0  # jobs that wanted a feature (prefer/require) and started on a node that had it
     preference_missed: int = 0  # ... and started elsewhere (Slurm's fallback, or a relaxed constraint)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence, TextIO
 
 from ..core.affinity import DEFAULT_MAX_LOSS as AFFINITY_MAX_LOSS
-from ..core.effbw import EffectiveBandwidthModel
-from ..core.model_files import grounded_model
+from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel
+from ..core.model_files import GROUNDED_MODEL_NAME as LINK_BOUND
+from ..core.model_files import grounded_model, load_model
 from ..errors import InputError
 from ..extras import install_hint
 from . import report
@@ -25,7 +26,7 @@ from .config import Config
 from .jobs import ReadStats
 from .plots import have_matplotlib, write_plots
 from .results import RunResult
-from .simulate import ALL_POLICIES, NODE_CHOICES, Decider, Node, Options, simulate
+from .simulate import ALL_POLICIES, JUDGE_RANKING, NODE_CHOICES, Decider, Node, Options, simulate
 from .sources import PROG, Source
 from .timemodel import parse_curve
 
@@ -129,6 +130,7 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
         model=model,
         configured=_configured_ahead(args, source, config),
         extrapolate=extrapolate,
+        judge=_judge(args),
     )
     progress = args.progress or (args.progress is None and sys.stderr.isatty() and not args.json)
     results = _run_all(source, nodes, policies, options, csv_path=args.csv,
@@ -154,6 +156,7 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
                   "models": [{"name": m.name, "basis": m.basis or None, "fitted_gpus": list(m.fitted_gpus) if m.fitted_gpus else None}
                              for m in models],
                   "outside_fitted_range": "extrapolated" if extrapolate else grounded_model().name},
+        "judge": _judge_summary(options.judge, extrapolate),
         "cluster": {"notes": [n for n in cluster_notes if not n.startswith("warning:")],
                     "log_peak_gpus": peak["peak_gpus"] if peak else None},
         "warnings": warnings,
@@ -163,7 +166,8 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
     header = [f"{label}: {len(nodes)} node(s) ({', '.join(topo_names)}); {source.stats.summary()}"]
     header += _directive_lines(source.stats, share)
     header += cluster_notes
-    header += [_model_line(m, extrapolate) for m in models]
+    header += [_model_line(m) for m in models]
+    header.append(_judge_line(options.judge, extrapolate))
     if affinity:
         header.append(_affinity_line(affinity, affinity_max_loss, results))
     parts = ["\n".join(header), report.table(results)]
@@ -186,7 +190,7 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
         if any(j.recorded is not None for j in source.jobs(ReadStats())):  # stops at the first record
             # streamed: the log is read again (not held) and again only if it is out of submit order
             result = audit(source.jobs(ReadStats()), nodes, policies,
-                           Decider(options.model, configured=options.configured, extrapolate=extrapolate),
+                           Decider(options.model, configured=options.configured, extrapolate=extrapolate, judge=options.judge),
                            again=lambda: source.jobs(ReadStats()))
             out["recorded_decisions"] = result
             parts.append(report.audit_text(result))
@@ -220,7 +224,7 @@ def _progress(policy: str, enabled: bool) -> Callable[[int], None] | None:
 def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options: Options, *, csv_path: str | None,
              progress: bool, node_choices: Sequence[str] = ("first-fit",), csv_sink: CsvSink | None = None) -> list[RunResult]:
     """``csv_sink``: rows go to this already open file, after the sink's input column, instead of ``csv_path``."""
-    decider = Decider(options.model, configured=options.configured, extrapolate=options.extrapolate)
+    decider = Decider(options.model, configured=options.configured, extrapolate=options.extrapolate, judge=options.judge)
     results = []
     csv_handle = open(csv_path, "w", encoding="utf-8") if csv_path and csv_sink is None else None
     try:
@@ -263,17 +267,52 @@ class CsvSink:
         self.handle.write(f"{self.input},{report.csv_row(rec)}\n")
 
 
-def _model_line(model: EffectiveBandwidthModel, extrapolate: bool) -> str:
-    line = f"model: {model.name}"
-    if model.fitted_gpus is None:
-        return line + " (no fitted range stated)"
-    low, high = model.fitted_gpus
+def _judge(args) -> EffectiveBandwidthModel | LinkBoundModel | str:
+    """--judge: the model every reported effective bandwidth is scored by (issue 38): link-bound
+    (the default: no policy ranks with it), ``ranking`` (each node's ranking model, the paper's
+    own way), or a model file or bundled name."""
+    name = getattr(args, "judge", None) or LINK_BOUND
+    if name == LINK_BOUND:
+        return grounded_model()
+    if name == JUDGE_RANKING:
+        return JUDGE_RANKING
+    return load_model(name)
+
+
+def _judge_summary(judge, extrapolate: bool) -> dict:
+    if judge == JUDGE_RANKING:
+        return {"name": JUDGE_RANKING, "ranks_decisions": True, "fitted_gpus": None}
+    fitted = getattr(judge, "fitted_gpus", None)
+    return {"name": judge.name, "ranks_decisions": False, "fitted_gpus": list(fitted) if fitted else None,
+            "outside_fitted_range": None if not fitted else "extrapolated" if extrapolate else grounded_model().name}
+
+
+def _judge_line(judge, extrapolate: bool) -> str:
+    """What every effective bandwidth below is scored by."""
+    if judge == JUDGE_RANKING:
+        return ("judged by: each node's ranking model (--judge ranking: the paper's own way; a policy that maximizes "
+                "that model scores best by construction)")
+    if isinstance(judge, LinkBoundModel):
+        return (f"judged by: {judge.name} ({judge.efficiency:g} x the bus bandwidth the set's links can carry: rings "
+                "packed over its links, or the slowest GPU's links to the set; no policy ranks with it; --judge to change)")
+    line = f"judged by: {judge.name}"
+    if judge.fitted_gpus is None:
+        return line
+    low, high = judge.fitted_gpus
     line += f", fitted on {low}-{high} GPU patterns; "
     if extrapolate:
         return line + "other sizes are its extrapolations (--extrapolate), marked * below"
     grounded = grounded_model()
-    return line + (f"other sizes come from the {grounded.name} model ({grounded.efficiency:g} x the slowest GPU's link "
-                   "bandwidth to its set), marked * below; --extrapolate keeps the model's own numbers")
+    return line + (f"other sizes come from the {grounded.name} model ({grounded.efficiency:g} x the bus bandwidth the "
+                   "set's links can carry), marked * below; --extrapolate keeps the model's own numbers")
+
+
+def _model_line(model: EffectiveBandwidthModel) -> str:
+    line = f"ranking model: {model.name}"
+    if model.fitted_gpus is None:
+        return line + " (no fitted range stated)"
+    low, high = model.fitted_gpus
+    return line + f", fitted on {low}-{high} GPU patterns (its own score, the 'ranked' column, is extrapolated outside them)"
 
 
 def _directive_lines(stats: ReadStats, share: float | None) -> list[str]:

@@ -59,8 +59,9 @@ from ..core.affinity import check_settings as check_affinity
 from ..core.affinity import decide as affinity_decide
 from ..core.affinity import cpus_of_slurms_gpus, gpu_cpus, modelled_job_cpus
 from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel
-from ..core.model_files import grounded_model, paper_model
+from ..core.model_files import grounded_model
 from ..core.explain import reported_placement
+from ..core.fast_ring import has_fast_ring
 from ..core.hardware import HardwareGraph
 from ..core.ahead import AHEAD_POLICIES
 from ..core.peers import PEER_POLICIES
@@ -89,6 +90,10 @@ INDEX_NODES = 32
 VECTOR_NODES = 64
 
 
+# Decider(judge=JUDGE_RANKING): every decision judged by the model that ranked it (the paper's way).
+JUDGE_RANKING = "ranking"
+
+
 def policy_names() -> list[str]:
     return list(ALL_POLICIES)
 
@@ -103,12 +108,14 @@ class Node:
 class Decision:
     gpus: tuple[int, ...]  # pattern order
     mask: int
-    effective: float | None
+    effective: float | None  # the judging model's effective bandwidth (Decider.judge): what every report shows
     aggregated: float
     preserved: float
-    grounded: bool = False  # effective bandwidth from the link-bound model: the size is outside the model's fitted range
-    extrapolated: bool = False  # effective bandwidth from the model outside its fitted range (--extrapolate)
+    grounded: bool = False  # judged by the link-bound model instead: the size is outside the judge's fitted range
+    extrapolated: bool = False  # judged by the judge outside its fitted range (--extrapolate)
     local: bool | None = None  # GPUs local to the job's modelled CPUs; None: affinity not modelled or the node has none
+    ranked: float | None = None  # the ranking model's own prediction (what the policy maximized; eff= in the Prolog's record)
+    fast_ring: bool | None = None  # the GPUs hold a ring over fast links only (core.fast_ring); None: not checked
 
 
 @dataclass
@@ -120,7 +127,8 @@ class Options:
     reorder_window: int = 10_000
     model: EffectiveBandwidthModel | None = None
     configured: dict | None = None  # policies built with site settings (preserve-ahead's sizes)
-    extrapolate: bool = False  # keep the model's own predictions outside its fitted range (marked)
+    extrapolate: bool = False  # keep the judge's own predictions outside its fitted range (marked)
+    judge: EffectiveBandwidthModel | LinkBoundModel | None = None  # what scores the decisions (None: link-bound); see Decider
     node_choice: str = "first-fit"  # see NODE_CHOICES
     insensitive: str = "complement"  # what insensitive jobs prefer under prefer/require: see INSENSITIVE_CHOICES
     feature_threshold: float = mapa_features.DEFAULT_THRESHOLD
@@ -141,15 +149,21 @@ class Decider:
         *,
         extrapolate: bool = False,
         grounded: LinkBoundModel | None = None,
+        judge: EffectiveBandwidthModel | LinkBoundModel | str | None = None,
     ) -> None:
-        # ``model``: one model for every node (--model, the config's `model`); None: each node type
-        # priced by its own (hardware.load.model_for_topology), as the Prolog prices it. ``self.model``
-        # is the one scale node features compare node types on (the Prolog's features do the same).
+        # ``model``: the ranking model, one for every node (--model, the config's `model`); None:
+        # each node type ranked by its own (hardware.load.model_for_topology), as the Prolog ranks.
+        # ``judge``: the model that scores every decision for the reports (--judge); None: the
+        # link-bound model, which no policy ranks with, so that a choice is not judged by the
+        # numbers it maximized (issue 38); JUDGE_RANKING: each node's ranking model (the paper's
+        # own way, for reproducing its figures). ``self.feature_model``: what node features price
+        # rings with, the ranking model (agent.features does the same).
         self.fixed_model = model
-        self.model = model or paper_model()
+        self.feature_model = model or self.model_for
         self._models: dict[HardwareGraph, EffectiveBandwidthModel] = {}
         self.extrapolate = extrapolate
         self.grounded = grounded
+        self.judge = grounded_model() if judge is None else judge
         self._reported: dict = {}
         self.policies = {**ALL_POLICIES, **(configured or {})}  # configured: preserve-ahead with site sizes
         self.memo: dict = {}
@@ -163,8 +177,12 @@ class Decider:
         self.searches = 0
         self.lookups = 0
 
+    @property
+    def judge_name(self) -> str:
+        return "each node's ranking model" if self.judge == JUDGE_RANKING else self.judge.name
+
     def model_for(self, graph: HardwareGraph) -> EffectiveBandwidthModel:
-        """The model that prices decisions on ``graph``."""
+        """The model that ranks decisions on ``graph``."""
         if self.fixed_model is not None:
             return self.fixed_model
         found = self._models.get(graph)
@@ -271,8 +289,9 @@ class Decider:
         return value
 
     def _decision(self, gid: int, rid: int, placement, used: int) -> Decision:
-        """The reported scores of a placement: the set's best order for collectives, and the
-        link-bound model's bandwidth outside the model's fitted range (unless extrapolating)."""
+        """The reported scores of a placement: the set's best order for collectives; its effective
+        bandwidth by the judge (by the link-bound model outside a fitted judge's range, unless
+        extrapolating), and by the ranking model (``ranked``)."""
         request = self._request_list[rid]
         pattern = request.pattern
         graph = self.graphs[gid]
@@ -281,21 +300,28 @@ class Decider:
         if found is None:
             model = self.model_for(graph)
             shown = reported_placement(graph, pattern, placement, model)
-            effective = shown.effective_bandwidth
+            ranked = shown.effective_bandwidth
+            judge = model if self.judge == JUDGE_RANKING else self.judge
             grounded = extrapolated = False
-            if effective is not None and not model.fitted_for(pattern.size):
-                if self.extrapolate:
-                    extrapolated = True
-                else:
-                    effective = (self.grounded or grounded_model()).predict(graph, shown.gpus, pattern)
-                    grounded = True
-            found = (shown.gpus, effective, shown.aggregated_bandwidth, grounded, extrapolated)
+            if isinstance(judge, LinkBoundModel):
+                effective = judge.predict(graph, shown.gpus, pattern)
+            else:
+                effective = ranked if judge is model else reported_placement(graph, pattern, placement, judge).effective_bandwidth
+                if effective is not None and not judge.fitted_for(pattern.size):
+                    if self.extrapolate:
+                        extrapolated = True
+                    else:
+                        effective = (self.grounded or grounded_model()).predict(graph, shown.gpus, pattern)
+                        grounded = True
+            fast = has_fast_ring(graph, shown.gpus) if pattern.size >= 2 and pattern.edges else None
+            found = (shown.gpus, effective, shown.aggregated_bandwidth, grounded, extrapolated, ranked, fast)
             if key is not None:
                 if len(self._reported) >= self.limit:
                     self._reported.clear()
                 self._reported[key] = found
-        gpus, effective, aggregated, grounded, extrapolated = found
-        return Decision(gpus, used, effective, aggregated, placement.preserved_bandwidth, grounded, extrapolated)
+        gpus, effective, aggregated, grounded, extrapolated, ranked, fast = found
+        return Decision(gpus, used, effective, aggregated, placement.preserved_bandwidth, grounded, extrapolated,
+                        ranked=ranked, fast_ring=fast)
 
     def preserved_table(self, gid: int) -> list[float] | None:
         """Preserved bandwidth (Eq. 3) of every free mask of a node of up to 16 GPUs."""
@@ -379,8 +405,9 @@ def simulate(
     if options.affinity is not None:
         check_affinity(options.affinity, options.affinity_max_loss)
     affinity = (options.affinity, float(options.affinity_max_loss)) if options.affinity is not None else None
-    decider = decider or Decider(options.model, configured=options.configured, extrapolate=options.extrapolate)
-    result = RunResult(policy, node_choice=options.node_choice)
+    decider = decider or Decider(options.model, configured=options.configured, extrapolate=options.extrapolate,
+                                 judge=options.judge)
+    result = RunResult(policy, node_choice=options.node_choice, judge=decider.judge_name)
     choice = options.node_choice
     by_features = choice in ("prefer", "require")
     stateful = policy in peers.STATEFUL
@@ -404,7 +431,7 @@ def simulate(
 
     def fleet_best(k: int) -> float | None:
         if k not in fleet:
-            fleet[k] = mapa_features.fleet_best(graphs, (k,), decider.model).get(k) if k in feature_sizes else None
+            fleet[k] = mapa_features.fleet_best(graphs, (k,), decider.feature_model).get(k) if k in feature_sizes else None
         return fleet[k]
 
     def wanted(job: Job) -> tuple[bool, int] | None:
@@ -424,7 +451,7 @@ def simulate(
         if found is None:
             good, k = want
             found = feature_memo[key] = (
-                mapa_features.has_good(graphs[i], mask, k, fleet[k], decider.model, options.feature_threshold) == good)
+                mapa_features.has_good(graphs[i], mask, k, fleet[k], decider.feature_model, options.feature_threshold) == good)
         return found
 
     # The index that keeps a decision's cost independent of the cluster's size: the nodes by their
@@ -706,6 +733,15 @@ def simulate(
             if first.effective is not None:
                 (result.eff_sensitive if job.sensitive else result.eff_insensitive).add(first.effective)
                 (size.eff_sensitive if job.sensitive else size.eff_insensitive).add(first.effective)
+            if job.sensitive and first.ranked is not None:
+                result.ranked_sensitive.add(first.ranked)
+                size.ranked_sensitive.add(first.ranked)
+            if job.sensitive and first.fast_ring is not None:
+                result.ring_checked += 1
+                size.ring_checked += 1
+                if first.fast_ring:
+                    result.fast_ring += 1
+                    size.fast_ring += 1
             if first.grounded:
                 result.grounded += 1
                 size.grounded += 1
@@ -718,6 +754,7 @@ def simulate(
                     Record(
                         job.id, result.label, ",".join(nodes[i].name for i, _, _ in picks), job.submit, start, end,
                         first.gpus, job.sensitive, job.shape, first.effective, first.aggregated, first.preserved, job.runtime,
+                        first.ranked, first.fast_ring,
                     )
                 )
         while pending is not None and pending.submit <= t:

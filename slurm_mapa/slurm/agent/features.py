@@ -42,16 +42,16 @@ class Publisher:
 
     def wanted(self, config: HookConfig) -> tuple[str, ...] | None:
         """MAPA's features for the node's free GPUs now (None: not configured, or no topology)."""
-        from ...core.model_files import load_model, paper_model
-        from ...hardware.load import load_topology
+        from ...core.model_files import load_model
+        from ...hardware.load import load_topology, model_for_topology
         from ..hooks.node_graph import load_graph
 
         if not config.feature_sizes:
             return None
         graph = load_graph(config, self.node)
-        # One model for every server of the fleet, so that their rings compare on one scale: the
-        # configured `model`, else the paper's (per-server models need not share a scale).
-        model = load_model(config.model) if config.model not in ("", "auto") else paper_model()
+        # The configured `model` for every server of the fleet, else each server's own default
+        # (true to its links, in GB/s: rings of different servers compare on that scale).
+        model = load_model(config.model) if config.model not in ("", "auto") else model_for_topology
         key = (config.feature_sizes, config.feature_fleet, config.model, graph)
         if self._best_key != key:  # the fleet's idle best: computed once per configuration
             fleet = [load_topology(spec) for spec in config.feature_fleet] or [graph]
