@@ -185,6 +185,7 @@ def show(*cells) -> None:
 def bench_nodes(args) -> None:
     show("nodes", "jobs", "choice", "new CPU s", "new us/decision", "old CPU s", "old us/decision", "old/new")
     print("|---|---|---|---|---|---|---|---|")
+    differs: set[str] = set()
     for choice in args.choices.split(","):
         for nodes in (int(n) for n in args.nodes.split(",")):
             jobs = args.jobs if nodes < 10_000 else args.jobs_10k
@@ -192,11 +193,17 @@ def bench_nodes(args) -> None:
             old = None
             if args.old_path and jobs <= args.old_max_jobs:
                 old = run_worker(args.old_path, "nodes", jobs, nodes, choice, "preserve")
-                assert (old["decisions"], old["median_sensitive"], old["mean_wait"]) == \
-                    (new["decisions"], new["median_sensitive"], new["mean_wait"]), (old, new)  # the same replay
+                assert old["decisions"] == new["decisions"], (old, new)  # the same workload
+                if (old["median_sensitive"], old["mean_wait"]) != (new["median_sensitive"], new["mean_wait"]):
+                    # Issue 38 judged replays by the link-bound model and gave preserve a ring-rate
+                    # tie-break: since then the trees replay one workload, not one sequence of decisions.
+                    differs.add(f"{nodes} nodes, {choice}")
             per = lambda r: f"{r['cpu_s'] / max(1, r['decisions']) * 1e6:.0f}"  # noqa: E731
             show(nodes, f"{jobs:,}", choice, f"{new['cpu_s']:.2f}", per(new), f"{old['cpu_s']:.2f}" if old else "skipped",
                  per(old) if old else "-", f"{old['cpu_s'] / new['cpu_s']:.1f}x" if old else "-")
+    if differs:
+        print(f"\nnote: the two trees decide differently ({'; '.join(sorted(differs))}): preserve's ring-rate tie-break "
+              "and the judged bandwidths came after the baseline (issue 38); the timings compare one workload")
 
 
 def bench_memory(args) -> None:

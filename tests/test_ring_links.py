@@ -189,7 +189,7 @@ def test_mapa_is_behind_no_peer_at_any_size_on_the_paper_workload_on_four_dgx1()
     `mapa-replay run --generate paper:3000 --nodes 4 --topology dgx1-v100`) on 4 DGX-1 V100,
     judged by the link-bound model: MAPA's sensitive jobs at every size, p10 and median, at least
     every peer's; its median 5-GPU job holds a ring over NVLinks only. (Denser arrivals leave MAPA
-    behind at the 3-GPU p10: docs/policies.md, "Judged by the links".)"""
+    behind at the 3-GPU p10: docs/policies.md, "MAPA against the peers, judged by the links".)"""
     graph = preset("dgx1-v100")
     cluster = [Node(f"n{i}", graph) for i in range(4)]
     decider = Decider()

@@ -64,8 +64,8 @@ def boxplot_png(path: str, groups: Sequence[tuple[str, Sequence[RunResult]]], *,
     plt = _pyplot()
     rows = max((len(results) for _, results in groups), default=1)
     fig, axes = plt.subplots(1, len(groups), figsize=(6.4 * len(groups), 1.2 + 0.42 * rows), squeeze=False)
-    unit = "run time (s)" if what == "runtime" else "predicted effective bandwidth (GB/s)"
     for ax, (name, results) in zip(axes[0], groups):
+        unit = "run time (s)" if what == "runtime" else f"effective bandwidth (GB/s), judged by {_judges(results)}"
         stats, colours = [], []
         for r in results:
             dist = {"sensitive": r.eff_sensitive, "insensitive": r.eff_insensitive, "runtime": r.runtime_sensitive}[what]
@@ -79,13 +79,18 @@ def boxplot_png(path: str, groups: Sequence[tuple[str, Sequence[RunResult]]], *,
                 box.set(facecolor="white", edgecolor=colour, linewidth=1.6 if colour == MAPA_COLOUR else 1.0)
                 median.set(color=colour, linewidth=2.0)
         ax.set_title(_wrapped(name, 60), fontsize=9)
-        ax.set_xlabel(unit + ("; higher is better" if what != "runtime" else "; lower is better"))
+        ax.set_xlabel(_wrapped(unit + ("; higher is better" if what != "runtime" else "; lower is better"), 60))
         ax.grid(axis="x", alpha=0.3)
     if title:
         fig.suptitle(_wrapped(title, 70 * len(groups)), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _judges(results: Sequence[RunResult]) -> str:
+    """The judging model(s) of the runs drawn, for the axis labels."""
+    return ", ".join(dict.fromkeys(r.judge for r in results)) or "-"
 
 
 def by_size_png(path: str, results: Sequence[RunResult], title: str = "") -> None:
@@ -114,8 +119,8 @@ def by_size_png(path: str, results: Sequence[RunResult], title: str = "") -> Non
             label.set_fontweight("bold")
     ax.set_xlabel("GPUs of the job on its node")
     ax.tick_params(length=0)
-    ax.set_title(_wrapped((title or "sensitive jobs by size") + ": median predicted effective bandwidth (GB/s), "
-                          "bold = the best policy for that size", 60), fontsize=9)
+    ax.set_title(_wrapped((title or "sensitive jobs by size") + f": median effective bandwidth (GB/s), judged by "
+                          f"{_judges(results)}; bold = the best policy for that size", 60), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

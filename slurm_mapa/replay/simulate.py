@@ -179,7 +179,9 @@ class Decider:
 
     @property
     def judge_name(self) -> str:
-        return "each node's ranking model" if self.judge == JUDGE_RANKING else self.judge.name
+        if self.judge == JUDGE_RANKING:
+            return f"the ranking model ({self.fixed_model.name})" if self.fixed_model is not None else "each node's ranking model"
+        return self.judge.name
 
     def model_for(self, graph: HardwareGraph) -> EffectiveBandwidthModel:
         """The model that ranks decisions on ``graph``."""
