@@ -7,9 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slurm_mapa import cli
-from slurm_mapa.calibrate.fit import Measurement, fit_model, monotonicity_warnings, term_set
+from slurm_mapa.calibrate.fit import Measurement, fit_bottleneck, fit_model, monotonicity_warnings, term_set
 from slurm_mapa.calibrate.nccl import parse_nccl_tests, parse_size
 from slurm_mapa.calibrate.plan import load_plan, make_plan, measurement_script
 from slurm_mapa.core.model_files import load_model_text, model_to_toml, paper_model, term_text
@@ -182,14 +184,22 @@ def test_fitted_pcie_levels_model_prefers_pix_pairs(tmp_path, capsys):
         return slowest * (1 - 0.03 * (run.gpus - 2))
 
     plan, plan_file, files = _measure(tmp_path, graph, truth)
-    model = _fit_cli(tmp_path, plan_file, files)
-    assert model.kind == "regression" and [s[0] for s in model.selectors] == ["PIX", "PHB", "SYS"]
-    assert len(model.terms) == 14
+    model = _fit_cli(tmp_path, plan_file, files)  # the default: a bottleneck model
+    assert model.kind == "bottleneck" and model.basis == "fitted" and [s[0] for s in model.selectors] == ["PIX", "PHB", "SYS"]
+    assert model.fitted_gpus == (2, 8)
     assert chosen(graph, range(8), 2, model) in ({0, 1}, {2, 3}, {4, 5}, {6, 7})
     assert chosen(graph, [0, 2, 4, 5], 2, model) == {4, 5}
     assert chosen(graph, [0, 2, 4], 2, model) == {0, 2}
     report = capsys.readouterr().out
-    assert "RMSE" in report and "leave-one-out" in report
+    assert "RMSE" in report and "leave-one-out" in report and "not fitted through" not in report
+    # The paper's 14-term regression on the same monotone truth is not monotone itself: not written.
+    out = tmp_path / "regression.toml"
+    argv = ["calibrate", "fit", "--plan", str(plan_file), *files, "--kind", "regression", "--output", str(out)]
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT and not out.exists()
+    assert "is not monotone in link quality" in capsys.readouterr().err
+    assert cli.main([*argv, "--allow-non-monotone"]) == 0
+    regression = load_model_text(out.read_text(), source=str(out))
+    assert regression.kind == "regression" and len(regression.terms) == 14
 
 
 def test_fitted_model_prefers_bridged_nv12_pairs(tmp_path):
@@ -454,3 +464,62 @@ def test_xgmi_plan_measures_with_rccl_tests_and_fits(tmp_path):
         (results / run.file).write_text(synthetic_output(slowest * (1 - 0.02 * (run.gpus - 2)), run.gpus))
     model = _fit_cli(tmp_path, plan_file, sorted(str(p) for p in results.iterdir()), "--terms", "linear")
     assert chosen(graph, range(8), 2, model) in ({0, 1}, {2, 3}, {4, 5}, {6, 7})
+
+
+# --- the bottleneck fit (issue 38): monotone by construction ------------------------------------
+
+CLASSES3 = ("x1", "x2", "x3")
+SELECTORS3 = (("NV2",), ("NV1",), ("PCIE",))
+
+
+def _ring(slowest: int, edges: int, classes: int = 3) -> tuple[int, ...]:
+    """A ring of ``edges`` edges whose slowest class is ``slowest`` (one edge of it, the rest of class 0)."""
+    counts = [0] * classes
+    counts[slowest] += 1
+    counts[0] += edges - 1
+    return tuple(counts)
+
+
+def test_a_faster_link_measured_slower_is_reported_and_pooled_not_fitted_through():
+    truth = {0: 50.0, 1: 25.0, 2: 12.0}
+    points = [Measurement(_ring(c, k), truth[c] * (1 + 0.1 * (k - 2)), f"r{c}-{k}") for c in range(3) for k in (2, 3, 4)]
+    bad = Measurement(_ring(0, 3), 20.0, "noisy")  # a double-NVLink ring measured below the single NVLink's 27.5
+    points = [p for p in points if p.counts != bad.counts] + [bad]
+    report = fit_bottleneck(points, class_names=CLASSES3, selectors=SELECTORS3, name="t")
+    model = report.model
+    assert model.kind == "bottleneck" and model.fitted_gpus == (2, 4)
+    assert any(w.startswith("not fitted through: rings with slowest class x1 at 3 edges measured 20.000") for w in report.warnings)
+    at3 = [model.predict(_ring(c, 3)) for c in range(3)]
+    assert at3[0] >= at3[1] >= at3[2] and at3[0] == pytest.approx((20.0 + 27.5) / 2)  # pooled with x2
+    assert model.predict(_ring(2, 4)) == pytest.approx(12.0 * 1.2)  # untouched elsewhere
+    assert model.predict((1, 1, 0)) == model.predict(_ring(1, 2))  # a ring runs at its slowest class
+    assert load_model_text(model_to_toml(model), source="t.toml") == model
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(2, 8), st.floats(0.5, 500.0)), min_size=1, max_size=30))
+def test_every_bottleneck_fit_is_monotone_in_link_quality_at_every_edge_count(rows):
+    points = [Measurement(_ring(c, k), v) for c, k, v in rows]
+    for c in range(3):  # every class measured at least once (else the fit refuses, tested below)
+        points.append(Measurement(_ring(c, 2), 10.0 * (3 - c)))
+    report = fit_bottleneck(points, class_names=CLASSES3, selectors=SELECTORS3)
+    for k in range(2, 12):
+        values = [report.model.predict(_ring(c, k)) for c in range(3)]
+        assert values[0] >= values[1] - 1e-9 and values[1] >= values[2] - 1e-9, (k, values)
+
+
+def test_a_class_no_ring_measured_as_slowest_is_a_clear_error(tmp_path):
+    with pytest.raises(InputError, match="no measured ring has x3 as its slowest link class"):
+        fit_bottleneck([Measurement(_ring(0, 2), 50.0), Measurement(_ring(1, 3), 25.0)], class_names=CLASSES3,
+                       selectors=SELECTORS3)
+
+
+def test_terms_belong_to_a_regression(tmp_path, capsys):
+    graph = graph_of(PCIE)
+    _, plan_file, files = _measure(tmp_path, graph, lambda run: 10.0, max_gpus=3)
+    out = tmp_path / "m.toml"
+    argv = ["calibrate", "fit", "--plan", str(plan_file), *files, "--output", str(out)]
+    assert cli.main([*argv, "--kind", "bottleneck", "--terms", "linear"]) == cli.EXIT_BAD_INPUT and not out.exists()
+    assert "--terms are a regression's" in capsys.readouterr().err
+    assert cli.main([*argv, "--terms", "linear"]) == 0  # --terms alone: a regression (flat truth: monotone)
+    assert load_model_text(out.read_text(), source=str(out)).kind == "regression"

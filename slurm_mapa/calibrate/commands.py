@@ -10,7 +10,7 @@ from typing import Any
 
 from ..core.model_files import load_model_file, model_to_toml
 from ..errors import InputError
-from .fit import fit_model, format_report, measurements_from_files
+from .fit import fit_bottleneck, fit_model, format_report, measurements_from_files
 from .nccl import parse_size
 from .plan import default_model, format_plan, load_plan, make_plan, measurement_script
 
@@ -35,7 +35,14 @@ def add_commands(commands: Any) -> None:
     fit.add_argument("--plan", required=True, help="the plan.json the results were measured from")
     fit.add_argument("--statistic", choices=("peak", "average"), default="peak", help="bus bandwidth per file (default: peak)")
     fit.add_argument("--min-size", default="0", help="only message sizes of at least this many bytes, e.g. 64M (default: all)")
-    fit.add_argument("--terms", default="full", help="full (default; the paper's 14 for 3 classes), linear, or a list like x1,x2,x1*x2")
+    fit.add_argument("--kind", choices=("bottleneck", "regression"), default=None,
+                     help="bottleneck (the default): each ring priced by its slowest link class at its edge count, monotone by "
+                          "construction (a measurement that breaks the order is reported and pooled, not fitted through); "
+                          "regression: the paper's least-squares terms (--terms), written only if monotone")
+    fit.add_argument("--terms", default=None, help="regression terms (implies --kind regression): full (the paper's 14 for 3 "
+                                                   "classes; the default), linear, or a list like x1,x2,x1*x2")
+    fit.add_argument("--allow-non-monotone", action="store_true",
+                     help="write a regression even where a faster link predicts less (to reproduce the paper's model)")
     fit.add_argument("--name", help="model name (default: fitted-<topology>)")
     fit.add_argument("--output", help="write the model file here")
     fit.add_argument("--json", action="store_true", help="machine-readable report")
@@ -88,15 +95,30 @@ def cmd_fit(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     measurements = measurements_from_files(args.results, plan, statistic=args.statistic, min_bytes=parse_size(args.min_size))
     name = args.name or f"fitted-{plan.topology or 'server'}"
-    report = fit_model(
-        measurements,
-        class_names=plan.class_names,
-        selectors=plan.selectors,
-        terms=args.terms,
-        name=name,
-        description=f"fitted by mapa calibrate on {len(measurements)} all_reduce_perf runs ({args.statistic} busbw)",
-        check_counts=[run.counts for run in plan.runs],
-    )
+    kind = args.kind or ("regression" if args.terms is not None else "bottleneck")
+    if kind == "bottleneck" and args.terms is not None:
+        raise InputError("--terms are a regression's: drop them, or fit with --kind regression")
+    description = f"fitted by mapa calibrate on {len(measurements)} all_reduce_perf runs ({args.statistic} busbw)"
+    if kind == "bottleneck":
+        report = fit_bottleneck(measurements, class_names=plan.class_names, selectors=plan.selectors, name=name,
+                                description=description)
+    else:
+        report = fit_model(
+            measurements,
+            class_names=plan.class_names,
+            selectors=plan.selectors,
+            terms=args.terms or "full",
+            name=name,
+            description=description,
+            check_counts=[run.counts for run in plan.runs],
+        )
+        non_monotone = [w for w in report.warnings if w.startswith("non-monotone")]
+        if args.output and non_monotone and not args.allow_non_monotone:
+            print(format_report(report), file=sys.stderr)
+            raise InputError(
+                f"the fitted regression is not monotone in link quality ({non_monotone[0]}; see the report above): it would "
+                f"rank slower links first, so {args.output} was not written. Fit a bottleneck model (--kind bottleneck, the "
+                f"default), fewer --terms, or pass --allow-non-monotone to write it anyway")
     if args.output:
         comments = (
             f"Fitted by `mapa calibrate fit` on {plan.topology}: {len(measurements)} measurements, {args.statistic} bus bandwidth"

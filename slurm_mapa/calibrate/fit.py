@@ -1,9 +1,19 @@
-"""Fit an effective-bandwidth model to measured bus bandwidths, as the MAPA paper did.
+"""Fit an effective-bandwidth model to measured bus bandwidths.
 
-Ordinary least squares (NumPy ``lstsq``) over the model's terms, with no intercept column,
-like the paper's ``nonlinear-polynomial-model.py``. The default term set for n link classes is
-every product of one, two or three distinct classes and its inverse ``1/(product+1)``: for three
-classes that is exactly the paper's 14 terms (Table 2).
+Two kinds (issue 38: a model must be true to the links):
+
+* ``bottleneck`` (:func:`fit_bottleneck`, the default of ``mapa calibrate fit``): a ring is
+  priced by its slowest link class at its edge count, as it runs. Each class's curve over edge
+  counts is the median of the rings measured with that class as their slowest; a faster class
+  measured below a slower one at the same edge count would make the model prefer worse links, so
+  the two are pooled (isotonic regression across the classes, best first) and the measurement is
+  reported, not fitted through. The model is monotone by construction.
+* ``regression`` (:func:`fit_model`): ordinary least squares (NumPy ``lstsq``) over the model's
+  terms, with no intercept column, like the paper's ``nonlinear-polynomial-model.py``. The default
+  term set for n link classes is every product of one, two or three distinct classes and its
+  inverse ``1/(product+1)``: for three classes that is exactly the paper's 14 terms (Table 2).
+  Nothing keeps it monotone: ``mapa calibrate fit`` reports where it is not and writes such a
+  model only when told to (reproducing the paper's).
 """
 
 from __future__ import annotations
@@ -161,6 +171,125 @@ def fit_model(
     )
 
 
+def fit_bottleneck(
+    measurements: Sequence[Measurement],
+    *,
+    class_names: tuple[str, ...],
+    selectors: tuple[tuple[str, ...], ...],
+    name: str = "fitted",
+    description: str = "",
+) -> FitReport:
+    """A bottleneck model from measured rings; the classes are ranked as given, best first (the
+    order ``mapa calibrate plan`` writes them in: widest link first)."""
+    if not measurements:
+        raise InputError("no measurements to fit")
+    for m in measurements:
+        if len(m.counts) != len(class_names):
+            raise InputError(f"measurement {m.label or m.counts}: {len(m.counts)} counts for {len(class_names)} classes")
+        if not any(m.counts):
+            raise InputError(f"measurement {m.label or '-'}: its ring uses no link (counts {m.counts})")
+        if not m.busbw > 0:
+            raise InputError(f"measurement {m.label or m.counts}: bus bandwidth {m.busbw} GB/s; a bottleneck model needs "
+                             f"positive values (a failed run? measure it again or leave its file out)")
+    curves, warnings = _bottleneck_curves(measurements, class_names)
+    model = _bottleneck_model(curves, measurements, class_names, selectors, name, description)
+    predictions = [model.predict(m.counts) for m in measurements]
+    loo: list[float] = []
+    loo_relative: list[float] = []
+    for i in range(len(measurements)):
+        rest = [m for j, m in enumerate(measurements) if j != i]
+        try:
+            curves_i, _ = _bottleneck_curves(rest, class_names)
+        except InputError:
+            continue  # the only ring of its class: nothing predicts it without it
+        model_i = _bottleneck_model(curves_i, rest, class_names, selectors, name, description)
+        error = model_i.predict(measurements[i].counts) - measurements[i].busbw
+        loo.append(error)
+        if measurements[i].busbw > 0:
+            loo_relative.append(abs(error) / measurements[i].busbw)
+    y = np.array([m.busbw for m in measurements], dtype=float)
+    errors = np.array(predictions) - y
+    relative = np.abs(errors) / np.where(y > 0, y, np.nan)
+    return FitReport(
+        model=model,
+        measurements=tuple(measurements),
+        predictions=tuple(float(p) for p in predictions),
+        rmse=float(np.sqrt(np.mean(errors**2))),
+        mae=float(np.mean(np.abs(errors))),
+        mean_relative_error=float(np.nanmean(relative)),
+        max_relative_error=float(np.nanmax(relative)),
+        loo_rmse=float(np.sqrt(np.mean(np.square(loo)))) if loo else None,
+        loo_mean_relative_error=float(np.mean(loo_relative)) if loo_relative else None,
+        rank=sum(1 for curve in curves if curve),
+        warnings=tuple(warnings),
+    )
+
+
+def _slowest_class(counts: tuple[int, ...]) -> int:
+    return max(i for i, c in enumerate(counts) if c)
+
+
+def _bottleneck_curves(measurements: Sequence[Measurement], class_names: tuple[str, ...]) -> tuple[list[list[tuple[int, float]]], list[str]]:
+    """Per class, (edges, GB/s) points monotone across the classes at every edge count measured;
+    the warnings say which measurements were pooled because they broke that order."""
+    n = len(class_names)
+    samples: dict[tuple[int, int], list[float]] = {}
+    for m in measurements:
+        samples.setdefault((_slowest_class(m.counts), sum(m.counts)), []).append(m.busbw)
+    missing = [class_names[i] for i in range(n) if not any(c == i for c, _ in samples)]
+    if missing:
+        raise InputError(f"no measured ring has {', '.join(missing)} as its slowest link class: measure one that does "
+                         f"(`mapa calibrate plan` lists a 2-GPU ring per link class)")
+    grid = sorted({edges for _, edges in samples})
+    own = {i: sorted((edges, float(np.median(values))) for (c, edges), values in samples.items() if c == i) for i in range(n)}
+    warnings: list[str] = []
+    values = [[0.0] * n for _ in grid]
+    for g, edges in enumerate(grid):
+        column = [float(np.interp(edges, [e for e, _ in own[i]], [v for _, v in own[i]])) for i in range(n)]
+        weights = [len(samples.get((i, edges), ())) or 1 for i in range(n)]  # an interpolated value weighs one ring
+        fitted = _non_increasing(column, weights)
+        for i in range(n):
+            if abs(fitted[i] - column[i]) > 1e-9 * max(1.0, abs(column[i])) and (i, edges) in samples:
+                worse = next((j for j in range(i + 1, n) if column[j] > column[i] + 1e-9), None)
+                faster = next((j for j in range(i) if column[j] < column[i] - 1e-9), None)
+                why = (f"below the slower class {class_names[worse]}'s {column[worse]:.3f}" if worse is not None
+                       else f"above the faster class {class_names[faster]}'s {column[faster]:.3f}" if faster is not None
+                       else "out of order with its neighbours")
+                warnings.append(f"not fitted through: rings with slowest class {class_names[i]} at {edges} edges measured "
+                                f"{column[i]:.3f} GB/s, {why}; pooled to {fitted[i]:.3f} so that a faster link never predicts less")
+        values[g] = fitted
+    curves = [[(edges, round(values[g][i], 6)) for g, edges in enumerate(grid)] for i in range(n)]
+    return curves, warnings
+
+
+def _non_increasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The weighted least-squares non-increasing sequence nearest ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            mean, weight, length = blocks.pop()
+            previous = blocks[-1]
+            total = previous[1] + weight
+            previous[0] = (previous[0] * previous[1] + mean * weight) / total
+            previous[1] = total
+            previous[2] += length
+    out: list[float] = []
+    for mean, _, length in blocks:
+        out += [mean] * int(length)
+    return out
+
+
+def _bottleneck_model(curves, measurements, class_names, selectors, name, description) -> EffectiveBandwidthModel:
+    edges = sorted({sum(m.counts) for m in measurements})  # a ring of k GPUs has k edges (2 GPUs: both ways)
+    return EffectiveBandwidthModel(
+        name=name, class_names=class_names, selectors=selectors, terms=(), description=description, kind="bottleneck",
+        class_bandwidths=tuple(max(v for _, v in curve) for curve in curves),  # as a model file's curve reads back
+        class_curves=tuple(tuple(curve) for curve in curves),
+        fitted_gpus=(edges[0], edges[-1]), fitted_edges=(edges[0], edges[-1]), basis="fitted",
+    )
+
+
 def monotonicity_warnings(model: EffectiveBandwidthModel, counts: Sequence[tuple[int, ...]], *, limit: int = 8) -> list[str]:
     """Where upgrading ring edges to better link classes lowers the prediction.
 
@@ -239,8 +368,13 @@ def _marker_id(text: str) -> str | None:
 
 
 def format_report(report: FitReport) -> str:
+    if report.model.kind == "bottleneck":
+        head = (f"fitted a bottleneck model (the slowest link class at its edge count) on {len(report.measurements)} "
+                f"measurements, {report.rank} classes")
+    else:
+        head = f"fitted {len(report.model.terms)} terms on {len(report.measurements)} measurements (rank {report.rank})"
     lines = [
-        f"fitted {len(report.model.terms)} terms on {len(report.measurements)} measurements (rank {report.rank})",
+        head,
         f"  RMSE {report.rmse:.4f} GB/s, MAE {report.mae:.4f} GB/s, "
         f"mean relative error {100 * report.mean_relative_error:.2f}% (max {100 * report.max_relative_error:.2f}%)",
     ]
@@ -248,8 +382,13 @@ def format_report(report: FitReport) -> str:
         lines.append(
             f"  leave-one-out: RMSE {report.loo_rmse:.4f} GB/s, mean relative error {100 * (report.loo_mean_relative_error or 0):.2f}%"
         )
-    lines.append("  coefficients:")
-    lines += [f"    {term_text(t):<18} {t.coefficient: .9g}" for t in report.model.terms]
+    if report.model.kind == "bottleneck":
+        lines.append("  GB/s per class (best first) at each edge count:")
+        lines += [f"    {name:<6} " + ", ".join(f"{edges}: {gbps:.3f}" for edges, gbps in curve)
+                  for name, curve in zip(report.model.class_names, report.model.class_curves)]
+    else:
+        lines.append("  coefficients:")
+        lines += [f"    {term_text(t):<18} {t.coefficient: .9g}" for t in report.model.terms]
     lines.append("  measured vs predicted (GB/s):")
     for m, p in zip(report.measurements, report.predictions):
         lines.append(f"    {m.label or '-':<10} {','.join(map(str, m.counts)):<12} {m.busbw:10.3f} {p:10.3f}")
