@@ -494,6 +494,18 @@ def test_explain_shows_the_recorded_model_and_mark(capsys):
     assert all(alt["extrapolated"] for alt in old["alternatives"])  # xGMI links: outside the paper's links
 
 
+def test_explain_of_a_preserve_ring_says_when_an_alternative_lost_on_the_ring_rate():
+    from slurm_mapa.slurm.admin.status import explain_job
+    from slurm_mapa.slurm.config import config_from_text
+
+    config = config_from_text('[nodes]\n"dgx*" = "dgx1-v100"\n')
+    record = ("mapa:topology=ring sensitive=yes # dgx1=4,5,6,7 policy=preserve free=0,3-7 eff=38.056 "
+              "model=derived-dgx1-v100")
+    (entry,) = explain_job(config, record)
+    first = entry["alternatives"][0]
+    assert first["gpus"] == [0, 3, 7, 4] and first["why_not"].startswith("lower ring rate of the set"), first
+
+
 def test_explain_text_says_extrapolated(capsys, monkeypatch, tmp_path):
     from slurm_mapa.slurm.admin import status as admin
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ...core.effbw import EffectiveBandwidthModel
 from ...core.model_files import bundled_model, is_bundled_model, paper_model
+from ...core.ring_choice import RING_OBJECTIVE, ranks_by_rings, with_ring_rate
 from ...core.server_models import out_of_range
 from ...core.explain import alternatives
 from ...core.policies import Allocation, Request
@@ -101,6 +102,8 @@ def explain_job(config: HookConfig, admin_comment: str) -> list[dict[str, Any]]:
             objective = "effective" if request.sensitive and request.gpus > 1 else "preserved"
             if decision.policy == "greedy":
                 objective = "aggregated"
+            elif objective == "effective" and decision.policy == "preserve" and ranks_by_rings(request.pattern, tuple(decision.free)):
+                objective, chosen = RING_OBJECTIVE, with_ring_rate(graph, chosen)  # the ring-rate tie-break (core.ring_choice)
             allocation = Allocation(policy=decision.policy, placement=chosen, objective=objective)
             entry["alternatives"] = [
                 {"gpus": list(alt.placement.gpus), "why_not": alt.reason,
