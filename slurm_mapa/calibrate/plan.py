@@ -23,10 +23,10 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.effbw import DEFAULT_PCIE_PATH_FACTORS, EffectiveBandwidthModel
+from ..core.effbw import EffectiveBandwidthModel
 from ..core.server_models import bottleneck_model
 from ..core.hardware import HardwareGraph
-from ..core.links import PCIE_LEVELS, Link
+from ..core.links import DEFAULT_PCIE_PATH_FACTORS, PCIE_LEVELS, Link
 from ..errors import InputError
 from ..textfile import read_text
 

@@ -42,7 +42,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from ..errors import InputError
-from .links import DEFAULT_PCIE_PATH_FACTORS, PCIE_LEVELS, Link, path_bandwidth  # noqa: F401 - DEFAULT_PCIE_PATH_FACTORS re-exported
+from .links import PCIE_LEVELS, Link, path_bandwidth
 
 _PRODUCT = r"x[0-9]+(?:\*x[0-9]+)*"
 _TERM = re.compile(rf"^(?:(?P<product>{_PRODUCT})|1/\((?P<inverse>{_PRODUCT})\+1\))$")

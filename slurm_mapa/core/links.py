@@ -192,8 +192,9 @@ class Bandwidths:
 
 
 # How much of a PCIe link's nominal bandwidth a GPU-to-GPU transfer gets, by path. Applied by
-# path_bandwidth() (and so bottleneck_model(), the link-bound model) only when the graph gives every PCIe level the same bandwidth (the default):
-# a site that configured per-level bandwidths has already said what each path delivers.
+# path_bandwidth() (and so by bottleneck_model() and the link-bound model) only when the graph
+# gives every PCIe level the same bandwidth (the default): a site that configured per-level
+# bandwidths has already said what each path delivers.
 #   PIX/PXB: peer-to-peer through PCIe switches only, full link rate.
 #   PHB: through the CPU's root complex; P2P still works but the root port is shared (~0.8).
 #   NODE: between host bridges of one socket; P2P often crosses the CPU's internal fabric (~0.6).

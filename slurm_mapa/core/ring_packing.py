@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

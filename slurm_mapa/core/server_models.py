@@ -11,14 +11,9 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any, Mapping
 
-from .effbw import DEFAULT_PCIE_PATH_FACTORS, EffectiveBandwidthModel
-from .links import PCIE_LEVELS, Link, path_bandwidth
+from .effbw import EffectiveBandwidthModel
+from .links import DEFAULT_PCIE_PATH_FACTORS, Link, path_bandwidth
 from .model_files import REPRODUCTION_ONLY, bundled_model, bundled_model_names, paper_model
-
-
-def _path_bandwidth(graph: Any, link: Link, pcie_factors: Mapping[str, float] | None = None) -> float:
-    """The graph's bandwidth of ``link``, a PCIe level's times its path factor when the graph gives every level the same."""
-    return path_bandwidth(graph, link, pcie_factors)
 
 
 def _selector(link: Link) -> str:
@@ -40,7 +35,7 @@ def bottleneck_model(graph: Any, *, pcie_factors: Mapping[str, float] | None = N
     links = {graph.links[a][b] for a, b in graph.pairs()}
 
     def bandwidth(link: Link) -> float:
-        return round(_path_bandwidth(graph, link, pcie_factors), 6)
+        return round(path_bandwidth(graph, link, pcie_factors), 6)
 
     # Widest first: with first-match classification NVS>=n then stands for exactly NVS<n>.
     ordered = sorted(links, key=lambda link: (-bandwidth(link), link.kind, -link.links, link.level))
@@ -195,7 +190,7 @@ def derived_model(graph: Any, *, name: str | None = None) -> EffectiveBandwidthM
     curves = []
     for selectors, bandwidth in zip(base.selectors, base.class_bandwidths):
         link = next(link for link in sorted(links) if _selector(link) == selectors[0] and
-                    round(_path_bandwidth(graph, link, factors), 6) == bandwidth)
+                    round(path_bandwidth(graph, link, factors), 6) == bandwidth)
         reference = _reference_class(link)
         curves.append(tuple((k, round(bandwidth * dgx1_efficiency(reference, k), 3)) for k in _CURVE_EDGES))
     fitted_links = tuple(sorted({(link.token, graph.bandwidths.of(link)) for link in links}))
