@@ -465,10 +465,11 @@ def _assert_node_in_service(cluster, node: str) -> None:
         f"node {node} is {sorted(state)} ({cluster.node(node).get('reason')!r})"
 
 
-# The premise of the two tests below is a layout of MAPA's choices that ties decide: with CPU
-# affinity (prefer, the default) the 4-GPU job takes the ring on its own socket, 4-7, which the
-# model rates as high as (1, 2, 5, 6), so it leaves Slurm's next indices free. These tests are
-# about what happens when a job lands on GPUs a MAPA job holds; they run with affinity ignored.
+# The premise of the two tests below is a layout where MAPA's choices differ from Slurm's: a
+# 5-GPU ring next to a 1-GPU job (MAPA: 0 and 1,2,3,7,5; Slurm: 0 and 3-7), so that Slurm's next
+# indices are a MAPA job's. (A 4-GPU ring no longer does: MAPA now takes 4-7 as Slurm does, the
+# set whose links carry the most rings.) These tests are about what happens when a job lands on
+# GPUs a MAPA job holds; they run with affinity ignored, so that the CPUs of Slurm's GPUs play no part.
 AFFINITY_IGNORED = '\n[affinity]\nmode = "ignore"\n'
 
 
@@ -489,11 +490,11 @@ def test_non_utf8_batch_script_and_job_name_get_gpus_no_other_job_uses(cluster, 
     node = "dgx1"
     _assert_ledger_empties(cluster, node, timeout=60)
     log_start = _log_size(cluster, node)
-    # Slurm counts B on 0 and A on 4-7 (Slurm 24.11.5 with the preset's gres.conf); MAPA gives B
-    # GPU 0 and A the best ring, (1, 2, 5, 6): the next jobs' Slurm indices, 1 and 2, are A's. The
-    # premise is checked below, not assumed.
+    # Slurm counts B on 0 and A on 3-7 (Slurm 24.11.5 and 26.05.5 with the preset's gres.conf);
+    # MAPA gives B GPU 0 and A the best 5-ring, (1, 2, 3, 7, 5): the next jobs' Slurm indices, 1 and
+    # 2, are A's. The premise is checked below, not assumed.
     mapa_jobs = {}
-    for gpus, sensitive in [(1, "no"), (4, "yes")]:
+    for gpus, sensitive in [(1, "no"), (5, "yes")]:
         jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive=sensitive), "-w", node)
         cluster.wait_state(jobid, "RUNNING")
         mapa_jobs[jobid] = frozenset(_gpus(cluster, jobid))
@@ -597,7 +598,7 @@ def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(clu
     _assert_ledger_empties(cluster, node, timeout=60)
     _ensure_agent(cluster, node)
     mapa_jobs = {}
-    for gpus, sensitive in [(1, "no"), (4, "yes")]:  # Slurm: 0 and 4-7; MAPA: 0 and (1, 2, 5, 6)
+    for gpus, sensitive in [(1, "no"), (5, "yes")]:  # Slurm: 0 and 3-7; MAPA: 0 and (1, 2, 3, 7, 5)
         jobid = cluster.sbatch(HOLDING_JOB.format(gpus=gpus, sensitive=sensitive), "-w", node)
         cluster.wait_state(jobid, "RUNNING")
         mapa_jobs[jobid] = frozenset(_gpus(cluster, jobid))

@@ -81,7 +81,9 @@ def _build_scene(cluster, good_ring: tuple[str, ...] = ()) -> dict[str, list[int
         jobs[node] = [small, big]
     for node in DGX:
         wanted = "mapa_ring3" if node in good_ring else "mapa_noring3"
-        seen = _wait_features(cluster, node, lambda f: wanted in f and "mapa_ring2" in f, what=f"with {wanted}")
+        # Published after the jobs' Prologs or at the next reconcile pass (10 s); under CI's load
+        # (three test workers, two clusters on two cores) a pass has taken over 40 s once.
+        seen = _wait_features(cluster, node, lambda f: wanted in f and "mapa_ring2" in f, timeout=90, what=f"with {wanted}")
         assert _one_of_each_pair(seen), seen
     return jobs
 
