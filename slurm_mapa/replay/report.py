@@ -112,7 +112,7 @@ columns: 'preserve (MAPA)' is MAPA's policy (the paper's Preserve); the others a
 BY_GPUS_LEGEND = ("n: the sensitive jobs of that size; p10, med, p90: 10th percentile, median, 90th percentile of "
                   "their effective bandwidth by the judging model (and of the insensitive jobs'); ranked: their median "
                   "by the ranking model; fast ring: the share of them whose GPUs hold a ring over NVLink/xGMI/NVSwitch "
-                  "links only, read from the links, no model ('-': not checked, sets above 12 GPUs)")
+                  "links only, read from the links, no model ('-': not checked, sets above 10 GPUs)")
 
 
 def policy_label(result: RunResult) -> str:
