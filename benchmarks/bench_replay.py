@@ -5,6 +5,7 @@ streamed one-million-job sacct log.
     .venv/bin/python benchmarks/bench_replay.py memory [--jobs 1000000] [--policy preserve]
     .venv/bin/python benchmarks/bench_replay.py figures [--seeds 5] [--model NAME] [--judge NAME|ranking]
     .venv/bin/python benchmarks/bench_replay.py judged [--jobs 3000] [--seeds 5] [--nodes 1,4] [--loads 1,2,4,8]
+    .venv/bin/python benchmarks/bench_replay.py trade [--jobs 3000] [--seeds 5]
 
 ``speed`` replays the paper workload (arrivals packed 4x per node, so nodes are busy and free sets
 vary) on a cluster of 4 nodes of one topology: once cold (memo empty, seed 1), then timed warm on a
@@ -16,6 +17,9 @@ sacct reader and replays it, and prints the peak resident memory of the process 
 density, each node type's default ranking model, judged by the link-bound model: per job size, the
 sensitive jobs' p10 and median under MAPA (preserve) and the best peer at each, and the share of
 sensitive jobs whose GPUs hold a ring over NVLinks only; seeds pooled.
+``trade``: where MAPA's 3-GPU jobs lose their NVLink triangles: the share of them on one under
+MAPA, under hami-topology, and under MAPA with hami-topology's choice for one kind of job only
+(5-GPU sensitive jobs; insensitive jobs), on 4 nodes at densities 2 and 4 and 1 node at 1.
 """
 
 from __future__ import annotations
@@ -178,9 +182,44 @@ def judged(jobs: int, seeds: int, node_counts: list[int], loads: list[float]) ->
                 print(f"| {nodes} | {load:g} | {k} | " + " | ".join(cells) + f" | {share('preserve'):.0%} | {peers_share:.0%} |")
 
 
+def trade(jobs: int, seeds: int) -> None:
+    import slurm_mapa.replay.simulate as simulator
+    from slurm_mapa.core.peers import PEER_POLICIES
+    from slurm_mapa.core.policies import POLICIES
+
+    mapa, peer = POLICIES["preserve"], PEER_POLICIES["hami-topology"]
+
+    def peer_for_5(graph, free, request, model, **_):
+        chosen = peer if request.sensitive and request.gpus == 5 else mapa
+        return chosen(graph, free, request, model)
+
+    def peer_for_insensitive(graph, free, request, model, **_):
+        chosen = mapa if request.sensitive and request.gpus > 1 else peer
+        return chosen(graph, free, request, model)
+
+    variants = {"preserve": "preserve", "hami-topology": "hami-topology",
+                "preserve, hami's 5-GPU choice": "bench-peer-for-5", "preserve, hami's insensitive choice": "bench-peer-insensitive"}
+    simulator.ALL_POLICIES.update({"bench-peer-for-5": peer_for_5, "bench-peer-insensitive": peer_for_insensitive})
+    graph = preset("dgx1-v100")
+    print("| nodes | load | " + " | ".join(variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    for nodes, load in ((4, 2.0), (4, 4.0), (1, 1.0)):
+        cluster = [Node(f"n{i}", graph) for i in range(nodes)]
+        decider = Decider()
+        cells = []
+        for policy in variants.values():
+            fast = checked = 0
+            for seed in range(1, seeds + 1):
+                size = simulate(generate("paper", jobs, seed=seed, load=load), cluster, policy, Options(), decider=decider).by_gpus.get(3)
+                if size is not None:
+                    fast, checked = fast + size.fast_ring, checked + size.ring_checked
+            cells.append(f"{fast / checked:.0%}" if checked else "-")
+        print(f"| {nodes} | {load:g} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("speed", "memory", "figures", "judged"))
+    parser.add_argument("what", choices=("speed", "memory", "figures", "judged", "trade"))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", default="docs/img", help="where the figures go ('none': no plots)")
     parser.add_argument("--model", help="figures: one ranking model for every node (default: each node type's own)")
@@ -192,7 +231,9 @@ def main() -> None:
     parser.add_argument("--topologies", default="dgx1-v100,torus2d-16")
     parser.add_argument("--policies", default=",".join(POLICIES), help="for speed (default: all)")
     args = parser.parse_args()
-    if args.what == "judged":
+    if args.what == "trade":
+        trade(args.jobs or 3000, args.seeds)
+    elif args.what == "judged":
         judged(args.jobs or 3000, args.seeds, [int(n) for n in (args.nodes or "1,4").split(",")],
                [float(x) for x in args.loads.split(",")])
     elif args.what == "figures":

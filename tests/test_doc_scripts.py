@@ -215,6 +215,7 @@ SMALL: dict[tuple[str, str], dict[str, str | None]] = {
     ("bench_affinity.py", ""): {"--seeds": "1", "--jobs": "100"},
     ("bench_replay.py", "figures"): {"--seeds": "1", "+--out": "OUT"},
     ("bench_replay.py", "judged"): {"--seeds": "1", "+--jobs": "300", "+--nodes": "1", "+--loads": "1"},
+    ("bench_replay.py", "trade"): {"+--seeds": "1", "+--jobs": "300"},
     ("bench_replay.py", "speed"): {"--jobs": "300", "--topologies": "dgx1-v100",
                                    "+--jobs": "300", "+--topologies": "dgx1-v100", "+--policies": "preserve"},
     ("bench_replay.py", "memory"): {"--jobs": "1000"},
