@@ -155,7 +155,8 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
                   "fitted_gpus": list(models[0].fitted_gpus) if len(models) == 1 and models[0].fitted_gpus else None,
                   "models": [{"name": m.name, "basis": m.basis or None, "fitted_gpus": list(m.fitted_gpus) if m.fitted_gpus else None}
                              for m in models],
-                  "outside_fitted_range": "extrapolated" if extrapolate else grounded_model().name},
+                  # the ranking model's own score (ranked_bw_*) is kept outside its range: its extrapolation
+                  "outside_fitted_range": "extrapolated"},
         "judge": _judge_summary(options.judge, extrapolate),
         "cluster": {"notes": [n for n in cluster_notes if not n.startswith("warning:")],
                     "log_peak_gpus": peak["peak_gpus"] if peak else None},
