@@ -97,3 +97,15 @@ def test_the_core_imports_nothing_from_slurm_replay_or_hardware_discovery():
         if any(target == name or target.startswith(name + ".") for name in FORBIDDEN)
     }
     assert not wrong, sorted(wrong)
+
+
+def test_the_prolog_imports_no_numpy_until_a_decision_needs_it():
+    """The in-process Prolog imports the policies for every job; numpy (about 0.1 s) is loaded only
+    by what needs it (a ring rate, the 16-GPU subset tables), never by the imports themselves."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import slurm_mapa.slurm.hooks.prolog, slurm_mapa.core.policies, slurm_mapa.core.ring_choice; "
+            "print('numpy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr

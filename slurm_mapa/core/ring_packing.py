@@ -30,8 +30,6 @@ import itertools
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
-
 from .links import path_bandwidth
 
 # Sets above this size get the per-GPU bound instead (the programme grows as (k-1)!).
@@ -61,10 +59,11 @@ def max_ring_rate(graph: Any, gpus: tuple[int, ...]) -> float | None:
     k = len(gpus)
     if k < 3 or k > MAX_PACKED_GPUS:
         return None
+    import numpy as np  # here, not at import: the Prolog imports the policies for every job
     bandwidths = graph.bandwidths
     port = max(bandwidths.pcie.values())
     cycles = _cycles(k)
-    rows: list[np.ndarray] = []
+    rows: list = []
     caps: list[float] = []
     pcie_use = np.zeros((k, len(cycles)))
     switch_use = np.zeros((k, len(cycles)))
@@ -105,9 +104,11 @@ def max_ring_rate(graph: Any, gpus: tuple[int, ...]) -> float | None:
     return round(2.0 * _simplex_max_sum(a, b), 6)
 
 
-def _simplex_max_sum(a: np.ndarray, b: np.ndarray) -> float:
+def _simplex_max_sum(a: Any, b: Any) -> float:
     """max sum(x) subject to a @ x <= b, x >= 0, for b >= 0 (the slack basis is feasible), by the
     tableau simplex method with Bland's rule."""
+    import numpy as np
+
     m, n = a.shape
     tableau = np.zeros((m + 1, n + m + 1))
     tableau[:m, :n] = a
