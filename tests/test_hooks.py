@@ -803,3 +803,36 @@ def test_the_prologs_search_is_bounded_and_a_gap_reaches_the_record(setup, monke
     decision = choose(ctx, config, graph, parse_directive("topology=ring sensitive=no"), Ledger(), 16, "", search_seconds=1e-6)
     assert len(decision.gpus) == 13 and decision.policy == "preserve" and decision.gap is not None and decision.gap >= 0
     assert f" gap={decision.gap:.3f}" in decision.text()
+
+
+def test_a_multi_node_jobs_record_survives_a_stale_write_made_after_this_node_saw_its_own(setup):
+    """Seen in CI: summit1 wrote its decision and read it back in place; dgx1's write, made from a
+    read of the AdminComment before summit1's, then replaced it, and the job's record named dgx1
+    only. A node of a multi-node job reads back until every node's decision is there, and merges
+    its own in again when a stale write dropped it."""
+    from slurm_mapa.slurm.hooks.admin_comment import MULTI_NODE_READS, record_decision
+    from slurm_mapa.slurm.hooks.job_context import PrologContext
+    from slurm_mapa.slurm.text.decision import Decision, parse_decisions, with_decision
+    from slurm_mapa.slurm.text.directive import parse_directive
+
+    config, slurm, logs = setup
+    directive = parse_directive("topology=ring sensitive=yes")
+    ours = Decision(node="summit1", gpus=(0, 1), policy="preserve")
+    theirs = Decision(node="dgx1", gpus=(0, 3), policy="preserve")
+    stale = with_decision("", directive, theirs)  # dgx1's write, from a read before summit1's record
+    sleeps = []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 2:  # after summit1 has read its record back once
+            slurm.admin["60"] = stale
+
+    ctx = PrologContext(job_id="60", node="summit1", slurm_gpus=(0, 1), env_comment="", nodes_in_job=2)
+    assert record_decision(ctx, directive, ours, config, slurm, logs.append, sleep=sleep) is True
+    assert set(parse_decisions(slurm.admin["60"])) == {"dgx1", "summit1"}
+    # Alone (the other node never writes): it stops after MULTI_NODE_READS reads, its record in place.
+    slurm.admin.clear()
+    slurm.calls.clear()
+    assert record_decision(ctx, directive, ours, config, slurm, logs.append, sleep=lambda s: None) is True
+    reads = [c for c in slurm.calls if c[1:4] == ["--json", "show", "job"]]
+    assert len(reads) == MULTI_NODE_READS and set(parse_decisions(slurm.admin["60"])) == {"summit1"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ...errors import MapaError
 from ..node_state import Entry, NodeState
@@ -83,32 +83,53 @@ def flush_note(config: HookConfig, job_id: str, entry: Entry, run: RunCommand, l
     return record_decision(ctx, directive, noted, config, run, log)
 
 
+# A multi-node job's Prologs each rewrite the whole AdminComment: a node's write made from a read
+# that predates another node's record drops it, also after that node saw its record in place. So
+# each node reads back until every node's record is there (or this long has passed), merging its
+# own in again whenever it is missing. Bounded in time and in reads (each one is an RPC to
+# slurmctld, from every node of the job).
+MULTI_NODE_SETTLE_S = 3.0
+MULTI_NODE_READS = 8
+
+
 def record_decision(
-    ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, run: RunCommand, log: Log
+    ctx: PrologContext, directive: "Directive", decision: Decision, config: HookConfig, run: RunCommand, log: Log,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
 ) -> bool:
     """Add this node's decision to the job's AdminComment, so that sacct keeps it.
 
     The AdminComment is read afresh each time, so what an admin wrote there meanwhile is kept
     (with_decision keeps every text that is not MAPA's). The Prologs of a multi-node job run at
     once and each rewrites the whole AdminComment, so a write can drop another node's decision:
-    for those jobs, read back and write again (merged) until ours is there, a few times at most.
+    for those jobs, read back and write again (merged) while ours is missing, until every node's
+    decision is there or MULTI_NODE_SETTLE_S (MULTI_NODE_READS reads) has passed (then ours is
+    there: True; else False, and the journal keeps it).
     """
     job_id = ctx.job_id
-    for attempt in range(4):
+    deadline = clock() + MULTI_NODE_SETTLE_S
+    attempt = 0
+    while True:
         try:
             if attempt:
-                time.sleep(0.05 * attempt + random.random() * 0.1)
+                sleep(min(0.05 * attempt, 0.3) + random.random() * 0.1)
+            attempt += 1
             job = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)
             admin = job.get("admin_comment") or ""
             admin = admin if isinstance(admin, str) else ""
-            recorded = parse_decisions(admin).get(decision.node)
-            if recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy) and (
-                    recorded.isolation == decision.isolation or not decision.isolation):
+            decisions = parse_decisions(admin)
+            recorded = decisions.get(decision.node)
+            ours = recorded is not None and (recorded.gpus, recorded.policy) == (decision.gpus, decision.policy) and (
+                recorded.isolation == decision.isolation or not decision.isolation)
+            settled = clock() > deadline or attempt >= MULTI_NODE_READS
+            if ours and (ctx.nodes_in_job <= 1 or len(decisions) >= ctx.nodes_in_job or settled):
                 return True
-            # An array task or het component by a name that changes it alone (update_target).
-            run(admin_comment_argv(config.scontrol, update_target(job, job_id), with_decision(admin, directive, decision)))
-            if ctx.nodes_in_job <= 1:
-                return True
+            if not ours:
+                if attempt > 1 and settled:
+                    break
+                # An array task or het component by a name that changes it alone (update_target).
+                run(admin_comment_argv(config.scontrol, update_target(job, job_id), with_decision(admin, directive, decision)))
+                if ctx.nodes_in_job <= 1:
+                    return True
         except ValueError as error:  # the record would not fit, or the answer is not a job record
             log(f"job {job_id}: could not record the decision in AdminComment ({error}); not recorded")
             return True
