@@ -59,11 +59,22 @@ def _ledger(cluster, node: str) -> dict:
     return json.loads(out)["jobs"] if out.strip() else {}
 
 
+def _recorded_decision(cluster, jobid: int, node: str, timeout: float = 90):
+    """``node``'s decision in job ``jobid``'s AdminComment. mapa-agent writes it after the job
+    starts (docs/admin.md, the journal), so it is waited for, as long as a stalled controller may
+    take (seen in CI: 20 s while slurmctld found every node "not responding")."""
+    deadline = time.monotonic() + timeout
+    while node not in (decisions := parse_decisions(_admin_comment(cluster, jobid))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert node in decisions, f"job {jobid}: no decision of {node} in its AdminComment {_admin_comment(cluster, jobid)!r}"
+    return decisions[node]
+
+
 def _expected_choice(cluster, jobid: int, node: str, policy: str, graph, free, request: Request, running):
     """What the Prolog must have chosen: the policy under the CPU affinity rule (prefer, max loss
     0.1: the cluster's mapa.toml has no [affinity] table), with the job's CPUs those of the GPUs
     Slurm picked. The record must name those GPUs (checked against scontrol's IDX) and the rule."""
-    decision = parse_decisions(_admin_comment(cluster, jobid))[node]
+    decision = _recorded_decision(cluster, jobid, node)
     assert frozenset(decision.slurm_gpus) == _slurm_gpus(cluster, jobid), (decision, _slurm_gpus(cluster, jobid))
     assert decision.affinity == "prefer:0.1", decision
     expected, _ = select_with_affinity(policy, graph, free, request, cpus_of_slurms_gpus(graph, decision.slurm_gpus), "prefer",
@@ -210,7 +221,7 @@ def test_a_node_without_topology_falls_back_to_slurms_gpus(cluster):
         seen = _gpus(cluster, jobid)
         slurm = re.search(r"^slurm=([0-9,]+)$", cluster.output(jobid), re.M).group(1)
         assert seen == tuple(int(g) for g in slurm.split(","))
-        decision = parse_decisions(_admin_comment(cluster, jobid))[node]
+        decision = _recorded_decision(cluster, jobid, node)
         assert decision.policy == "fallback" and decision.fallback == "no-topology"
         _release(cluster, jobid)
     finally:
@@ -520,8 +531,8 @@ def test_non_utf8_batch_script_and_job_name_get_gpus_no_other_job_uses(cluster, 
     for jobid in (*mapa_jobs, *odd_jobs):
         seen = frozenset(_gpus(cluster, jobid))
         assert usage[jobid] == (seen, "file"), (jobid, seen, usage[jobid])
-        decision = parse_decisions(_admin_comment(cluster, jobid)).get(node)
-        assert decision is not None and frozenset(decision.gpus) == seen, (jobid, _admin_comment(cluster, jobid))
+        decision = _recorded_decision(cluster, jobid, node)
+        assert frozenset(decision.gpus) == seen, (jobid, _admin_comment(cluster, jobid))
     _assert_node_in_service(cluster, node)
     log = _log_since(cluster, node, log_start)
     assert "internal error" not in log and "Traceback" not in log, log
