@@ -119,11 +119,7 @@ def fit_model(
     description: str = "",
     check_counts: Sequence[tuple[int, ...]] | None = None,
 ) -> FitReport:
-    if not measurements:
-        raise InputError("no measurements to fit")
-    for m in measurements:
-        if len(m.counts) != len(class_names):
-            raise InputError(f"measurement {m.label or m.counts}: {len(m.counts)} counts for {len(class_names)} classes")
+    _check_counts(measurements, class_names)
     base_terms = term_set(terms, len(class_names))
     X = _design(base_terms, [m.counts for m in measurements])
     y = np.array([m.busbw for m in measurements], dtype=float)
@@ -133,8 +129,6 @@ def fit_model(
         name=name, class_names=class_names, selectors=selectors, terms=fitted, description=description
     )
     predictions = X @ coef
-    errors = predictions - y
-    relative = np.abs(errors) / np.where(y > 0, y, np.nan)
     warnings: list[str] = []
     distinct = len({m.counts for m in measurements})
     if rank < len(base_terms):
@@ -156,6 +150,23 @@ def fit_model(
         if m.busbw <= 0:
             warnings.append(f"{m.label or m.counts}: measured bus bandwidth {m.busbw} GB/s is not positive")
     warnings += monotonicity_warnings(model, check_counts if check_counts is not None else sorted({m.counts for m in measurements}))
+    return _report(model, measurements, predictions, loo_errors, loo_relative, int(rank), warnings)
+
+
+def _check_counts(measurements: Sequence[Measurement], class_names: tuple[str, ...]) -> None:
+    if not measurements:
+        raise InputError("no measurements to fit")
+    for m in measurements:
+        if len(m.counts) != len(class_names):
+            raise InputError(f"measurement {m.label or m.counts}: {len(m.counts)} counts for {len(class_names)} classes")
+
+
+def _report(model: EffectiveBandwidthModel, measurements: Sequence[Measurement], predictions: Sequence[float],
+            loo_errors: Sequence[float], loo_relative: Sequence[float], rank: int, warnings: Sequence[str]) -> FitReport:
+    """The fit's errors against the measurements (and left-one-out), as one report."""
+    y = np.array([m.busbw for m in measurements], dtype=float)
+    errors = np.array(predictions, dtype=float) - y
+    relative = np.abs(errors) / np.where(y > 0, y, np.nan)
     return FitReport(
         model=model,
         measurements=tuple(measurements),
@@ -166,7 +177,7 @@ def fit_model(
         max_relative_error=float(np.nanmax(relative)) if np.any(y > 0) else math.nan,
         loo_rmse=float(np.sqrt(np.mean(np.square(loo_errors)))) if loo_errors else None,
         loo_mean_relative_error=float(np.mean(loo_relative)) if loo_relative else None,
-        rank=int(rank),
+        rank=rank,
         warnings=tuple(warnings),
     )
 
@@ -181,11 +192,8 @@ def fit_bottleneck(
 ) -> FitReport:
     """A bottleneck model from measured rings; the classes are ranked as given, best first (the
     order ``mapa calibrate plan`` writes them in: widest link first)."""
-    if not measurements:
-        raise InputError("no measurements to fit")
+    _check_counts(measurements, class_names)
     for m in measurements:
-        if len(m.counts) != len(class_names):
-            raise InputError(f"measurement {m.label or m.counts}: {len(m.counts)} counts for {len(class_names)} classes")
         if not any(m.counts):
             raise InputError(f"measurement {m.label or '-'}: its ring uses no link (counts {m.counts})")
         if not m.busbw > 0:
@@ -207,22 +215,7 @@ def fit_bottleneck(
         loo.append(error)
         if measurements[i].busbw > 0:
             loo_relative.append(abs(error) / measurements[i].busbw)
-    y = np.array([m.busbw for m in measurements], dtype=float)
-    errors = np.array(predictions) - y
-    relative = np.abs(errors) / np.where(y > 0, y, np.nan)
-    return FitReport(
-        model=model,
-        measurements=tuple(measurements),
-        predictions=tuple(float(p) for p in predictions),
-        rmse=float(np.sqrt(np.mean(errors**2))),
-        mae=float(np.mean(np.abs(errors))),
-        mean_relative_error=float(np.nanmean(relative)),
-        max_relative_error=float(np.nanmax(relative)),
-        loo_rmse=float(np.sqrt(np.mean(np.square(loo)))) if loo else None,
-        loo_mean_relative_error=float(np.mean(loo_relative)) if loo_relative else None,
-        rank=sum(1 for curve in curves if curve),
-        warnings=tuple(warnings),
-    )
+    return _report(model, measurements, predictions, loo, loo_relative, sum(1 for curve in curves if curve), warnings)
 
 
 def _slowest_class(counts: tuple[int, ...]) -> int:

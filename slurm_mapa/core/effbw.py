@@ -43,6 +43,7 @@ from typing import Any
 
 from ..errors import InputError
 from .links import PCIE_LEVELS, Link, path_bandwidth
+from .ring_packing import max_ring_rate
 
 _PRODUCT = r"x[0-9]+(?:\*x[0-9]+)*"
 _TERM = re.compile(rf"^(?:(?P<product>{_PRODUCT})|1/\((?P<inverse>{_PRODUCT})\+1\))$")
@@ -179,8 +180,6 @@ class LinkBoundModel:
             slowest = min(self._pair(graph, gpus[a], gpus[b]) for a, b in pattern.edges)
             return round(slowest, 6)
         if pattern.shape in RING_PACKED_SHAPES and len(gpus) >= 3:
-            from .ring_packing import max_ring_rate
-
             rate = max_ring_rate(graph, tuple(gpus))
             if rate is not None:
                 return round(self.efficiency * rate, 6)
