@@ -187,9 +187,16 @@ RESTORE = (f"rm -f /etc/slurm/slurm.conf.new /etc/slurm/plugstack.conf.new && "
            f"ln -sfn {SHIPPED}/slurm.conf /etc/slurm/slurm.conf && ln -sfn {SHIPPED}/plugstack.conf /etc/slurm/plugstack.conf")
 # "systemctl stop mapa-agent" for the entrypoint's restart loop: the loop (the agent's parent) is
 # stopped with SIGSTOP so that it does not start the agent again, then the agent gets SIGTERM;
-# prints the loop's pid. SIGCONT to the loop starts the agent again (after its 1 s pause).
-STOP_AGENT = r"""agent=$(pgrep -f "$1") || { echo "no mapa-agent runs" >&2; exit 1; }
-case "$agent" in *[!0-9]*) echo "more than one mapa-agent: $agent" >&2; exit 1 ;; esac
+# prints the loop's pid. SIGCONT to the loop starts the agent again (after its 1 s pause). A child
+# the agent has forked for a Slurm command shows the agent's command line until it execs (CI once
+# saw two pids): the agent is the match whose parent is no match.
+STOP_AGENT = r"""found=$(pgrep -f "$1") || { echo "no mapa-agent runs" >&2; exit 1; }
+agent=""
+for pid in $found; do
+    parent=$(cut -d' ' -f4 "/proc/$pid/stat" 2>/dev/null) || continue
+    echo "$found" | grep -qx "$parent" || agent="$agent${agent:+ }$pid"
+done
+case "$agent" in ""|*[!0-9]*) echo "not one mapa-agent: '$agent' (matches: $found)" >&2; exit 1 ;; esac
 loop=$(cut -d' ' -f4 "/proc/$agent/stat")
 [ "$loop" -gt 1 ] || { echo "mapa-agent $agent has parent $loop" >&2; exit 1; }
 echo "$loop"
