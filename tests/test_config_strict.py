@@ -234,3 +234,30 @@ def test_a_misspelled_key_or_section_is_answered_with_the_closest_accepted_one(t
     with pytest.raises(InputError) as nothing_close:
         config_from_text('zzzzzz = 1\n', "mapa.toml")
     assert "did you mean" not in str(nothing_close.value)
+
+
+def test_an_edit_of_mapa_toml_or_the_topology_file_applies_to_the_next_read_despite_the_parse_cache(tmp_path):
+    """Issue 41: mapa-agent parses mapa.toml and the node's topology file once per text; an edit
+    (same path, new text) is read and parsed afresh, and an error is never cached."""
+    from slurm_mapa.hardware.load import load_topology_file
+    from slurm_mapa.slurm.config import load_hook_config
+
+    path = tmp_path / "mapa.toml"
+    path.write_text('policy = "preserve"\n')
+    os.chmod(tmp_path, 0o755)
+    os.chmod(path, 0o644)
+    env = {"MAPA_CONFIG": str(path)}
+    first, problem = load_hook_config(env)
+    assert (first.policy, problem) == ("preserve", "")
+    assert load_hook_config(env)[0] is first  # the same text: parsed once
+    path.write_text('policy = "greedy"\n')
+    assert load_hook_config(env)[0].policy == "greedy"
+    path.write_text('policy = "gredy"\n')
+    for _ in range(2):
+        config, problem = load_hook_config(env)
+        assert "unknown policy 'gredy'" in problem and config.policy == "preserve"  # the defaults, refused each time
+    topology = tmp_path / "node.toml"
+    topology.write_text('gpus = 2\n[links]\n"0-1" = "NV1"\n')
+    assert load_topology_file(str(topology)).graph.size == 2
+    topology.write_text('gpus = 3\n[links]\n"0-1" = "NV1"\n')
+    assert load_topology_file(str(topology)).graph.size == 3

@@ -93,11 +93,11 @@ WRAPPERS = {
 }
 
 
-def _hook_texts(isolation: str = "fail-open", jobs_dir: str = "/run/slurm-mapa/jobs") -> dict[str, str]:
+def _hook_texts(isolation: str = "fail-open", jobs_dir: str = "/run/slurm-mapa/jobs", scope: str = "step") -> dict[str, str]:
     return {
         WRAPPERS["Prolog"]: wrapper_text("prolog", "/usr/bin/python3", PACKAGE_PARENT, "/etc/slurm/mapa.toml", jobs_dir=jobs_dir),
         WRAPPERS["Epilog"]: wrapper_text("epilog", "/usr/bin/python3", PACKAGE_PARENT, "/etc/slurm/mapa.toml", jobs_dir=jobs_dir),
-        WRAPPERS["TaskProlog"]: taskprolog_text(jobs_dir, "auto", isolation, "/usr/bin/python3", PACKAGE_PARENT),
+        WRAPPERS["TaskProlog"]: taskprolog_text(jobs_dir, "auto", isolation, "/usr/bin/python3", PACKAGE_PARENT, scope),
     }
 
 
@@ -211,6 +211,9 @@ FAULTS = [
      "prolog", "belongs to uid 1000", "chown root:root"),
     ("taskprolog of another isolation", {"hook_texts": _hook_texts(isolation="off")},
      "hooks-current", "has ISOLATION=off, mapa.toml's isolation comes to fail-open", "mapa hooks DIR"),
+    # Issue 41: a TaskProlog written for scope "step" skips its request after the SPANK plugin's.
+    ("taskprolog of another isolation_scope", {"mapa_toml": MAPA_TOML.replace('isolation = "auto"\n', 'isolation = "auto"\nisolation_scope = "task"\n')},
+     "hooks-current", "has ISOLATION_SCOPE=step, mapa.toml's isolation_scope is task", "isolation_scope"),
     ("hooks of another jobs_dir", {"hook_texts": _hook_texts(jobs_dir="/var/run/mapa-jobs")},
      "hooks-current", "uses JOBS_DIR=/var/run/mapa-jobs, mapa.toml's jobs_dir is /run/slurm-mapa/jobs", "mapa hooks DIR"),
     ("no PrologFlags", _replace_config("PrologFlags             = Alloc", "PrologFlags             = (null)"),

@@ -671,6 +671,62 @@ def test_a_held_directory_lock_cannot_block_the_symlink_repair_past_the_deadline
         assert not (directory / "ledger.json.lock").is_symlink()
 
 
+def test_threads_of_one_process_queue_for_the_ledger_lock_and_still_exclude_each_other(tmp_path):
+    """Issue 41: mapa-agent's handler threads wait for the ledger on a thread lock (no polling)
+    before the flock. They still hold it one at a time; one that cannot have it in time gets the
+    same TimeoutError as before; and the flock still keeps another process out meanwhile."""
+    import fcntl
+    import threading
+    import time as time_module
+
+    directory = tmp_path / "state"
+    directory.mkdir(mode=0o755)
+    ledger = LedgerFile(directory / "ledger.json", 8)
+    inside, overlaps = [], []
+
+    def hold(seconds):
+        with ledger.locked(timeout=10):
+            if inside:
+                overlaps.append(threading.get_ident())
+            inside.append(1)
+            time_module.sleep(seconds)
+            inside.pop()
+
+    threads = [threading.Thread(target=hold, args=(0.02,)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert overlaps == []
+    # Another thread holds it past the waiter's timeout: TimeoutError, and the lock works after.
+    holding, release = threading.Event(), threading.Event()
+
+    def keep():
+        with ledger.locked(timeout=1):
+            holding.set()
+            release.wait(10)
+
+    keeper = threading.Thread(target=keep)
+    keeper.start()
+    holding.wait(5)
+    # The flock is held meanwhile: another process's non-blocking try fails.
+    probe = os.open(directory / "ledger.json.lock", os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(probe)
+    started = time_module.monotonic()
+    with pytest.raises(TimeoutError, match="could not lock"):
+        with ledger.locked(timeout=0.2):
+            pass
+    assert time_module.monotonic() - started < 5
+    release.set()
+    keeper.join()
+    with ledger.locked(timeout=1):
+        pass
+
+
 def test_a_root_request_with_a_path_for_a_job_id_is_refused_in_one_line(tmp_path):
     """Security round 3 (low): a root request naming job ../../etc/passwd logged a traceback."""
     import socket as socket_module

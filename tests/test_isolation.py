@@ -649,26 +649,28 @@ class CannedAgent(Agent):
     def __init__(self, answer):
         super().__init__("/nonexistent/mapa.toml", node="dgx1")
         self.answer = answer
+        self.asked = 0
 
     def job_of(self, pid, uid=None):
         return "55"  # the TaskProlog's task: admitted
 
     def isolate(self, pid, uid, env, public=False):
+        self.asked += 1
         return self.answer
 
 
-def run_taskprolog(tmp_path, isolation, answer, socket_there=True, job_file="MAPA_GPUS=6,2,3\n", **env):
+def run_taskprolog(tmp_path, isolation, answer, socket_there=True, job_file="MAPA_GPUS=6,2,3\n", scope="step", agent=None, **env):
     """The TaskProlog `mapa hooks` writes, with an agent that answers ``answer``."""
     (tmp_path / "jobs").mkdir(exist_ok=True)
     if job_file is not None:
         (tmp_path / "jobs" / "55").write_text(job_file)
     sock = tmp_path / "iso" / "isolate.sock"
-    script = taskprolog_text(str(tmp_path / "jobs"), "nvidia", isolation, sys.executable, str(REPO))
+    script = taskprolog_text(str(tmp_path / "jobs"), "nvidia", isolation, sys.executable, str(REPO), scope)
     script = script.replace("ISOLATE_SOCKET=/run/slurm-mapa-isolate/isolate.sock\n", f"ISOLATE_SOCKET={sock}\n")
     (tmp_path / "taskprolog").write_text(script)
     server = None
     if socket_there:
-        server = serve_isolation(str(sock), CannedAgent(answer))
+        server = serve_isolation(str(sock), agent or CannedAgent(answer))
         threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         return subprocess.run(["/bin/sh", str(tmp_path / "taskprolog")], env={"SLURM_JOB_ID": "55", "PATH": "/usr/bin:/bin", **env},
@@ -718,6 +720,31 @@ def test_taskprolog_after_the_spank_plugin_isolated_the_task(tmp_path):
     # Off or failed open at the plugin: nothing is assumed, and the variable goes all the same.
     off = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="off")
     assert off.stdout.splitlines() == ["unset MAPA_SPANK_ISOLATION", *CUDA_LINES]
+
+
+def test_taskprolog_asks_nothing_more_when_the_spank_plugin_isolated_the_step(tmp_path):
+    """Issue 41: the plugin (root) has isolated the task to its step's GPUs and named them: under
+    isolation_scope "step" the TaskProlog's own request would get the same answer, so no Python
+    starts and the agent is not asked; the task is told what it may open all the same. Under
+    "task" the request narrows the task to its own GPUs, so it is made."""
+    job_file = "MAPA_GPUS=6,2,3\nSLURM_GPUS=0,1,2\nPAIRED_GPUS=2,3,6\n"
+    spank = {"MAPA_SPANK_ISOLATION": "cgroup-v1", "MAPA_SPANK_GPUS": "3,6", "SLURM_STEP_GPUS": "2", "SLURM_STEP_ID": "1"}
+    agent = CannedAgent("done cgroup-v1 gpus=6 job 55 step 1 ...")
+    step = run_taskprolog(tmp_path, "fail-open", None, job_file=job_file, agent=agent, **spank)
+    assert agent.asked == 0, step.stdout
+    assert step.returncode == 0 and {"export MAPA_ISOLATION=cgroup-v1", "export MAPA_ISOLATED_GPUS=3,6",
+                                     "export CUDA_VISIBLE_DEVICES=1", "export SLURM_STEP_GPUS=6"} <= set(step.stdout.splitlines())
+    task = run_taskprolog(tmp_path, "fail-open", None, job_file=job_file, scope="task", agent=agent, **spank)
+    assert agent.asked == 1, task.stdout
+    assert {"export MAPA_ISOLATED_GPUS=6", "export CUDA_VISIBLE_DEVICES=0"} <= set(task.stdout.splitlines())
+    # The plugin's answer said off, or named no GPUs (an earlier release): the TaskProlog asks.
+    for plugin in ({"MAPA_SPANK_ISOLATION": "off"}, {"MAPA_SPANK_ISOLATION": "cgroup-v1"}):
+        before = agent.asked
+        run_taskprolog(tmp_path, "fail-open", None, job_file=job_file, agent=agent, **plugin)
+        assert agent.asked == before + 1, plugin
+    # A scope that is neither is refused when the hooks are written.
+    with pytest.raises(InputError, match="isolation_scope"):
+        taskprolog_text("/run/x", "auto", "fail-open", sys.executable, str(REPO), "node")
 
 
 def test_taskprolog_fails_the_task_when_the_agent_refuses(tmp_path):

@@ -36,6 +36,7 @@ import re
 import tomllib
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ..core.hardware import HardwareGraph, build_graph
@@ -111,7 +112,16 @@ def _line_of(text: str, needle: str) -> str:
 
 
 def topology_from_toml_text(text: str, *, source: str = "<text>") -> Topology:
-    """Read a topology file's text; errors quote the offending entry and say what is accepted."""
+    """Read a topology file's text; errors quote the offending entry and say what is accepted.
+
+    Parsed once per text: mapa-agent reads the node's file on every request (it may change), and
+    parsing it took about 20 ms of the agent's CPU per request under a burst (docs/benchmarks.md,
+    "Job start under a burst"). The Topology is frozen, so sharing it is safe."""
+    return _topology_from_toml_text(text, source)
+
+
+@lru_cache(maxsize=16)
+def _topology_from_toml_text(text: str, source: str) -> Topology:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:

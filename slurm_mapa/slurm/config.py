@@ -48,6 +48,7 @@ import sys
 import time
 import tomllib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -207,7 +208,15 @@ def closest_key_hint(unknown: list[str], accepted) -> str:
 
 
 def config_from_text(text: str, source: str = "mapa.toml", *, validate: bool = True) -> HookConfig:
-    """Parse the config; ``validate=False`` skips the checks that need the engine (for the Epilog)."""
+    """Parse the config; ``validate=False`` skips the checks that need the engine (for the Epilog).
+
+    Parsed once per text (a pure function of it; HookConfig is frozen): mapa-agent reads mapa.toml
+    afresh on every request, so that an edit applies to the next job, and parsing is the costly part."""
+    return _config_from_text(text, source, validate)
+
+
+@lru_cache(maxsize=16)
+def _config_from_text(text: str, source: str, validate: bool) -> HookConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:

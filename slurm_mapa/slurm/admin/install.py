@@ -225,21 +225,26 @@ def job_submit_text(sizes: tuple[int, ...], insensitive_jobs: str = "none") -> s
 
 
 ISOLATION_MODES = ("off", "fail-open", "fail-closed")
+ISOLATION_SCOPES = ("step", "task")  # mapa.toml's isolation_scope
 
 
 def taskprolog_text(jobs_dir: str, gpu_vendor: str = "auto", isolation: str = "off", python: str | None = None,
-                    package_parent: str | None = None) -> str:
+                    package_parent: str | None = None, isolation_scope: str = "step") -> str:
     """The TaskProlog, reading the per-job files where the config puts them. ``gpu_vendor``
     "auto" tells AMD nodes by the amdgpu driver's /dev/kfd; "nvidia" or "amd" fixes it.
     ``isolation`` (mapa.toml's) other than "off", with ``python`` and ``package_parent``: each task
     first asks mapa-agent to isolate its GPUs (agent/client.py isolate), and with "fail-closed"
-    the task fails when there is no agent to ask."""
+    the task fails when there is no agent to ask; unless the SPANK plugin has isolated it to its
+    step's GPUs already and ``isolation_scope`` is "step" (the request would change nothing)."""
     if gpu_vendor not in GPU_VENDORS:
         raise InputError(f"GPU vendor {gpu_vendor!r}: expected one of {', '.join(GPU_VENDORS)}")
     if isolation not in ISOLATION_MODES:
         raise InputError(f"isolation {isolation!r}: expected one of {', '.join(ISOLATION_MODES)}")
+    if isolation_scope not in ISOLATION_SCOPES:
+        raise InputError(f"isolation_scope {isolation_scope!r}: expected one of {', '.join(ISOLATION_SCOPES)}")
     settings = [("JOBS_DIR=/run/slurm-mapa/jobs\n", f"JOBS_DIR={shlex.quote(jobs_dir)}\n"),
-                ("GPU_VENDOR=auto\n", f"GPU_VENDOR={gpu_vendor}\n")]
+                ("GPU_VENDOR=auto\n", f"GPU_VENDOR={gpu_vendor}\n"),
+                ("ISOLATION_SCOPE=step\n", f"ISOLATION_SCOPE={isolation_scope}\n")]
     if isolation != "off":
         if python is None or package_parent is None:
             raise InputError(f"isolation {isolation!r} needs the Python and the package directory the TaskProlog runs")
@@ -270,11 +275,12 @@ def cmd_hooks(args: argparse.Namespace) -> int:
              for kind in ENTRY}
     from ..isolation.isolator import effective_mode
 
-    # "auto" comes to a mode on this node (the TaskProlog holds it: run `mapa hooks` again after
-    # changing isolation or the node's topology file).
+    # "auto" comes to a mode on this node (the TaskProlog holds it and the scope: run `mapa hooks`
+    # again after changing isolation, isolation_scope or the node's topology file).
     isolation, why = effective_mode(config, args.node or os.uname().nodename.split(".")[0])
     print(f"isolation: {isolation} ({why})", file=sys.stderr)
-    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, isolation, python, str(PACKAGE_DIR.parent))
+    texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, isolation, python, str(PACKAGE_DIR.parent),
+                                               config.isolation_scope)
     try:
         trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
     except trusted.UnsafePath as error:

@@ -60,15 +60,15 @@ class Background:
             metrics.feature_published()
         return listed
 
-    def publish_features(self) -> bool:
+    def publish_features(self, config=None) -> bool:
         """After starts and ends: publish the node's features if they changed."""
-        config = self._config()
+        config = config or self._config()
         published = self.features.publish(config, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
         if published and self.agent.metrics is not None:
             self.agent.metrics.feature_published()
         return published
 
-    def write_dcgm_mapping(self) -> list[str]:
+    def write_dcgm_mapping(self, config=None) -> list[str]:
         """With ``dcgm_job_mapping_dir``: name in dcgm-exporter's job-mapping files the jobs using
         each GPU as the jobs directory says (MAPA's GPUs, else Slurm's for a job MAPA did not
         place); what changed. Each turn of the records loop (at once after a start or an end, else
@@ -77,7 +77,7 @@ class Background:
         from ..hooks.node_graph import load_graph
         from ..node_state import NodeState
 
-        config = self._config()
+        config = config or self._config()
         if config.dcgm_job_mapping_dir is None:
             self.dcgm_writer.forget()
             return []
@@ -88,12 +88,12 @@ class Background:
             self.agent.log_errors(f"mapa-agent: DCGM job mapping: {line}")
         return list(result.changed)
 
-    def flush_records(self) -> int:
+    def flush_records(self, config=None) -> int:
         """Write the journal's due records; how many were written or dropped."""
         from ..hooks.admin_comment import flush_entry, flush_note
         from ..node_state import NodeState
 
-        config = self._config()
+        config = config or self._config()
         log = hook_logger(config.log)
         run = self.agent.make_runner(config.command_timeout)
         finished = 0
@@ -153,16 +153,17 @@ class Background:
         while not self.stop.is_set():
             self.wake.wait(1.0)
             self.wake.clear()
+            config = self._config()  # once per turn, for its three parts (it is read every second)
             try:
-                self.publish_features()  # first: it steers where the next jobs go
+                self.publish_features(config)  # first: it steers where the next jobs go
             except Exception as error:  # noqa: BLE001 - the next change or pass publishes again
                 self.agent.log_errors(f"mapa-agent: publishing node features failed: {error}")
             try:
-                self.write_dcgm_mapping()
+                self.write_dcgm_mapping(config)
             except Exception as error:  # noqa: BLE001 - the next turn writes it again
                 self.agent.log_errors(f"mapa-agent: writing the DCGM job mapping failed: {error}")
             try:
-                self.flush_records()
+                self.flush_records(config)
             except Exception as error:  # noqa: BLE001 - the records stay in the journal
                 self.agent.log_errors(f"mapa-agent: writing AdminComment records failed: {error}")
 

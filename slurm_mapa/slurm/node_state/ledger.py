@@ -23,6 +23,7 @@ import errno
 import fcntl
 import json
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -244,6 +245,19 @@ def _flock_until(fd: int, deadline: float, message: str) -> None:
             time.sleep(0.005)
 
 
+# The threads of one process (mapa-agent's handlers) queue on a thread lock per lock file before
+# the flock: waiting there costs no CPU, where polling the flock every 5 ms did (a burst of Prologs
+# kept the agent busy with it; docs/benchmarks.md, "Job start under a burst"). The flock still
+# excludes other processes (in-process hooks, `mapa` commands).
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+def _thread_lock(path: Path) -> threading.Lock:
+    with _THREAD_LOCKS_GUARD:
+        return _THREAD_LOCKS.setdefault(str(path), threading.Lock())
+
+
 class LedgerFile:
     """The ledger on disk: ``path`` plus ``path.lock`` for the lock, in a root-owned directory."""
 
@@ -258,17 +272,23 @@ class LedgerFile:
         directory is not root's alone (another user could swap the ledger or its lock)."""
         trusted.ensure_trusted_dir(self.path.parent)
         deadline = time.monotonic() + timeout
+        in_process = _thread_lock(self.lock_path)
+        if not in_process.acquire(timeout=max(0.0, timeout)):
+            raise TimeoutError(f"could not lock {self.lock_path} within {timeout:g} s (another thread of this process holds it)")
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as error:
-            if error.errno != errno.ELOOP:
-                raise
-            fd = self._open_replacing_symlink(deadline, timeout)
-        try:
-            _flock_until(fd, deadline, f"could not lock {self.lock_path} within {timeout:g} s")
-            yield
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as error:
+                if error.errno != errno.ELOOP:
+                    raise
+                fd = self._open_replacing_symlink(deadline, timeout)
+            try:
+                _flock_until(fd, deadline, f"could not lock {self.lock_path} within {timeout:g} s")
+                yield
+            finally:
+                os.close(fd)  # closing drops the lock
         finally:
-            os.close(fd)  # closing drops the lock
+            in_process.release()
 
     def _open_replacing_symlink(self, deadline: float, timeout: float) -> int:
         """The lock file, after removing a symlink found in its place (dangling or not: never

@@ -157,7 +157,7 @@ def check_hook(key: str, name: str, wanted: str, conf: Mapping[str, str], facts:
 
 def check_hooks_current(inputs: Inputs, config: HookConfig, mode: str | None) -> Check:
     """The files `mapa hooks` wrote hold this mapa.toml's settings: the config path and jobs_dir in
-    the wrappers, jobs_dir and the isolation mode in the TaskProlog (it holds what "auto" came to)."""
+    the wrappers, jobs_dir, the isolation mode (what "auto" came to) and isolation_scope in the TaskProlog."""
     fails, warns, seen = [], [], []
     for key, _, _ in HOOKS:
         facts = inputs.hooks.get(key)
@@ -180,9 +180,15 @@ def check_hooks_current(inputs: Inputs, config: HookConfig, mode: str | None) ->
             if written != mode:
                 message = f"{facts.path} has ISOLATION={written}, mapa.toml's isolation comes to {mode} on this node"
                 (fails if ISOLATION_STRENGTH.get(written, 0) < ISOLATION_STRENGTH.get(mode, 0) else warns).append(message)
+            # A TaskProlog without the line (an older `mapa hooks`) always asks the agent: fine.
+            scope = script_value(text, "ISOLATION_SCOPE")
+            if mode != "off" and scope is not None and scope != config.isolation_scope:
+                message = (f"{facts.path} has ISOLATION_SCOPE={scope}, mapa.toml's isolation_scope is {config.isolation_scope}"
+                           + (" (tasks the SPANK plugin isolated keep their whole step's GPUs)" if scope == "step" else ""))
+                (fails if scope == "step" else warns).append(message)
     if not seen:
         return Check("hooks-current", WARN, "no hook file of MAPA's could be read", "see the prolog, epilog and taskprolog lines")
-    fix = "`mapa hooks DIR --config CONFIG` again on this node (after every change of jobs_dir or isolation)"
+    fix = "`mapa hooks DIR --config CONFIG` again on this node (after every change of jobs_dir, isolation or isolation_scope)"
     if fails:
         return Check("hooks-current", FAIL, "; ".join(fails + warns), fix)
     if warns:

@@ -1,0 +1,270 @@
+"""Job start under a burst, MAPA on and off side by side, in the mini cluster (scripts/cluster up first).
+
+Usage: python benchmarks/bench_burst.py [--per-node 1,4,8,16] [--rounds 2] [--settings on,off,empty]
+
+Each round submits, for each burst size N, N one-GPU jobs to each mock node at once (one shell
+loop of sbatch as alice, round-robin over the nodes, each job pinned with -w; every job carries
+`#MAPA topology=ring sensitive=no`) under each setting, the settings alternating round by round:
+
+* on: the shipped configuration (Prolog, Epilog, TaskProlog wrappers, the SPANK plugin, mapa-agent);
+* off: MAPA disabled as docs/admin.md, "Disabling MAPA", says (the agents stopped, the three hook
+  lines and the plugin's plugstack.conf line removed, `scontrol reconfigure`);
+* empty: as off, but slurm.conf names a Prolog, Epilog and TaskProlog that only `exit 0` (what any
+  hook costs in slurmd: the floor under MAPA's hooks).
+
+Per job: submit (the loop's clock just before its sbatch), allocation (slurmctld's "Allocate
+JobId=" or backfill's "Started JobId=" log line, docker's timestamp), start (the job's first
+command, `date +%s.%N`). Per burst: first submit to the moment every job has left squeue (its
+Epilog done). Prints Markdown tables: medians and tails of submit -> start and allocation -> start
+per setting and burst size, and their ratios to off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+CLUSTER = "mapa"
+NODES = ("dgx1", "torus1", "summit1", "mi250x1", "dgx2")
+CONTROLLER = "slurmctld"
+JOB_DIR = "/shared/jobs"
+SHIPPED = "/etc/slurm-mapa/config"
+JOB = "#!/bin/bash\n#SBATCH --gres=gpu:1\n#MAPA topology=ring sensitive=no\necho \"start $(date +%s.%N)\"\n"
+EMPTY_HOOK = "/usr/local/sbin/bench-empty-hook"
+HOOK_LINE = re.compile(r"^(Prolog|Epilog|TaskProlog)=", re.M)
+AGENT = "^/usr/bin/python3 .*slurm_mapa.slurm.agent.service import main"
+
+# The agent is the match whose parent is no match (a child forked for a Slurm command shows the
+# agent's command line until it execs); its parent, the entrypoint's restart loop, is stopped with
+# SIGSTOP so that it does not start the agent again. Prints the loop's pid.
+STOP_AGENT = r"""found=$(pgrep -f "$1") || { echo "no mapa-agent runs" >&2; exit 1; }
+agent=""
+for pid in $found; do
+    parent=$(cut -d' ' -f4 "/proc/$pid/stat" 2>/dev/null) || continue
+    echo "$found" | grep -qx "$parent" || agent="$agent${agent:+ }$pid"
+done
+case "$agent" in ""|*[!0-9]*) echo "not one mapa-agent: '$agent'" >&2; exit 1 ;; esac
+loop=$(cut -d' ' -f4 "/proc/$agent/stat")
+kill -STOP "$loop" && kill -TERM "$agent" && echo "$loop"
+"""
+
+
+def container(name: str) -> str:
+    return f"{CLUSTER}-{name}"
+
+
+def docker(name: str, *argv: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", "exec", "-i", container(name), *argv], input=input, capture_output=True, text=True,
+                          check=check, timeout=300)
+
+
+def configure(setting: str) -> None:
+    """slurm.conf and plugstack.conf for ``setting`` on every container, as local files in place
+    of the links to the shipped ones (on: the links again)."""
+    for name in ("slurmdbd", CONTROLLER, *NODES):
+        if setting == "on":
+            docker(name, "sh", "-c", f"ln -sfn {SHIPPED}/slurm.conf /etc/slurm/slurm.conf && "
+                                     f"ln -sfn {SHIPPED}/plugstack.conf /etc/slurm/plugstack.conf")
+            continue
+        conf = HOOK_LINE.sub("#", docker(name, "cat", f"{SHIPPED}/slurm.conf").stdout)
+        if setting == "empty":
+            conf += "".join(f"{hook}={EMPTY_HOOK}\n" for hook in ("Prolog", "Epilog", "TaskProlog"))
+            docker(name, "sh", "-c", f"printf '#!/bin/sh\\nexit 0\\n' > {EMPTY_HOOK} && chmod 755 {EMPTY_HOOK}")
+        plugstack = "".join(line for line in docker(name, "cat", f"{SHIPPED}/plugstack.conf").stdout.splitlines(True)
+                            if "spank_mapa" not in line)
+        docker(name, "sh", "-c", "cat > /etc/slurm/slurm.conf.new && mv -f /etc/slurm/slurm.conf.new /etc/slurm/slurm.conf", input=conf)
+        docker(name, "sh", "-c", "cat > /etc/slurm/plugstack.conf.new && mv -f /etc/slurm/plugstack.conf.new /etc/slurm/plugstack.conf",
+               input=plugstack)
+
+
+def slurmd_starts() -> dict[str, int]:
+    nodes = json.loads(docker(CONTROLLER, "scontrol", "--json", "show", "node").stdout)["nodes"]
+    found = {}
+    for node in nodes:
+        started = node["slurmd_start_time"]
+        if isinstance(started, dict):
+            started = started.get("number", 0)
+        found[node["name"]] = (int(started or 0), set(node["state"]))
+    return found
+
+
+def reconfigure(hooks_wanted: bool, timeout: float = 120) -> None:
+    """`scontrol reconfigure`, then wait until slurmctld shows the hooks wanted and every slurmd has
+    restarted and is in service (since Slurm 23.11 a reconfigure restarts the daemons in place)."""
+    before = slurmd_starts()
+    docker(CONTROLLER, "scontrol", "reconfigure")
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(1)
+        shown = docker(CONTROLLER, "scontrol", "show", "config", check=False)
+        if shown.returncode == 0 and bool(re.search(r"^Prolog\S*\s*=\s*/", shown.stdout, re.M)) == hooks_wanted:
+            try:
+                now = slurmd_starts()
+            except (subprocess.CalledProcessError, ValueError, KeyError):
+                now = None
+            if now and all(now[n][0] > before[n][0] and now[n][1] & {"IDLE", "MIXED", "ALLOCATED"}
+                           and not now[n][1] & {"NOT_RESPONDING", "DOWN", "DRAIN"} for n in NODES):
+                return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the reconfigure was not live after {timeout:g} s")
+
+
+def set_agents(running: bool, loops: dict[str, str]) -> None:
+    for node in NODES:
+        if running:
+            if node in loops:
+                docker(node, "kill", "-CONT", loops.pop(node))
+            continue
+        proc = docker(node, "sh", "-c", STOP_AGENT, "sh", AGENT, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"could not stop mapa-agent on {node}: {proc.stderr.strip()}")
+        loops[node] = proc.stdout.strip()
+    if running:
+        deadline = time.monotonic() + 60
+        while any(docker(n, "grep", "-q", "/run/slurm-mapa-agent/agent.sock", "/proc/net/unix", check=False).returncode for n in NODES):
+            if time.monotonic() > deadline:
+                raise SystemExit("mapa-agent did not come back on every node")
+            time.sleep(0.3)
+
+
+def switch(setting: str, current: str | None, loops: dict[str, str]) -> None:
+    if setting == current:
+        return
+    if setting == "on":
+        configure("on")
+        set_agents(True, loops)
+        reconfigure(hooks_wanted=True)
+    else:
+        if current in (None, "on"):
+            set_agents(False, loops)
+        configure(setting)
+        reconfigure(hooks_wanted=setting == "empty")
+
+
+def allocations(since: str) -> dict[int, float]:
+    """JobId -> when slurmctld logged its allocation (docker's timestamp, seconds since the epoch)."""
+    proc = subprocess.run(["docker", "logs", "--timestamps", "--since", since, container(CONTROLLER)],
+                          capture_output=True, text=True, timeout=120)
+    found = {}
+    for line in (proc.stdout + proc.stderr).splitlines():
+        match = re.match(r"(\S+) .*(?:sched: Allocate JobId=|backfill: Started JobId=)(\d+)", line)
+        if match:
+            stamp = match.group(1)
+            whole, _, fraction = stamp.rstrip("Z").partition(".")
+            seconds = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.timezone.utc).timestamp()
+            found.setdefault(int(match.group(2)), seconds + float("0." + (fraction or "0")))
+    return found
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU time each container has used (its cgroup v1 cpuacct, where Docker puts it; the jobs'
+    processes included), or nothing where that is not readable."""
+    found = {}
+    for name in (CONTROLLER, *NODES):
+        ident = subprocess.run(["docker", "inspect", "-f", "{{.Id}}", container(name)], capture_output=True, text=True).stdout.strip()
+        try:
+            with open(f"/sys/fs/cgroup/cpuacct/docker/{ident}/cpuacct.usage", encoding="ascii") as usage:
+                found[name] = int(usage.read()) / 1e9
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def burst(per_node: int) -> dict:
+    """Submit per_node jobs to each node at once; wait until all have left squeue."""
+    cpu_before = cpu_seconds()
+    since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    loop = (f"cd {JOB_DIR} && for i in $(seq {per_node}); do for node in {' '.join(NODES)}; do "
+            f"t=$(date +%s.%N); id=$(sbatch --parsable -w $node --chdir={JOB_DIR} -o {JOB_DIR}/burst-%j.out < /tmp/burst-job.sh) "
+            f"&& echo \"$id $t\"; done; done")
+    docker(CONTROLLER, "sh", "-c", "cat > /tmp/burst-job.sh && chmod 644 /tmp/burst-job.sh", input=JOB)
+    out = docker(CONTROLLER, "runuser", "-u", "alice", "--", "sh", "-c", loop).stdout
+    submitted = {int(job.split(";")[0]): float(t) for job, t in (line.split() for line in out.splitlines())}
+    ids = ",".join(map(str, submitted))
+    deadline = time.monotonic() + 600
+    while docker(CONTROLLER, "squeue", "-h", "-j", ids, "-o", "%i", check=False).stdout.strip():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"jobs {ids} were still queued or running 10 minutes after they were submitted")
+        time.sleep(0.2)
+    done = time.time()
+    cpu_after = cpu_seconds()
+    cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_after if name in cpu_before}
+    starts = {}
+    for job in submitted:
+        text = docker(CONTROLLER, "cat", f"{JOB_DIR}/burst-{job}.out", check=False).stdout
+        match = re.search(r"^start (\d+\.\d+)$", text, re.M)
+        if match:
+            starts[job] = float(match.group(1))
+    allocated = allocations(since)
+    docker(CONTROLLER, "sh", "-c", f"rm -f {JOB_DIR}/burst-*.out")
+    return {"submitted": submitted, "allocated": allocated, "started": starts, "done": done, "cpu": cpu}
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-node", default="1,4,8,16", help="burst sizes: jobs per node at once (default 1,4,8,16)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--settings", default="on,off,empty")
+    parser.add_argument("--json", help="also write every job's times to this file")
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.per_node.split(",")]
+    settings = args.settings.split(",")
+    loops: dict[str, str] = {}
+    results: dict[tuple[str, int], list[dict]] = {}
+    current = "on"
+    started = time.monotonic()
+    try:
+        for round_ in range(args.rounds):
+            order = settings if round_ % 2 == 0 else settings[::-1]
+            for setting in order:
+                switch(setting, current, loops)
+                current = setting
+                for size in sizes:
+                    results.setdefault((setting, size), []).append(burst(size))
+                    print(f"round {round_ + 1}, {setting}, {size} per node: done", file=sys.stderr)
+    finally:
+        switch("on", current, loops)
+    print(f"{len(NODES)} mock nodes ({', '.join(NODES)}), one-GPU jobs, {args.rounds} rounds, settings alternating; "
+          f"{time.monotonic() - started:.0f} s in all\n")
+    print("| jobs per node (all nodes) | setting | jobs started | submit->start median s | p90 s | max s "
+          "| alloc->start median s | max s | first submit->all done s | CPU ms per job: nodes, slurmctld |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    summary = {}
+    for size in sizes:
+        for setting in settings:
+            runs = results[(setting, size)]
+            wait = [r["started"][j] - t for r in runs for j, t in r["submitted"].items() if j in r["started"]]
+            launch = [r["started"][j] - r["allocated"][j] for r in runs for j in r["submitted"] if j in r["started"] and j in r["allocated"]]
+            span = [r["done"] - min(r["submitted"].values()) for r in runs]
+            total = sum(len(r["submitted"]) for r in runs)
+            node_cpu = 1000 * sum(r["cpu"].get(n, 0.0) for r in runs for n in NODES) / total
+            ctld_cpu = 1000 * sum(r["cpu"].get(CONTROLLER, 0.0) for r in runs) / total
+            summary[(setting, size)] = (statistics.median(wait), max(wait))
+            print(f"| {size} ({size * len(NODES)}) | {setting} | {len(wait)}/{total} | {statistics.median(wait):.2f} | "
+                  f"{quantile(wait, 0.9):.2f} | {max(wait):.2f} | {statistics.median(launch):.2f} | {max(launch):.2f} | "
+                  + ", ".join(f"{s:.1f}" for s in span) + f" | {node_cpu:.0f}, {ctld_cpu:.0f} |")
+    if "off" in settings and "on" in settings:
+        print("\n| jobs per node | on/off median submit->start | on/off slowest |")
+        print("|---|---|---|")
+        for size in sizes:
+            on, off = summary[("on", size)], summary[("off", size)]
+            print(f"| {size} | {on[0] / off[0]:.2f}x | {on[1] / off[1]:.2f}x |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({f"{s}/{n}": runs for (s, n), runs in results.items()}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
