@@ -476,3 +476,48 @@ def test_doctor_and_explain_run_nothing_an_untrusted_config_names(tmp_path, caps
     assert found["scontrol"].status == FAIL and "root's files" in found["scontrol"].fix
     assert mapa_main(["explain", "12", "--config", str(config)]) == 2
     assert not marker.exists() and "not running scontrol" in capsys.readouterr().err
+
+
+# --- issue 39: every line true ------------------------------------------------------------------
+
+def _line(checks, name):
+    return next(check for check in checks if check.check == name)
+
+
+def test_a_wrongly_typed_key_does_not_make_the_other_checks_misjudge_nodes():
+    """`prolog_budget = "fast"` beside a correct [nodes]: mapa.toml fails, and the topology check
+    judges the [nodes] the admin wrote (it said "no [nodes] entry matches")."""
+    checks = run_checks(healthy(mapa_toml='prolog_budget = "fast"\n' + MAPA_TOML))
+    assert _line(checks, "mapa.toml").status == FAIL and "prolog_budget" in _line(checks, "mapa.toml").found
+    topology = _line(checks, "topology")
+    assert topology.status == OK and "no [nodes] entry" not in topology.found, doctor_checks.format_text(checks)
+
+
+def test_without_a_mapa_toml_nothing_is_said_of_its_contents():
+    checks = run_checks(healthy(mapa_toml=None, mapa_toml_error="No such file or directory"))
+    report = doctor_checks.format_text(checks)
+    assert _line(checks, "mapa.toml").status == FAIL, report
+    for name in ("features", "topology"):
+        line = _line(checks, name)
+        assert line.status == WARN and line.found == "not checked: /etc/slurm/mapa.toml could not be read", report
+    assert "has no [features]" not in report and "no [nodes] entry" not in report
+
+
+def test_a_missing_plugstack_conf_is_named_missing():
+    checks = run_checks(healthy(spank_lines=(), plugstack_exists=False))
+    assert "/etc/slurm/plugstack.conf (it does not exist)" in _line(checks, "spank").found
+
+
+def test_when_scontrol_fails_hooks_current_points_at_the_scontrol_line():
+    checks = run_checks(healthy(show_config=None, show_config_error="scontrol not found", hooks={}, hook_texts={}))
+    line = _line(checks, "hooks-current")
+    assert line.found.startswith("not checked: `scontrol show config` failed") and line.fix == "see the scontrol line"
+    assert not [check for check in checks if check.check in ("prolog", "epilog", "taskprolog")]  # the lines it named before
+
+
+def test_the_gres_fix_is_the_command_for_this_node_hyperthreads_included():
+    show = SHOW_NODE.replace("CoresPerSocket=1 ", "CoresPerSocket=20 ").replace("ThreadsPerCore=1 ", "ThreadsPerCore=2 ")
+    checks = run_checks(healthy(show_node=show, gres_conf=None, gres_conf_error="missing"))
+    assert ("`mapa gres-conf --topology /etc/slurm/mapa-topology.toml --cores 40 --sockets 2 --threads-per-core 2`"
+            in _line(checks, "gres").fix)
+    assert doctor_checks.gres_conf_command(None, None) == "mapa gres-conf --topology TOPOLOGY --cores N --sockets S --threads-per-core T"

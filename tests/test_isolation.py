@@ -866,6 +866,35 @@ def test_mapa_hooks_writes_what_auto_comes_to_on_the_node(tmp_path, capsys):
         assert f"isolation: {mode} (auto: node {node}'s topology" in capsys.readouterr().err
 
 
+def test_mapa_hooks_warns_when_no_nodes_entry_names_the_node(tmp_path, capsys):
+    """Issue 39: the hooks are written (exit 0), and the admin is told that every job there falls
+    back to Slurm's GPUs, as mapa doctor's FAIL says, with the fix."""
+    from slurm_mapa.cli import main as mapa_main
+
+    config = tmp_path / "mapa.toml"
+    config.write_text(f'jobs_dir = "{tmp_path}/jobs"\n[nodes]\n"dgx*" = "dgx1-v100"\n')
+    assert mapa_main(["hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "gpu7"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"WARNING: no [nodes] entry of {config} matches node gpu7: every job")
+    assert 'add "gpu7" = ' in warnings[0]
+    assert mapa_main(["hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "dgx3"]) == 0
+    assert "WARNING: no [nodes]" not in capsys.readouterr().err
+
+
+def test_the_package_warning_is_a_warning_line_with_its_fix(tmp_path):
+    from slurm_mapa.slurm.admin.install import package_warning
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(shared, 0o777)
+    line = package_warning(shared)
+    assert line.startswith(f"WARNING: root will import slurm-mapa from {shared}, which others could change")
+    assert "chmod -R go-w" in line
+    os.chmod(shared, 0o755)
+    assert package_warning(shared) is None
+
+
 # --- security round 3: what the root side trusts, and the public socket under a flood -----------
 def test_slurmstepd_binary_problem_trusts_only_roots_own_file(tmp_path):
     from slurm_mapa.slurm.isolation.cgroups import slurmstepd_binary_problem

@@ -198,7 +198,9 @@ def package_warning(package_dir: Path) -> str | None:
     try:
         trusted.check_trusted_dir(package_dir)
     except trusted.UnsafePath as error:
-        return f"warning: root will import slurm-mapa from {package_dir}, which others could change: {error}"
+        return (f"WARNING: root will import slurm-mapa from {package_dir}, which others could change: {error}; "
+                f"install it where only root can write (`chown -R root:root` and `chmod -R go-w` it, or a venv of root's: "
+                f"docs/admin.md, section 1)")
     return None
 
 
@@ -293,6 +295,13 @@ def cmd_hooks(args: argparse.Namespace) -> int:
         print(f"wrote {target}", file=sys.stderr)
     print(slurm_conf_lines(str(directory), needed_hook_timeout(config)), end="")
     print(feature_conf_lines(config.feature_sizes), end="")
+    node = args.node or os.uname().nodename.split(".")[0]
+    if config.topology_for(node) is None:
+        # The hooks work, but the Prolog falls back to Slurm's GPUs for every job here (doctor: FAIL).
+        print(f"WARNING: no [nodes] entry of {args.config} matches node {node}: every job on it gets Slurm's GPUs "
+              f"(its record says no-topology); add \"{node}\" = \"/etc/slurm/mapa/{node}.toml\" under [nodes] (a file from "
+              f"`mapa topo discover -o FILE`, or a preset name), or give --node NAME as slurm.conf names this node",
+              file=sys.stderr)
     # Last on stderr, where it is seen: a SPANK plugin the running Slurm would skip without a word.
     try:
         problems = spank_plugin.check_this_node(os.environ, spank_plugin.running_slurm_version_text)

@@ -27,7 +27,7 @@ def parse_config(text: str | None, source: str = "mapa.toml") -> tuple[HookConfi
         return config_from_text(text, source=source, validate=True), ""
     except MapaError as error:
         problem = str(error)
-    for candidate in (text, _without_unknown_keys(text)):
+    for candidate in (text, _without_unknown_keys(text), *_without_each_key(text)):
         if candidate is None:
             continue
         try:
@@ -37,29 +37,45 @@ def parse_config(text: str | None, source: str = "mapa.toml") -> tuple[HookConfi
     return HookConfig(), problem
 
 
-def _without_unknown_keys(text: str) -> str | None:
-    """``text`` less its unknown top-level keys and tables (a misspelled key), so that the other
-    checks judge what the admin meant; None when that cannot be done simply."""
+def _top_level_keys(text: str) -> set[str] | None:
     import tomllib
 
-    from ...config import _KEYS, _OTHER_TOOLS_SECTIONS
-
     try:
-        unknown = set(tomllib.loads(text)) - _KEYS - _OTHER_TOOLS_SECTIONS
+        return set(tomllib.loads(text))
     except tomllib.TOMLDecodeError:
         return None
-    if not unknown:
-        return None
+
+
+def _without_keys(text: str, dropped: set[str]) -> str:
+    """``text`` less the top-level keys and tables named in ``dropped`` (line by line: a value
+    spread over lines is not followed; the caller parses what is left)."""
     kept, table = [], None
     for line in text.splitlines(keepends=True):
         header = re.match(r"\s*\[+\s*\"?([A-Za-z0-9_-]+)", line)
         if header:
             table = header.group(1)
         key = re.match(r"\s*\"?([A-Za-z0-9_-]+)\"?\s*=", line)
-        if (table in unknown) or (table is None and key and key.group(1) in unknown):
+        if (table in dropped) or (table is None and key and key.group(1) in dropped):
             continue
         kept.append(line)
     return "".join(kept)
+
+
+def _without_unknown_keys(text: str) -> str | None:
+    """``text`` less its unknown top-level keys and tables (a misspelled key), so that the other
+    checks judge what the admin meant; None when that cannot be done simply."""
+    from ...config import _KEYS, _OTHER_TOOLS_SECTIONS
+
+    keys = _top_level_keys(text)
+    unknown = (keys or set()) - _KEYS - _OTHER_TOOLS_SECTIONS
+    return _without_keys(text, unknown) if unknown else None
+
+
+def _without_each_key(text: str) -> list[str]:
+    """``text`` less one of its top-level keys, for each: a key with a value of the wrong type
+    (``prolog_budget = "fast"``) leaves the others, [nodes] among them, to be judged as written."""
+    keys = _top_level_keys(text) or set()
+    return [_without_keys(text, {key}) for key in sorted(keys)]
 
 
 @dataclass(frozen=True)
@@ -187,6 +203,9 @@ def check_hooks_current(inputs: Inputs, config: HookConfig, mode: str | None) ->
                            + (" (tasks the SPANK plugin isolated keep their whole step's GPUs)" if scope == "step" else ""))
                 (fails if scope == "step" else warns).append(message)
     if not seen:
+        if inputs.show_config is None:  # the hook lines are not printed then
+            return Check("hooks-current", WARN, "not checked: `scontrol show config` failed, so which hook files slurm.conf "
+                                                "names is unknown", "see the scontrol line")
         return Check("hooks-current", WARN, "no hook file of MAPA's could be read", "see the prolog, epilog and taskprolog lines")
     fix = "`mapa hooks DIR --config CONFIG` again on this node (after every change of jobs_dir, isolation or isolation_scope)"
     if fails:
@@ -316,9 +335,10 @@ def check_spank(inputs: Inputs, mode: str | None) -> Check:
         return Check("spank", severe, "; ".join(inputs.spank_problems) + f" ({why})",
                      "`mapa spank-plugin PATH` on this node (needs the running Slurm's headers), and fix plugstack.conf")
     if not inputs.spank_lines:
+        where = inputs.plugstack if inputs.plugstack_exists else f"{inputs.plugstack} (it does not exist)"
         if not on:
-            return Check("spank", OK, f"no MAPA SPANK plugin in {inputs.plugstack} ({why}: none needed)")
-        return Check("spank", WARN, f"no MAPA SPANK plugin in {inputs.plugstack} ({why}): only the TaskProlog asks for "
+            return Check("spank", OK, f"no MAPA SPANK plugin in {where} ({why}: none needed)")
+        return Check("spank", WARN, f"no MAPA SPANK plugin in {where} ({why}): only the TaskProlog asks for "
                                     "isolation, as the job's user; that stops mistakes, not a user who sets out to skip it",
                      "`mapa spank-plugin /usr/local/lib/slurm-mapa/spank_mapa_isolate.so` and the line it prints in "
                      "plugstack.conf (docs/isolation.md, \"SPANK plugin\")")
@@ -330,7 +350,18 @@ def check_spank(inputs: Inputs, mode: str | None) -> Check:
     return Check("spank", OK, "; ".join(described) + running)
 
 
+def _config_unread(inputs: Inputs, name: str) -> Check | None:
+    """The line of a check that reads mapa.toml when there is none to read: not checked (the
+    defaults it would judge are not what the admin wrote; the mapa.toml line says what is wrong)."""
+    if inputs.mapa_toml is not None:
+        return None
+    return Check(name, WARN, f"not checked: {inputs.config_path} could not be read", "see the mapa.toml line")
+
+
 def check_topology(inputs: Inputs, config: HookConfig) -> Check:
+    unread = _config_unread(inputs, "topology")
+    if unread is not None:
+        return unread
     spec = config.topology_for(inputs.node)
     if spec is None:
         return Check("topology", FAIL, f"no [nodes] entry of {inputs.config_path} matches node {inputs.node}: the Prolog "
@@ -350,9 +381,27 @@ def check_topology(inputs: Inputs, config: HookConfig) -> Check:
     return Check("topology", OK, f"{spec}: {graph.name} ({', '.join(facts)})")
 
 
-def check_gres(inputs: Inputs) -> Check:
+def gres_conf_command(show_node: str | None, topology: str | None) -> str:
+    """The `mapa gres-conf` command for this node, with the CPU layout slurmctld has for it
+    (`scontrol show node`: Sockets, CoresPerSocket, ThreadsPerCore; a hyperthreaded node needs
+    --threads-per-core) where it is known, else placeholders."""
+    def number(field: str) -> int | None:
+        found = re.search(rf"(?:^|\s){field}=(\d+)(?=\s|$)", show_node or "")
+        return int(found.group(1)) if found else None
+
+    sockets, cores, threads = number("Sockets"), number("CoresPerSocket"), number("ThreadsPerCore")
+    words = ["mapa gres-conf", f"--topology {topology or 'TOPOLOGY'}"]
+    if sockets and cores:
+        words += [f"--cores {sockets * cores}", f"--sockets {sockets}", f"--threads-per-core {threads or 1}"]
+    else:
+        words += ["--cores N", "--sockets S", "--threads-per-core T"]
+    return " ".join(words)
+
+
+def check_gres(inputs: Inputs, config: HookConfig | None = None) -> Check:
     where = os.path.join(inputs.slurm_conf_dir, "gres.conf")
-    fix = f"`mapa gres-conf --topology TOPOLOGY --cores N --sockets S` writes the lines for {where}; then restart slurmd"
+    topology = config.topology_for(inputs.node) if config is not None else None
+    fix = f"`{gres_conf_command(inputs.show_node, topology)}` writes the lines for {where}; then restart slurmd"
     if inputs.gres_conf is None:
         return Check("gres", FAIL, f"cannot read {where}: {inputs.gres_conf_error or 'missing'}", fix)
     lines, autodetect = gres_gpu_lines(inputs.gres_conf, inputs.node)
@@ -484,9 +533,12 @@ def check_features(inputs: Inputs, config: HookConfig) -> Check:
     from ....core.features import complement_name, feature_name, feature_names
     from ...text.commands import CommandFailed, parse_active_features, parse_available_features
 
+    unread = _config_unread(inputs, "features")
+    if unread is not None:
+        return unread
     sizes = config.feature_sizes
     if not sizes:
-        return Check("features", OK, "mapa.toml has no [features]: nothing to publish")
+        return Check("features", OK, f"{inputs.config_path} has no [features]: nothing to publish")
     if inputs.fleet_errors:
         return Check("features", FAIL, "[features] fleet: " + "; ".join(inputs.fleet_errors) + ": mapa-agent publishes nothing",
                      "fix the fleet entries of [features] (presets or readable topology files)")
@@ -566,7 +618,7 @@ def run_checks(inputs: Inputs) -> list[Check]:
                    check_select_type(conf), check_task_plugin(conf, compute and mode not in (None, "off"))]
     checks.append(check_constrain_devices(inputs.cgroup_conf if compute else None, conf, inputs.slurm_conf_dir))
     if compute:
-        checks += [check_spank(inputs, mode), check_topology(inputs, config), check_gres(inputs), check_discovery(inputs),
+        checks += [check_spank(inputs, mode), check_topology(inputs, config), check_gres(inputs, config), check_discovery(inputs),
                    check_isolation(inputs), check_agent(inputs, mode), check_features(inputs, config)]
     checks += check_trust(inputs.paths)
     if inputs.euid != 0:

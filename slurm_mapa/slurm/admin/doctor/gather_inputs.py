@@ -295,6 +295,7 @@ def _gather_spank(got: dict[str, Any], environ: Mapping[str, str], slurm_conf: P
     try:
         plugstack, plugin_dirs = spank_plugin.spank_settings(_safely(read_text, slurm_conf)[0], slurm_conf)
         got["plugstack"] = str(plugstack)
+        got["plugstack_exists"] = os.path.exists(plugstack)
         plugins = spank_plugin.installed_mapa_plugins(plugstack, plugin_dirs)
         got["spank_lines"] = tuple((plugin.kind, plugin.path, str(plugin.conf)) for plugin in plugins)
         running = spank_plugin.running_slurm_version_text() if plugins else None

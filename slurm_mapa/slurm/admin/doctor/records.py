@@ -81,6 +81,7 @@ class Inputs:
     hooks: Mapping[str, PathFacts] = field(default_factory=dict)  # "Prolog" -> the MAPA hook slurm.conf names
     hook_texts: Mapping[str, str] = field(default_factory=dict)  # hook path -> its text
     plugstack: str = "/etc/slurm/plugstack.conf"
+    plugstack_exists: bool = True
     spank_lines: tuple[tuple[str, str, str], ...] = ()  # MAPA's plugin lines: (required|optional, path, file)
     spank_built: Mapping[str, str] = field(default_factory=dict)  # plugin path -> the Slurm release it was built for
     spank_problems: tuple[str, ...] = ()  # spank_plugin's lines
