@@ -117,6 +117,9 @@ def cmd_select(args: argparse.Namespace) -> int:
     if gpus is None:
         raise InputError("how many GPUs? give --gpus K or gpus=K in the directive")
     request = to_request(directive, gpus)
+    if gpus > graph.size:  # no free set could ever hold it: the request is wrong for this server
+        raise InputError(f"{gpus} GPUs asked of {graph.name}, which has {graph.size}; accepted: 1 to {graph.size} "
+                         f"(a request that does not fit the free GPUs now exits 1)")
     running = _parse_running(args.running)
     _check_on_node([gpu for job in running for gpu in job], graph, "--running")
     why = None

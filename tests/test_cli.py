@@ -46,6 +46,16 @@ def test_no_fit_exits_1(capsys):
     assert code == 1 and "does not fit" in out
 
 
+def test_more_gpus_than_the_server_has_is_bad_input_and_a_misspelled_preset_gets_a_suggestion(capsys):
+    """Issue 39: --gpus 9 on an 8-GPU server exited 1 ("does not fit") and --gpus 99 exited 2."""
+    for count in ("9", "99"):
+        code, out, err = run(capsys, "select", "--topology", "dgx1-v100", "--gpus", count, "--directive", "topology=ring")
+        assert code == 2 and out == "" and err.startswith("mapa: error: "), (count, err)
+    assert "asked of dgx1-v100, which has 8; accepted: 1 to 8" in run(capsys, "select", "--topology", "dgx1-v100", "--gpus", "9")[2]
+    code, _, err = run(capsys, "select", "--topology", "dgx1-v10", "--gpus", "2")
+    assert code == 2 and "(did you mean 'dgx1-v100'?)" in err
+
+
 def test_bad_input_goes_through_one_handler(capsys):
     code, _, err = run(capsys, "select", "--topology", "dgx9", "--gpus", "2")
     assert code == 2 and err.startswith("mapa: error: topology 'dgx9' is neither a preset")

@@ -530,19 +530,23 @@ def test_node_choice_preferences_are_added_only_where_configured_and_never_over_
         Case(script=sensitive, mode="gpus4or"),  # any other constraint: left alone
         Case(script="#MAPA sensitive=yes placement=any\n", mode="gpus4"),  # no preference asked for
         Case(script=sensitive, mode="gpus4pinned"),  # the user chose the node (-w)
+        # Issue 39: the user's constraint names the MAPA feature already: left alone (it gave
+        # Prefer=mapa_ring2&mapa_ring2), for an insensitive job too.
+        Case(script=sensitive, mode="gpus4mapa"), Case(script=insensitive, mode="gpus4mapa"),
     ]
     _, results = _run(cases, tmp_path, plugin)
     assert [r.prefer for r in results] == ["mapa_ring4", "mapa_noring4", "mapa_ring4", None, "bigmem", "mapa_noring4", None,
-                                           "bigmem&ib&mapa_ring4", None, None, None]
+                                           "bigmem&ib&mapa_ring4", None, None, None, None, None]
     assert all(r.rc == SUCCESS for r in results)
     # Never a constraint (Slurm fails a job whose constraint no node has active), never a delay.
     assert [r.placement for r in results] == ["features= begin="] * 7 + ["features=bigmem&ib begin=", "features=bigmem|ib begin=",
-                                                                          "features= begin=", "features= begin="]
+                                                                          "features= begin=", "features= begin="] \
+        + ["features=ib&mapa_ring4 begin="] * 2
     _, off = _run(cases, tmp_path)  # as shipped: no sizes, no preference
-    assert [r.prefer for r in off] == [None, None, None, None, "bigmem", None, None, None, None, None, None]
+    assert [r.prefer for r in off] == [None, None, None, None, "bigmem", None, None, None, None, None, None, None, None]
     _, alone = _run(cases, tmp_path, _configured_plugin(tmp_path, (2, 4, 8)))  # insensitive_jobs = "none": only sensitive jobs
     assert [r.prefer for r in alone] == ["mapa_ring4", None, "mapa_ring4", None, "bigmem", None, None, "bigmem&ib&mapa_ring4", None, None,
-                                         None]
+                                         None, None, None]
 
 
 def _delay(result: Result) -> int | None:
@@ -759,3 +763,28 @@ def test_the_plugin_and_find_record_agree_on_admin_comments_full_of_mapa_words(t
     assert results[8][1] == " ".join(["mapa:", "mapa:topology=ring", "MAPA:gpus=2"] * 1000)[: -len(" MAPA:gpus=2")]
     assert results[13][1] == "ops:" and results[14][1] == texts[14].strip()
     assert elapsed < 10, f"the plugin took {elapsed:.1f} s"
+
+
+def test_a_directive_whose_gpu_count_cannot_be_the_jobs_is_refused_at_submit(tmp_path: Path) -> None:
+    """Issue 39: gpus=8 on a 4-GPU-per-node job, a 2x4 grid or a hypercube of 3 were accepted and
+    then fell back at the job's start (bad-directive-or-model). Where the submission fixes the GPUs
+    per node (--gres=gpu:N, --gpus-per-node), they are refused with what is accepted."""
+    cases = [
+        Case(script="#MAPA topology=ring gpus=8\n", mode="gpus4"),
+        Case(script="#MAPA topology=mesh2d:2x4\n", mode="gpus4"),
+        Case(script="#MAPA topology=hypercube\n", mode="gpus3"),
+        Case(script="#MAPA topology=ring gpus=3 sensitive=yes\n", mode="gpus4typed"),
+        Case(script="#MAPA topology=ring gpus=4\n", mode="gpus4"),  # matches
+        Case(script="#MAPA topology=mesh2d:2x2\n", mode="gpus4"),  # matches
+        Case(script="#MAPA topology=hypercube gpus=8\n", mode="submit"),  # the job's count is unknown here: the directive alone
+        Case(script="#MAPA topology=ring gpus=3\n", mode="gpus2job"),  # --gpus=2 over any number of nodes: unknown per node
+        Case(script="#MAPA topology=ring gpus=3\n", mode="gpus2job1"),  # --gpus=2 -N 1: 2 on the node
+    ]
+    _, results = _run(cases, tmp_path)
+    outcomes = [_verdict(result) for result in results]
+    assert outcomes[0] == ("error", "MAPA: gpus=8 but the job asks for 4 GPUs per node (accepted: gpus=4, or no gpus=: the job's own count)")
+    assert outcomes[1] == ("error", "MAPA: topology=mesh2d:2x4 needs 8 GPUs, got 4")
+    assert outcomes[2][0] == "error" and "a hypercube needs a power-of-two GPU count" in outcomes[2][1] and outcomes[2][1].endswith("got 3")
+    assert outcomes[3][0] == "error" and "gpus=3 but the job asks for 4 GPUs per node" in outcomes[3][1]
+    assert [result.rc for result in results[4:8]] == [SUCCESS] * 4, outcomes[4:8]
+    assert outcomes[8][0] == "error" and "gpus=3 but the job asks for 2 GPUs per node" in outcomes[8][1]

@@ -391,3 +391,28 @@ def test_no_comment_releases_any_job_but_its_own(comment, victim_reason) -> None
 def test_the_command_checks_its_interval(capsys) -> None:
     assert main(["release", "--every", "0"]) != 0
     assert "--every must be 1 to 3600 seconds" in capsys.readouterr().err
+
+
+def test_a_missing_slurm_command_is_an_error_line_naming_the_option(tmp_path, capsys) -> None:
+    """Issue 39: without squeue on PATH, one pass said `mapa release: cannot run squeue: ...` with no
+    `error:` and no hint; it exits 1 with both."""
+    from slurm_mapa.cli import main as mapa_main
+
+    missing = str(tmp_path / "no-such-squeue")
+    assert mapa_main(["release", "--squeue", missing]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"mapa release: error: cannot run {missing}") and "give --squeue" in err, err
+
+
+def test_a_missing_compiler_is_named_with_what_to_install(tmp_path, capsys) -> None:
+    import os
+
+    from slurm_mapa.cli import main as mapa_main
+
+    target = tmp_path / "lib"
+    target.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(target, 0o755)
+    assert mapa_main(["spank-plugin", str(target / "spank_mapa_isolate.so"), "--cc", "no-such-cc"]) == 2
+    err = capsys.readouterr().err
+    assert "no compiler 'no-such-cc' on this node's PATH" in err and "libslurm-dev" in err and "Errno" not in err, err

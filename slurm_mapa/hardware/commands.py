@@ -43,7 +43,9 @@ def add_commands(subparsers: argparse._SubParsersAction, topo_subparsers: argpar
         description="Read the GPU topology (NVML, nvidia-smi, or a saved `nvidia-smi topo -m` text) and print "
         "a topology file an admin can keep under version control.",
     )
-    discover.add_argument("--source", choices=("nvml", "nvidia-smi", "amdsmi", "rocm-smi", "file"), default="nvidia-smi")
+    discover.add_argument("--source", choices=("nvml", "nvidia-smi", "amdsmi", "rocm-smi", "file"), default="nvidia-smi",
+                          help="how to read the GPUs: NVML, `nvidia-smi topo -m`, AMD SMI, `rocm-smi`, or a saved text "
+                               "(--file) (default nvidia-smi)")
     discover.add_argument(
         "--file",
         help="with --source file: a saved `nvidia-smi topo -m`, `rocm-smi --showtopo --shownodesbw` or "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from ..core.effbw import EffectiveBandwidthModel
@@ -37,7 +38,9 @@ def load_topology_file(spec: str) -> Topology:
         return Topology(graph=preset(spec))
     path = Path(spec)
     if not path.is_file():
-        raise InputError(f"topology {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a readable file")
+        close = difflib.get_close_matches(spec, PRESETS, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InputError(f"topology {spec!r}{hint} is neither a preset ({', '.join(PRESETS)}) nor a readable file")
     text = read_text(spec, what="topology file", max_bytes=MAX_TOPOLOGY_FILE_BYTES,
                      accepted=f"a preset ({', '.join(PRESETS)}), a TOML topology file (docs/hardware.md) or a saved "
                               "`nvidia-smi topo -m`, `rocm-smi --showtopo --shownodesbw` or `amd-smi topology` text (UTF-8)")

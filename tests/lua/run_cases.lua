@@ -23,7 +23,8 @@ then, per case, "RC NMSG ADMIN_LEN COMMENT_LEN PREFER_LEN PLACE_LEN\n", NMSG rec
 COMMENT_LEN bytes of job_desc.comment when the call changed it (-1: unchanged), PREFER_LEN bytes
 of job_desc.prefer (-1: nil) and PLACE_LEN bytes of "features=<job_desc.features> begin=<seconds
 from now of job_desc.begin_time>" (either empty when unset). Modes gpus4, gpus3, gpus4typed,
-gpus4user, gpus4and, gpus4or, gpus4begin, gpus4pinned set tres_per_node (and the user's own prefer, constraint
+gpus4user, gpus4and, gpus4or, gpus4mapa, gpus4begin, gpus4pinned set tres_per_node (gpus2job,
+gpus2job1: tres_per_job, on any number of nodes or on one) (and the user's own prefer, constraint
 or begin time) before a submit.
 --]]
 
@@ -132,14 +133,21 @@ while position <= #data do
         end
     elseif string.sub(mode, 1, 4) == "gpus" then
         -- --gres=gpu:4 (gpus3: 3, gpus4typed: gpu:v100:4; gpus4user: the user's own --prefer too,
-        -- gpus4and / gpus4or: their own --constraint, gpus4begin: their own --begin, gpus4pinned: -w)
+        -- gpus4and / gpus4or / gpus4mapa: their own --constraint, gpus4begin: their own --begin, gpus4pinned: -w)
         job_desc.tres_per_node = ({ gpus3 = "gres/gpu:3", gpus4typed = "gres/shard:1,gres/gpu:v100:4" })[mode] or "gres/gpu:4"
+        if mode == "gpus2job" or mode == "gpus2job1" then
+            -- --gpus=2, on one node (-N 1: max_nodes 1) or on as many as Slurm likes
+            job_desc.tres_per_node, job_desc.tres_per_job = nil, "gres/gpu:2"
+            job_desc.max_nodes = mode == "gpus2job1" and 1 or 4294967294
+        end
         if mode == "gpus4user" then
             job_desc.prefer = "bigmem"
         elseif mode == "gpus4and" then
             job_desc.features = "bigmem&ib"
         elseif mode == "gpus4or" then
             job_desc.features = "bigmem|ib"
+        elseif mode == "gpus4mapa" then
+            job_desc.features = "ib&mapa_ring4"
         elseif mode == "gpus4begin" then
             job_desc.begin_time = os.time() + 7200
         elseif mode == "gpus4pinned" then

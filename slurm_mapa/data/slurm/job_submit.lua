@@ -501,7 +501,7 @@ local function _build(lines)
     if wait ~= nil then
         parts[#parts + 1] = "wait=" .. _int(wait)
     end
-    return table.concat(parts, " ")
+    return table.concat(parts, " "), d
 end
 
 -- The normalised directive of a `mapa:` comment, or nil for any other comment.
@@ -770,7 +770,8 @@ end
 -- good k-ring free (mapa_ring<k>); with _INSENSITIVE_JOBS = "noring" an insensitive one, or one
 -- without a directive, the others (mapa_noring<k>). placement=any adds nothing. The user's own
 -- --prefer or nodes (-w) win; a --constraint of plain feature names joined by '&' is kept and the
--- MAPA feature added to the preference with it; any other --constraint is left alone. Never a
+-- MAPA feature added to the preference with it (unless it names a MAPA feature itself); any other
+-- --constraint is left alone. Never a
 -- constraint: Slurm (24.11, 26.05) fails a job whose constraint no node has active (BadConstraints), and
 -- MAPA's features come and go.
 -- placement=require also delays the job's start by wait= minutes (its begin time, which Slurm
@@ -788,6 +789,9 @@ local function _add_preference(job_desc, directive, readable)
     local user = _string_field(job_desc, "features")
     if not listed or (user and not _plain_and(user)) then
         return
+    end
+    if user and string.find("&" .. user .. "&", "&mapa_n?o?ring%d+&") then
+        return -- the user's --constraint names a MAPA feature already: they chose (no "mapa_ring2&mapa_ring2")
     end
     if directive ~= nil and _placement(directive) == "any" then
         return
@@ -810,6 +814,44 @@ local function _add_preference(job_desc, directive, readable)
     end
 end
 
+-- The job's GPUs on each node where the submission fixes them: --gres=gpu:N or --gpus-per-node=N
+-- (tres_per_node), or --gpus=N on one node (-N 1), else nil.
+local function _job_gpus_per_node(job_desc)
+    local k = _gpus_per_node(job_desc)
+    if k then
+        return k
+    end
+    local per_job = _string_field(job_desc, "tres_per_job")
+    if per_job and #per_job <= 4096 and job_desc.max_nodes == 1 then
+        for item in string.gmatch(per_job, "[^,]+") do
+            local count = string.match(item, "^gres/gpu:(%d+)$") or string.match(item, "^gres/gpu:[%w_%.%-]+:(%d+)$")
+            if count then
+                return tonumber(count)
+            end
+        end
+    end
+    return nil
+end
+
+-- A directive whose GPU count cannot be the job's is refused here, not left to fall back at the
+-- job's start: gpus= other than the job's GPUs per node, a grid or hypercube of another size.
+local function _check_job_size(job_desc, directive)
+    local k = _job_gpus_per_node(job_desc)
+    if k == nil or k < 1 or k > _MAX_PATTERN_GPUS then
+        return
+    end
+    local tokens = {}
+    for token in string.gmatch(directive, "%S+") do
+        tokens[#tokens + 1] = token
+    end
+    local _, d = _build({ { tokens = tokens, line = nil } })
+    if d.gpus ~= nil and d.gpus ~= k then
+        _fail("gpus=" .. _int(d.gpus) .. " but the job asks for " .. _int(k) .. " GPUs per node (accepted: gpus=" .. _int(k)
+            .. ", or no gpus=: the job's own count)")
+    end
+    _check_size(d, k)
+end
+
 local function _check_submit(job_desc, submit_uid)
     local directive = nil
     local comment = _string_field(job_desc, "comment")
@@ -826,6 +868,7 @@ local function _check_submit(job_desc, submit_uid)
     if directive == nil then
         _add_preference(job_desc, nil, false)
     else
+        _check_job_size(job_desc, directive)
         local new_comment = _comment_with_directive(comment, directive)
         if new_comment then
             job_desc.comment = new_comment

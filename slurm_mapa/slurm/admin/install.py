@@ -387,8 +387,12 @@ def cmd_spank_plugin(args: argparse.Namespace) -> int:
         built = Path(scratch) / target.name
         try:
             done = subprocess.run(spank_build_argv(args.cc, SPANK_SOURCE, built), capture_output=True, text=True, timeout=120)
+        except FileNotFoundError:
+            raise InputError(f"no compiler {args.cc!r} on this node's PATH; accepted: --cc naming an installed C compiler "
+                             "(Debian: apt install gcc libslurm-dev; RHEL: dnf install gcc slurm-devel)") from None
         except (OSError, subprocess.TimeoutExpired) as error:
-            raise InputError(f"cannot run the compiler {args.cc!r}: {error}") from None
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+            raise InputError(f"cannot run the compiler {args.cc!r}: {reason}") from None
         if done.returncode != 0:
             raise InputError(f"{args.cc} failed on {SPANK_SOURCE} (it needs the Slurm headers: Debian's libslurm-dev, "
                              f"RHEL's slurm-devel):\n{done.stderr.strip()[-2000:]}")

@@ -271,7 +271,9 @@ def cmd_release(args: argparse.Namespace) -> int:
         try:
             release_once(runner, args.squeue, args.sinfo, args.scontrol, log)
         except commands.CommandFailed as error:
-            log(f"mapa release: {error}")
+            hint = ("; give --squeue, --sinfo or --scontrol with the command's path (each runs from PATH by default)"
+                    if str(error).startswith("cannot run ") else "")
+            log(f"mapa release: error: {error}{hint}")
             if args.every is None:
                 return 1
         if args.every is None:
@@ -288,9 +290,9 @@ def add_commands(commands_parser: Any) -> None:
         "--every (a service) or from a timer; without it a job waits its whole wait= and then runs anyway.",
     )
     release.add_argument("--every", type=float, metavar="SECONDS", help="repeat every SECONDS (default: one pass)")
-    release.add_argument("--squeue", default="squeue")
-    release.add_argument("--sinfo", default="sinfo")
-    release.add_argument("--scontrol", default="scontrol")
+    release.add_argument("--squeue", default="squeue", help="the squeue to run (default: squeue on PATH)")
+    release.add_argument("--sinfo", default="sinfo", help="the sinfo to run (default: sinfo on PATH)")
+    release.add_argument("--scontrol", default="scontrol", help="the scontrol to run (default: scontrol on PATH)")
     release.add_argument("--timeout", type=float, default=20.0, help="seconds one Slurm command may take (default 20)")
     release.set_defaults(handler=cmd_release)
 
