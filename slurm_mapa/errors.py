@@ -1,5 +1,8 @@
 """The project's error classes. Messages say what was received and what is accepted."""
 
+import json
+import re
+
 
 class MapaError(Exception):
     """Base class of every error this project raises on purpose."""
@@ -11,3 +14,25 @@ class InputError(MapaError, ValueError):
 
 class InternalError(MapaError, RuntimeError):
     """A broken internal invariant: a bug in slurm-mapa, never the user's fault."""
+
+
+def toml_text(value: object) -> str:
+    """``value`` as TOML writes it, for error messages about mapa.toml: true, "text", [2, 4],
+    {vm = 5} (not Python's True, 'text', {'vm': 5})."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_text(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(key)} = {toml_text(item)}" for key, item in value.items()) + "}"
+    if hasattr(value, "isoformat"):  # TOML dates and times
+        return value.isoformat()
+    return str(value)
+
+
+def _toml_key(key: object) -> str:
+    text = str(key)
+    return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else json.dumps(text, ensure_ascii=False)
+

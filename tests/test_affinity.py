@@ -368,12 +368,12 @@ def test_hook_config_reads_the_affinity_table():
 @pytest.mark.parametrize(
     "table, message",
     [
-        ('mode = "loose"', "mode must be one of strict, prefer, ignore, got 'loose'"),
+        ('mode = "loose"', 'mode must be one of strict, prefer, ignore, got "loose"'),
         ("mode = 1", "mode must be one of strict, prefer, ignore, got 1"),
         ("max_loss = 1.5", "max_loss must be a fraction from 0 to 1, got 1.5"),
         ("max_loss = -0.1", "max_loss must be a fraction from 0 to 1, got -0.1"),
-        ("max_loss = true", "max_loss must be a fraction from 0 to 1, got True"),
-        ('max_loss = "0.2"', "max_loss must be a fraction from 0 to 1, got '0.2'"),
+        ("max_loss = true", "max_loss must be a fraction from 0 to 1, got true"),
+        ('max_loss = "0.2"', 'max_loss must be a fraction from 0 to 1, got "0.2"'),
         ("enforce = true", '[affinity] takes mode = "strict" | "prefer" | "ignore" and max_loss'),
     ],
 )

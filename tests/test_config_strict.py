@@ -29,7 +29,7 @@ BAD = {
     "wrong type": (b"policy = 3\n", "policy must be a string (in quotes), got 3"),
     "unknown policy": (b'policy = "presrve"\n', "unknown policy 'presrve' (accepted: baseline, "),
     "wrong table": (b'nodes = "dgx1-v100"\n', '[nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"; '
-                                           "got 'dgx1-v100'"),
+                                           'got "dgx1-v100"'),
     "out of range": (b"prolog_budget = 100\n", "prolog_budget must be seconds in [2, 20], got 100"),
     "NUL in a path": (b'ledger = "/var/lib/a\\u0000b"\n', "ledger contains a NUL character (\\u0000), which no path or name may hold"),
     "TOML syntax": (b'policy = "preserve\n', "not valid TOML: Illegal character '\\n' (at line 1, column 19)"),

@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import InputError
+from ..errors import InputError, toml_text
 from .allocation import Allocation, NoFit, Request
 from .hardware import HardwareGraph
 from .search import preserved_bandwidth
@@ -316,10 +316,10 @@ def settings_from_table(table: object, source: str) -> tuple[str, float]:
         raise InputError(f'{source}: [affinity] takes mode = "strict" | "prefer" | "ignore" and max_loss = a fraction from 0 to 1')
     mode = table.get("mode", DEFAULT_MODE)
     if not isinstance(mode, str) or mode not in MODES:
-        raise InputError(f"{source}: [affinity] mode must be one of {', '.join(MODES)}, got {mode!r}")
+        raise InputError(f"{source}: [affinity] mode must be one of {', '.join(MODES)}, got {toml_text(mode)}")
     max_loss = table.get("max_loss", DEFAULT_MAX_LOSS)
     if isinstance(max_loss, bool) or not isinstance(max_loss, (int, float)) or not 0 <= max_loss <= 1:
-        raise InputError(f"{source}: [affinity] max_loss must be a fraction from 0 to 1, got {max_loss!r}")
+        raise InputError(f"{source}: [affinity] max_loss must be a fraction from 0 to 1, got {toml_text(max_loss)}")
     return mode, float(max_loss)
 
 

@@ -42,6 +42,7 @@ ignored here.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import sys
@@ -53,7 +54,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..errors import InputError, MapaError
+from ..errors import InputError, MapaError, toml_text
 from . import trusted_files
 
 DEFAULT_CONFIG_PATH = Path("/etc/slurm/mapa.toml")
@@ -234,51 +235,51 @@ def _config_from_text(text: str, source: str, validate: bool) -> HookConfig:
     for key in ("policy", "default_directive", "scontrol", "squeue", "model", "health", "isolation", "isolation_scope"):
         if key in data:
             if not isinstance(data[key], str):
-                raise InputError(f"{source}: {key} must be a string (in quotes), got {data[key]!r}")
+                raise InputError(f"{source}: {key} must be a string (in quotes), got {toml_text(data[key])}")
             values[key] = data[key]
     if values.get("model") == "auto":
         values["model"] = ""  # the topology's own model, as the default (hardware.load.resolve_model)
     if values.get("health", "auto") not in ("auto", "off"):
-        raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {values['health']!r}")
+        raise InputError(f"{source}: health must be \"auto\" (leave out GPUs NVML reports sick) or \"off\", got {toml_text(values['health'])}")
     if values.get("isolation", "auto") not in ("auto", "off", "fail-open", "fail-closed"):
         raise InputError(f"{source}: isolation must be \"auto\" (fail-open where the topology names the GPUs' device files), "
                          f"\"off\", \"fail-open\" (a task runs, logged, when its GPUs cannot be isolated) or \"fail-closed\" "
-                         f"(the task fails then), got {values['isolation']!r}")
+                         f"(the task fails then), got {toml_text(values['isolation'])}")
     if values.get("isolation_scope", "step") not in ("step", "task"):
         raise InputError(f"{source}: isolation_scope must be \"step\" (the tasks of a step may open all of the step's GPUs) "
-                         f"or \"task\" (each task only its own), got {values['isolation_scope']!r}")
+                         f"or \"task\" (each task only its own), got {toml_text(values['isolation_scope'])}")
     if "models" in data:
         models = data["models"]
         if not isinstance(models, dict) or not all(isinstance(v, str) and v for v in models.values()):
             raise InputError(f'{source}: [models] maps node-name globs to a model ("auto", a bundled model\'s name or a model '
-                             f'file), e.g. "gpu*" = "nccl-tests-hgx-h100"; got {models!r}')
+                             f'file), e.g. "gpu*" = "nccl-tests-hgx-h100"; got {toml_text(models)}')
         values["models"] = tuple(models.items())
     if validate:
         _validate_with_engine(values, source)
     for key in ("ledger", "jobs_dir", "log", "journal_dir", "dcgm_job_mapping_dir"):
         if key in data:
             if not isinstance(data[key], str) or not data[key].startswith("/"):
-                raise InputError(f"{source}: {key} must be an absolute path, got {data[key]!r}")
+                raise InputError(f"{source}: {key} must be an absolute path, got {toml_text(data[key])}")
             values[key] = Path(data[key])
     if "command_timeout" in data:
         timeout = data["command_timeout"]
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
-            raise InputError(f"{source}: command_timeout must be seconds in (0, 60], got {timeout!r}")
+            raise InputError(f"{source}: command_timeout must be seconds in (0, 60], got {toml_text(timeout)}")
         values["command_timeout"] = float(timeout)
     if "prolog_budget" in data:
         budget = data["prolog_budget"]
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 2 <= budget <= MAX_PROLOG_BUDGET_S:
-            raise InputError(f"{source}: prolog_budget must be seconds in [2, {MAX_PROLOG_BUDGET_S:g}], got {budget!r}")
+            raise InputError(f"{source}: prolog_budget must be seconds in [2, {MAX_PROLOG_BUDGET_S:g}], got {toml_text(budget)}")
         values["prolog_budget"] = float(budget)
     if "job_submit_lua" in data:
         if not isinstance(data["job_submit_lua"], bool):
-            raise InputError(f"{source}: job_submit_lua must be true or false, got {data['job_submit_lua']!r}")
+            raise InputError(f"{source}: job_submit_lua must be true or false, got {toml_text(data['job_submit_lua'])}")
         values["job_submit_lua"] = data["job_submit_lua"]
     for key, low, high in (("reconcile_interval", 5, 3600), ("admin_comment_rate", 0.1, 1000)):
         if key in data:
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-                raise InputError(f"{source}: {key} must be a number in [{low:g}, {high:g}], got {value!r}")
+                raise InputError(f"{source}: {key} must be a number in [{low:g}, {high:g}], got {toml_text(value)}")
             values[key] = float(value)
     if "features" in data:
         values.update(_features_table(data["features"], source))
@@ -291,7 +292,7 @@ def _config_from_text(text: str, source: str, validate: bool) -> HookConfig:
     nodes = data.get("nodes", {})
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
         raise InputError(f'{source}: [nodes] maps node-name globs to a preset or a topology file, e.g. "dgx*" = "dgx1-v100"; '
-                         f'got {nodes!r}')
+                         f'got {toml_text(nodes)}')
     values["nodes"] = tuple(nodes.items())
     if "preserve_ahead" in data:
         from ..core.ahead import settings_from_table
@@ -309,17 +310,17 @@ def _features_table(table: Any, source: str) -> dict[str, Any]:
         raise InputError(f"{source}: [features] takes {accepted}")
     sizes = table.get("sizes", [])
     if not isinstance(sizes, list) or not sizes or not all(isinstance(k, int) and not isinstance(k, bool) and 2 <= k <= 64 for k in sizes):
-        raise InputError(f"{source}: [features] sizes must be a list of GPU counts 2-64, e.g. [2, 4, 8]; got {sizes!r}")
+        raise InputError(f"{source}: [features] sizes must be a list of GPU counts 2-64, e.g. [2, 4, 8]; got {toml_text(sizes)}")
     threshold = table.get("threshold", 0.9)
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
-        raise InputError(f"{source}: [features] threshold must be a fraction in (0, 1], got {threshold!r}")
+        raise InputError(f"{source}: [features] threshold must be a fraction in (0, 1], got {toml_text(threshold)}")
     fleet = table.get("fleet", [])
     if not isinstance(fleet, list) or not all(isinstance(spec, str) and spec for spec in fleet):
-        raise InputError(f"{source}: [features] fleet must be a list of presets or topology files, got {fleet!r}")
+        raise InputError(f"{source}: [features] fleet must be a list of presets or topology files, got {toml_text(fleet)}")
     insensitive = table.get("insensitive_jobs", "none")
     if insensitive not in ("noring", "none"):
         raise InputError(f"{source}: [features] insensitive_jobs must be \"none\" (no preference) or \"noring\" (insensitive "
-                         f"jobs and jobs without a directive prefer mapa_noring<k>), got {insensitive!r}")
+                         f"jobs and jobs without a directive prefer mapa_noring<k>), got {toml_text(insensitive)}")
     return {"feature_sizes": tuple(sorted(set(sizes))), "feature_threshold": float(threshold), "feature_fleet": tuple(fleet),
             "feature_insensitive_jobs": insensitive}
 
@@ -332,10 +333,10 @@ _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-
 def _metrics_table(table: Any, source: str) -> tuple[str, int] | None:
     """``[metrics]``: listen = "HOST:PORT" -> (host, port); "" -> None (off)."""
     if not isinstance(table, dict) or set(table) - {"listen"}:
-        raise InputError(f"{source}: [metrics] takes {_METRICS_ACCEPTED}; got {str(table)[:80]!r}")
+        raise InputError(f"{source}: [metrics] takes {_METRICS_ACCEPTED}; got {toml_text(table)[:80]}")
     listen = table.get("listen", "")
     if not isinstance(listen, str):
-        raise InputError(f"{source}: [metrics] listen must be a string, {_METRICS_ACCEPTED}; got {listen!r}")
+        raise InputError(f"{source}: [metrics] listen must be a string, {_METRICS_ACCEPTED}; got {toml_text(listen)}")
     if listen == "":
         return None
     host, colon, port = listen.rpartition(":")

@@ -19,7 +19,7 @@ from ... import trusted_files as trusted
 from ...agent.client import DEFAULT_SOCKET, ISOLATE_SOCKET
 from ...text.commands import Runner
 from ...config import HookConfig, programs_root_may_run
-from .checks import parse_config
+from .lenient_config import parse_config
 from .records import AGENT_TIMEOUT_S, HOOKS, MAX_TEXT_BYTES, PROBE, SLURM_TIMEOUT_S, TOOL_TIMEOUT_S, Inputs, PathFacts
 from .slurm_text import gres_gpu_lines, parse_show_config, slurm_values, wrapper_program
 
