@@ -12,9 +12,18 @@ from slurm_mapa.replay.cli import main
 DATA = Path(__file__).parent / "data" / "sacct"
 
 
-def test_demo_is_the_default_and_prints_the_comparison(capsys):
+def test_demo_is_the_default_and_prints_the_comparison(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     assert main([]) == 0
     out = capsys.readouterr().out
+    # Issue 39: the first screen says what MAPA gained, for which jobs, by how much and assuming what.
+    first = out.splitlines()[:25]
+    story_lines = first[:first.index("")]  # the headline, then the tables (not yet folded to the terminal)
+    assert first[0].startswith("What MAPA gained, bundled paper workload") and all(len(line) <= 80 for line in story_lines)
+    story = "\n".join(first)
+    assert "bandwidth-sensitive jobs of 2+ GPUs" in story and "median: MAPA " in story and "Slurm's own: slurm-native " in story
+    assert "mean wait of all 300 jobs: MAPA " in story
+    assert "assuming: bandwidth judged by the link-bound model" in story and "paper's slowdown curve" in story
     assert "bundled paper workload" in out and "preserve" in out and "slurm-native" in out
     assert "Table 3" in out
     assert "recorded MAPA decisions: 36 compared" in out

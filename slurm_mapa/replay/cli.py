@@ -30,6 +30,7 @@ from .cluster_spec import _load_config
 from .config import parse_config
 from .generate import GENERATORS, generate
 from .jobfile import write_jobfile
+from .headline import POLICY_SUMMARIES, policy_lines
 from .run import CsvSink, _replay
 from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, Options
 from .sources import FORMATS, PROG, Source, _check_has_jobs, _counting, _detect, _open_path, _parse_generate, _take
@@ -132,12 +133,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_policies(args) -> int:
-    rows = {name: ALL_POLICIES[name].__module__ for name in ALL_POLICIES}
     if args.json:
-        print(json.dumps({"policies": list(ALL_POLICIES)}))
+        print(json.dumps({"policies": list(ALL_POLICIES),
+                          "summaries": {name: POLICY_SUMMARIES.get(name) for name in ALL_POLICIES}}))
     else:
-        for name, module in rows.items():
-            print(f"{name:<20} {module}")
+        print("\n".join(policy_lines(list(ALL_POLICIES))))
     return 0
 
 

@@ -9,6 +9,7 @@ CSV's notes.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence, TextIO
@@ -23,6 +24,7 @@ from . import report
 from .audit import audit
 from .cluster_spec import _build_nodes, _model, _models_used
 from .config import Config
+from .headline import headline
 from .jobs import ReadStats
 from .plots import have_matplotlib, write_plots
 from .results import RunResult
@@ -204,6 +206,11 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
         parts.append(f"note: {source.stats.malformed_total} malformed record(s) were skipped (see 'read' above)")
     if source.stats.notes:
         parts.append("reader assumptions: " + "; ".join(f"{n} x {what}" for what, n in sorted(source.stats.notes.items())))
+    # First, where a reader starts: what MAPA gained, and under which assumptions (at the terminal's width).
+    story = headline(out, label, shutil.get_terminal_size((100, 24)).columns)
+    if story:
+        out["headline"] = story
+        parts.insert(0, "\n".join(story))
     if collect is not None and args.json:
         collect.append(out)
     else:

@@ -1,0 +1,50 @@
+"""The replay's first lines (replay/headline.py): what MAPA gained, read from the report's numbers."""
+
+from __future__ import annotations
+
+from slurm_mapa.replay.headline import POLICY_SUMMARIES, headline, policy_lines
+from slurm_mapa.replay.simulate import ALL_POLICIES
+
+
+def _row(policy, median, p10, fast, checked, wait, n=10):
+    stats = {"n": n, "median": median, "p10": p10}
+    return {"policy": policy, "jobs": 20, "effective_bw_sensitive": stats, "fast_ring_sensitive": {"fast": fast, "checked": checked},
+            "wait": {"mean": wait}}
+
+
+def _document(time_model=True, judge="link-bound"):
+    return {"judge": {"name": judge}, "options": {"time_model": [[12.3, 3.0]] if time_model else None},
+            "policies": [_row("baseline", 30.0, 6.7, 5, 10, 900.0), _row("preserve", 40.0, 19.2, 9, 10, 700.0),
+                         _row("slurm-native", 13.4, 3.4, 1, 10, 1500.0), _row("greedy", 40.0, 19.2, 8, 10, 800.0)]}
+
+
+def test_the_headline_reads_each_number_from_the_report_and_names_ties():
+    lines = headline(_document(), "a test workload", width=200)
+    text = "\n".join(lines)
+    assert lines[0] == "What MAPA gained, a test workload:"
+    assert "the 10 bandwidth-sensitive jobs of 2+ GPUs, the bandwidth their GPU set's links carry:" in text
+    assert "median: MAPA 40.0 GB/s; the others 13.4 (slurm-native) to 40.0 (greedy); Slurm's own: slurm-native 13.4" in text
+    assert "worst tenth (p10): MAPA 19.2 GB/s; the others 3.4 (slurm-native) to 19.2 (greedy)" in text
+    assert "MAPA 90% of them; the others 10% (slurm-native) to 80% (greedy)" in text
+    assert "mean wait of all 20 jobs: MAPA 700 s; the others 800 s (greedy) to 1500 s (slurm-native)" in text
+    assert "no policy ranks with it" in text and "waits are modelled, not measured" in text
+
+
+def test_without_a_time_model_no_wait_is_claimed_and_another_judge_is_named():
+    text = "\n".join(headline(_document(time_model=False, judge="derived-dgx1-v100"), "x", width=200))
+    assert "mean wait" not in text and "run times as recorded" in text
+    assert "their predicted effective bandwidth by the derived-dgx1-v100 model" in text and "the model MAPA ranks with" in text
+
+
+def test_no_headline_without_mapa_or_without_sensitive_jobs_and_lines_fit_the_width():
+    document = _document()
+    assert headline({**document, "policies": [r for r in document["policies"] if r["policy"] != "preserve"]}, "x") == []
+    none = {**document, "policies": [{**r, "effective_bw_sensitive": {"n": 0, "median": None, "p10": None}} for r in document["policies"]]}
+    assert headline(none, "x") == []
+    assert all(len(line) <= 60 for line in headline(document, "a test workload", width=60))
+
+
+def test_every_policy_has_a_summary():
+    assert set(ALL_POLICIES) <= set(POLICY_SUMMARIES)
+    lines = policy_lines(list(ALL_POLICIES))
+    assert len(lines) == len(ALL_POLICIES) and all(line.split()[0] in ALL_POLICIES for line in lines)
