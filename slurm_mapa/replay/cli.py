@@ -91,7 +91,7 @@ def cmd_demo(args) -> int:
         if handle:
             handle.write(CsvSink.HEADER + "\n")
             sink = CsvSink(handle, DEMO_INPUTS[0])
-        code = _replay(args, src, config, f"bundled paper workload (300 jobs, section 4) on one {args.topology}",
+        code = _replay(args, src, config, f"bundled paper workload (300 jobs, as in section 4 of the MAPA paper, SC'21) on one {args.topology}",
                        csv_sink=sink, collect=documents)
         if code:
             return code

@@ -188,8 +188,9 @@ def by_gpus_text(results: Sequence[RunResult]) -> str:
             f"{'insensitive':^20} | {'wait mean':>9}")
     sub = (f"{'':>4} {'':<18} {'':>6} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} | {'med':>6} {'ring':>5} | "
            f"{'p10':>6} {'med':>6} {'p90':>6} | {'(s)':>9}")
-    lines = ["by GPUs per node (* = outside the judging model's fitted range: see the 'judged by' line above); " + BY_GPUS_LEGEND,
-             head, sub, "-" * len(head)]
+    marked = any(size.grounded or size.extrapolated for r in results for size in r.by_gpus.values())
+    lines = ["by GPUs per node" + (" (* = outside the judging model's fitted range: see the 'judged by' line above)" if marked else "")
+             + "; " + BY_GPUS_LEGEND, head, sub, "-" * len(head)]
     for gpus in sizes:
         for r in results:
             size = r.by_gpus.get(gpus)
