@@ -494,9 +494,10 @@ def test_a_wrongly_typed_key_does_not_make_the_other_checks_misjudge_nodes():
 
 
 def test_without_a_mapa_toml_nothing_is_said_of_its_contents():
-    checks = run_checks(healthy(mapa_toml=None, mapa_toml_error="No such file or directory"))
+    checks = run_checks(healthy(mapa_toml=None, mapa_toml_error="No such file or directory: /etc/slurm/mapa.toml"))
     report = doctor_checks.format_text(checks)
     assert _line(checks, "mapa.toml").status == FAIL, report
+    assert _line(checks, "mapa.toml").found.startswith("cannot read /etc/slurm/mapa.toml: No such file or directory; ")  # the path once
     for name in ("features", "topology"):
         line = _line(checks, name)
         assert line.status == WARN and line.found == "not checked: /etc/slurm/mapa.toml could not be read", report

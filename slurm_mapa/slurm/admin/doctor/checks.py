@@ -508,7 +508,8 @@ def check_features(inputs: Inputs, config: HookConfig) -> Check:
 
 def check_mapa_toml(inputs: Inputs, problem: str) -> Check:
     if inputs.mapa_toml is None:
-        return Check("mapa.toml", FAIL, f"cannot read {inputs.config_path}: {inputs.mapa_toml_error or 'missing'}; the hooks "
+        why = (inputs.mapa_toml_error or "missing").removesuffix(f": {inputs.config_path}")  # the path once
+        return Check("mapa.toml", FAIL, f"cannot read {inputs.config_path}: {why}; the hooks "
                                         "fall back for every job", f"write {inputs.config_path} (docs/admin.md section 4)")
     if problem:
         return Check("mapa.toml", FAIL, f"{problem}; the hooks refuse it and fall back for every job",

@@ -208,7 +208,8 @@ def gather(config_path: str, node: str, environ: Mapping[str, str] | None = None
     if refused[0] or refused[1]:
         got["show_config_error"] = got["show_node_error"] = f"not run: {refused[0] or refused[1]}"
     elif scontrol is None:
-        missing = f"scontrol not found ({config.scontrol} from mapa.toml is not there, and PATH has none)"
+        named = "from mapa.toml" if got.get("mapa_toml") is not None else "the default"
+        missing = f"scontrol not found ({config.scontrol}, {named}, is not there, and PATH has none)"
         got["show_config_error"] = got["show_node_error"] = missing
     else:
         env = _slurm_env(environ)
