@@ -261,3 +261,14 @@ def test_an_edit_of_mapa_toml_or_the_topology_file_applies_to_the_next_read_desp
     assert load_topology_file(str(topology)).graph.size == 2
     topology.write_text('gpus = 3\n[links]\n"0-1" = "NV1"\n')
     assert load_topology_file(str(topology)).graph.size == 3
+
+
+def test_a_features_key_error_names_the_key_its_line_and_the_closest_key():
+    """Issue 39: [features] errors named no key, line or suggestion; top-level keys got all three."""
+    from slurm_mapa.slurm.config import config_from_text
+
+    with pytest.raises(MapaError) as raised:
+        config_from_text('policy = "preserve"\n[features]\nsize = [2, 4]\n')
+    assert "unknown key 'size' in [features] (line 3: 'size = [2, 4]') (did you mean 'sizes'?) (accepted: sizes" in str(raised.value)
+    with pytest.raises(MapaError, match=r"\[features\] must be a table .*got 3"):
+        config_from_text("features = 3\n")

@@ -135,7 +135,7 @@ def test_the_fleets_best_sets_the_bar(tmp_path):
 @pytest.mark.parametrize("table,message", [
     ("sizes = []", "sizes must be"), ("sizes = [1]", "sizes must be"), ("sizes = [2, true]", "sizes must be"),
     ("sizes = [2]\nthreshold = 0", "threshold"), ("sizes = [2]\nthreshold = 1.5", "threshold"),
-    ("sizes = [2]\nfleet = \"dgx1-v100\"", "fleet"), ("sizes = [2]\nshape = \"tree\"", "takes sizes"),
+    ("sizes = [2]\nfleet = \"dgx1-v100\"", "fleet"), ("sizes = [2]\nshape = \"tree\"", r"unknown key 'shape' in \[features\] \(line 3: "),
     ("sizes = [2]\ninsensitive_jobs = \"ring\"", "insensitive_jobs must be \"none\""),
 ])
 def test_a_bad_features_table_is_refused_naming_what_is_accepted(table, message):

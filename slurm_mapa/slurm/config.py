@@ -179,6 +179,34 @@ def _line_of_key(text: str, key: str) -> str:
     return ""
 
 
+def _line_in_table(text: str, table: str, key: str) -> str:
+    """`` (line 12: 'size = [2, 4]')``: where ``key`` is set inside ``[table]`` (or as table.key)."""
+    inside = False
+    key_pattern = re.compile(r'\s*(?:' + re.escape(key) + r'|"' + re.escape(key) + r'")\s*=')
+    dotted = re.compile(r'\s*' + re.escape(table) + r'\s*\.\s*' + re.escape(key) + r'\s*=')
+    for number, line in enumerate(text.splitlines(), 1):
+        header = re.match(r"\s*\[\s*([A-Za-z0-9_\"-]+)\s*\]", line)
+        if header:
+            inside = header.group(1).strip('"') == table
+            continue
+        if (inside and key_pattern.match(line)) or (not inside and dotted.match(line)):
+            return f" (line {number}: {line.strip()[:80]!r})"
+    return ""
+
+
+def _unknown_in_table(table_value: Any, table: str, known: set[str], text: str, source: str, accepted: str) -> None:
+    """InputError for ``[table]`` when it is no table or holds a key outside ``known``: the key,
+    its line, the closest known key and what is accepted, as for the top-level keys."""
+    if not isinstance(table_value, dict):
+        raise InputError(f"{source}: [{table}] must be a table ([{table}] on a line of its own, then its keys); "
+                         f"got {toml_text(table_value)[:80]} (accepted: {accepted})")
+    unknown = sorted(set(table_value) - known)
+    if unknown:
+        names = ", ".join(repr(key) for key in unknown)
+        raise InputError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {names} in [{table}]"
+                         f"{_line_in_table(text, table, unknown[0])}{closest_key_hint(unknown, known)} (accepted: {accepted})")
+
+
 def _nul_in(value: Any, where: str = "") -> str:
     """The first key or value holding a NUL character (TOML's \\u0000: no file name can), or ""."""
     if isinstance(value, str):
@@ -282,7 +310,7 @@ def _config_from_text(text: str, source: str, validate: bool) -> HookConfig:
                 raise InputError(f"{source}: {key} must be a number in [{low:g}, {high:g}], got {toml_text(value)}")
             values[key] = float(value)
     if "features" in data:
-        values.update(_features_table(data["features"], source))
+        values.update(_features_table(data["features"], source, text))
     if "metrics" in data:
         values["metrics_listen"] = _metrics_table(data["metrics"], source)
     if "affinity" in data:
@@ -302,12 +330,11 @@ def _config_from_text(text: str, source: str, validate: bool) -> HookConfig:
     return HookConfig(**values)
 
 
-def _features_table(table: Any, source: str) -> dict[str, Any]:
+def _features_table(table: Any, source: str, text: str = "") -> dict[str, Any]:
     """``[features]``: sizes = [2, 4, 8], threshold = 0.9, fleet = ["dgx1-v100", ...]."""
     accepted = ("sizes (GPU counts 2-64), threshold (a fraction in (0, 1]), fleet (topologies of the fleet's node types), "
                 "insensitive_jobs (none or noring)")
-    if not isinstance(table, dict) or set(table) - {"sizes", "threshold", "fleet", "insensitive_jobs"}:
-        raise InputError(f"{source}: [features] takes {accepted}")
+    _unknown_in_table(table, "features", {"sizes", "threshold", "fleet", "insensitive_jobs"}, text, source, accepted)
     sizes = table.get("sizes", [])
     if not isinstance(sizes, list) or not sizes or not all(isinstance(k, int) and not isinstance(k, bool) and 2 <= k <= 64 for k in sizes):
         raise InputError(f"{source}: [features] sizes must be a list of GPU counts 2-64, e.g. [2, 4, 8]; got {toml_text(sizes)}")
