@@ -48,3 +48,24 @@ def test_every_policy_has_a_summary():
     assert set(ALL_POLICIES) <= set(POLICY_SUMMARIES)
     lines = policy_lines(list(ALL_POLICIES))
     assert len(lines) == len(ALL_POLICIES) and all(line.split()[0] in ALL_POLICIES for line in lines)
+
+
+def test_prose_folds_at_the_width_and_tables_stay_whole():
+    """Issue 39: under COLUMNS=80 the notes ran to 299 characters; a table row is never folded."""
+    from slurm_mapa.replay.run import fold_prose
+
+    note = "judged by: link-bound (" + "word " * 40 + ")"
+    row = "baseline              300 |    3.4   19.2   30.0   40.0   80.0 |" + " 40.0 |" * 12
+    folded = fold_prose("\n".join([note, row, "-" * 140]), 80).splitlines()
+    assert all(len(line) <= 80 for line in folded[:-2]) and folded[1].startswith("  ")  # the note, its continuation indented
+    assert folded[-2:] == [row, "-" * 140]
+
+
+def test_one_gpu_jobs_get_one_line_not_a_row_of_dashes_per_policy(capsys, monkeypatch):
+    from slurm_mapa.replay.cli import main
+
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["run", "--generate", "paper:60", "--topology", "dgx1-v100", "--policies", "baseline,preserve"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ones = [line for line in lines if line.startswith("  1 ")]
+    assert len(ones) == 1 and "jobs under every policy, no GPU links to judge; mean wait (s): baseline " in ones[0], ones

@@ -192,6 +192,13 @@ def by_gpus_text(results: Sequence[RunResult]) -> str:
     lines = ["by GPUs per node" + (" (* = outside the judging model's fitted range: see the 'judged by' line above)" if marked else "")
              + "; " + BY_GPUS_LEGEND, head, sub, "-" * len(head)]
     for gpus in sizes:
+        judged = [r for r in results if gpus in r.by_gpus
+                  and (r.by_gpus[gpus].eff_sensitive.count or r.by_gpus[gpus].eff_insensitive.count)]
+        if not judged:  # 1-GPU jobs: no link to judge; one line, not a row of dashes per policy
+            waits = ", ".join(f"{policy_label(r)} {_fmt(r.by_gpus[gpus].wait.mean, 1, 0).strip()}" for r in results if gpus in r.by_gpus)
+            jobs = max(r.by_gpus[gpus].jobs for r in results if gpus in r.by_gpus)
+            lines.append(f"{gpus:>3}  {jobs} jobs under every policy, no GPU links to judge; mean wait (s): {waits}")
+            continue
         for r in results:
             size = r.by_gpus.get(gpus)
             if size is None:

@@ -349,7 +349,24 @@ def _emit(args, out: dict, text_parts: list[str]) -> None:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print("\n\n".join(p for p in text_parts if p))
+        width = shutil.get_terminal_size((100, 24)).columns
+        print("\n\n".join(fold_prose(p, width) for p in text_parts if p))
+
+
+def fold_prose(text: str, width: int) -> str:
+    """``text`` with its prose lines folded at ``width`` (continuations indented two spaces); table
+    rows (they hold ' | ') and rules are left whole."""
+    import textwrap
+
+    lines = []
+    for line in text.splitlines():
+        if len(line) <= width or " | " in line or line.startswith("---"):
+            lines.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip(" ")))
+        lines += textwrap.wrap(line, width=max(width, 40), subsequent_indent=indent + "  ", break_on_hyphens=False,
+                               break_long_words=False) or [line]
+    return "\n".join(lines)
 
 
 def _plots(args, label: str, results: list[RunResult], out: dict, notes: list[str]) -> None:
