@@ -313,7 +313,12 @@ def test_the_replay_table_marks_runs_with_figures_outside_the_fitted_range():
     assert "preserve (MAPA)" in rows and "preserve (MAPA)*" in rows and "greedy*" in rows
     footnotes = [line for line in text.splitlines() if line.startswith("* ")]
     assert footnotes == ["* effective bandwidths outside the judging model's fitted range: "
-                         "preserve: 1 EXTRAPOLATED by the model; greedy: 1 from the link-bound model instead"]
+                         "1 EXTRAPOLATED by the model: preserve; 1 from the link-bound model instead: greedy"]
+    # Issue 39: one phrase per count, not the same phrase once per policy.
+    again = simulate(whole, nodes, "baseline", Options(judge=judge))
+    footnotes = [line for line in report.table([grounded, again]).splitlines() if line.startswith("* ")]
+    assert footnotes == ["* effective bandwidths outside the judging model's fitted range: "
+                         "1 from the link-bound model instead: every policy"]
     assert "*" not in report.table([plain])
     # The default judge, the link-bound model, has no fitted range: nothing is marked.
     assert "*" not in report.table([simulate(whole, nodes, "greedy"), simulate(whole, nodes, "preserve", decider=Decider())])

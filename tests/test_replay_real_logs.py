@@ -61,6 +61,7 @@ def test_sensitive_share_is_deterministic_and_counted(capsys, nodeless_log):
     assert read["directive_sources"] == {"default": read["jobs"]}
     multi = sum(1 for line in nodeless_log.read_text().splitlines()[1:] if "gres/gpu=1," not in line)
     assert 0 < read["assumed_sensitive"] < multi
+    assert read["share_candidates"] == multi  # issue 39: the denominator is said too
     assert main([*argv, "--sensitive-share", "0.5", "--json"]) == 0
     assert _json(capsys)["read"]["assumed_sensitive"] == read["assumed_sensitive"]  # the same jobs every run
     sensitive = first["policies"][0]["effective_bw_sensitive"]["n"]
@@ -68,6 +69,7 @@ def test_sensitive_share_is_deterministic_and_counted(capsys, nodeless_log):
     assert main([*argv, "--sensitive-share", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "assumption (--sensitive-share 0.5)" in out and f"{read['jobs']} site default" in out
+    assert f"{read['assumed_sensitive']} of the {multi} jobs with 2+" in " ".join(out.split())
     assert main([*argv, "--sensitive-share", "1.5"]) == 2
     assert "--sensitive-share must be a fraction from 0 to 1" in capsys.readouterr().err
 

@@ -42,6 +42,7 @@ class ReadStats:
     examples: dict = field(default_factory=dict)  # reason -> first line number it happened on
     sources: Counter = field(default_factory=Counter)  # where each job's directive came from: directive, rule, default, ...
     assumed_sensitive: int = 0  # jobs without a directive taken as sensitive by --sensitive-share
+    share_candidates: int = 0  # the jobs --sensitive-share picks among (2+ GPUs on a node, no directive or rule)
     notes: Counter = field(default_factory=Counter)  # what a reader assumed, with counts (e.g. fractional GPUs rounded up)
 
     def bad(self, reason: str, line: int | str) -> None:
@@ -60,6 +61,7 @@ class ReadStats:
             "jobs": self.jobs,
             "directive_sources": dict(self.sources),
             "assumed_sensitive": self.assumed_sensitive,
+            "share_candidates": self.share_candidates,
             "reader_notes": dict(self.notes),
             "skipped": dict(self.skipped),
             "malformed": {reason: {"count": n, "first": self.examples.get(reason)} for reason, n in self.malformed.items()},

@@ -138,8 +138,14 @@ def table(results: Sequence[RunResult]) -> str:
             + f" | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
             + f"{_fmt(r.wait.mean, 9)} {_fmt(r.wait.quantile(0.95), 8)} | {_fmt(r.makespan, 9, 0)} {_fmt(r.throughput_per_hour, 8)}"
         )
-    notes = [f"{r.label}: {outside_text(r)}" for r in results if _outside_mark(r)]
-    if notes:
+    # One phrase per distinct count, with the policies that have it (not the same phrase per policy).
+    grouped: dict[str, list[str]] = {}
+    for r in results:
+        if _outside_mark(r):
+            grouped.setdefault(outside_text(r), []).append(r.label)
+    if grouped:
+        every = len(results) > 1 and sum(map(len, grouped.values())) == len(results) and len(grouped) == 1
+        notes = [f"{text}: {'every policy' if every else ', '.join(labels)}" for text, labels in grouped.items()]
         lines.append("* effective bandwidths outside the judging model's fitted range: " + "; ".join(notes))
     lines.append(TABLE_LEGEND)
     return "\n".join(lines)

@@ -332,8 +332,9 @@ def _directive_lines(stats: ReadStats, share: float | None) -> list[str]:
     lines = ["directives: " + ", ".join(f"{counts[k]} {names.get(k, k)}" for k in names if counts.get(k))]
     if share is not None:
         lines.append(
-            f"assumption (--sensitive-share {share:g}): {stats.assumed_sensitive} of the jobs with 2+ GPUs on a node and no "
-            "directive or rule are taken as bandwidth-sensitive, picked by a hash of the job id (the same jobs for every policy)"
+            f"assumption (--sensitive-share {share:g}): {stats.assumed_sensitive} of the {stats.share_candidates} jobs with 2+ "
+            "GPUs on a node and no directive or rule are taken as bandwidth-sensitive, picked by a hash of the job id (the "
+            "same jobs for every policy)"
         )
     return lines
 

@@ -74,9 +74,11 @@ class Source:
         stats = stats if stats is not None else ReadStats()
         for job in self._read(stats):
             stats.sources[job.source] += 1
-            if self.share and job.source == "default" and job.gpus >= 2 and not job.sensitive and _share_pick(job.id, self.share):
-                job.sensitive = True
-                stats.assumed_sensitive += 1
+            if self.share and job.source == "default" and job.gpus >= 2 and not job.sensitive:
+                stats.share_candidates += 1
+                if _share_pick(job.id, self.share):
+                    job.sensitive = True
+                    stats.assumed_sensitive += 1
             yield job
 
     def _read(self, stats: ReadStats) -> Iterator[Job]:
