@@ -69,3 +69,10 @@ def test_one_gpu_jobs_get_one_line_not_a_row_of_dashes_per_policy(capsys, monkey
     lines = capsys.readouterr().out.splitlines()
     ones = [line for line in lines if line.startswith("  1 ")]
     assert len(ones) == 1 and "jobs under every policy, no GPU links to judge; mean wait (s): baseline " in ones[0], ones
+
+
+def test_long_waits_keep_the_columns_in_hours_or_days():
+    from slurm_mapa.replay.report import _duration
+
+    assert _duration(99999.0, 9) == "  99999.0" and _duration(100000.0, 9) == "    27.8h" and _duration(3600.0 * 2400, 9) == "   100.0d"
+    assert _duration(None, 9) == "        -" and len(_duration(1e8, 9)) == 9  # three years

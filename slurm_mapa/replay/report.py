@@ -88,6 +88,15 @@ def table3(results: Sequence[RunResult], baseline: str = "baseline") -> list[dic
     return rows
 
 
+def _duration(value, width: int, digits: int = 1) -> str:
+    """Seconds in a column of ``width``: as seconds up to 99,999 s, beyond that in hours (``27.8h``)
+    or days (``41.2d``), so that a trace's long waits keep the columns aligned."""
+    if value is None or value < 100000:
+        return _fmt(value, width, digits)
+    hours = value / 3600
+    return (f"{hours:.1f}h" if hours < 1000 else f"{hours / 24:.1f}d").rjust(width)
+
+
 def _fmt(value, width: int, digits: int = 1) -> str:
     if value is None:
         return "-".rjust(width)
@@ -107,7 +116,8 @@ columns: 'preserve (MAPA)' is MAPA's policy (the paper's Preserve); the others a
   policy that ranks with it scores well there by construction).
   preserved: the link bandwidth (GB/s) among the GPUs left free, averaged over time (what the next sensitive
   job can still get); frag: 1 - preserved / the most any free set of that size could keep, averaged (0 = none).
-  wait: seconds from submit to start (mean, and p95: 95th percentile); makespan: first submit to last end."""
+  wait: seconds from submit to start (mean, and p95: 95th percentile); makespan: first submit to last end; from
+  100,000 s on these are in hours (h) or days (d)."""
 
 BY_GPUS_LEGEND = ("n: the sensitive jobs of that size; p10, med, p90: 10th percentile, median, 90th percentile of "
                   "their effective bandwidth by the judging model (and of the insensitive jobs'); ranked: their median "
@@ -136,7 +146,8 @@ def table(results: Sequence[RunResult]) -> str:
             + " ".join(_fmt(f[k], 6) for k in ("min", "p25", "median", "p75", "max"))
             + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_fmt(r.ranked_sensitive.quantile(0.5), 7)}"
             + f" | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
-            + f"{_fmt(r.wait.mean, 9)} {_fmt(r.wait.quantile(0.95), 8)} | {_fmt(r.makespan, 9, 0)} {_fmt(r.throughput_per_hour, 8)}"
+            + f"{_duration(r.wait.mean, 9)} {_duration(r.wait.quantile(0.95), 8)} | {_duration(r.makespan, 9, 0)} "
+            + _fmt(r.throughput_per_hour, 8)
         )
     # One phrase per distinct count, with the policies that have it (not the same phrase per policy).
     grouped: dict[str, list[str]] = {}
@@ -216,7 +227,7 @@ def by_gpus_text(results: Sequence[RunResult]) -> str:
                 + " ".join(_fmt(s.quantile(q), 6) for q in (0.1, 0.5, 0.9))
                 + f" | {_fmt(size.ranked_sensitive.quantile(0.5), 6)} {_fast_share(size)}"
                 + " | " + " ".join(_fmt(i.quantile(q), 6) for q in (0.1, 0.5, 0.9))
-                + f" | {_fmt(size.wait.mean, 9)}"
+                + f" | {_duration(size.wait.mean, 9)}"
             )
     return "\n".join(lines)
 
