@@ -149,6 +149,23 @@ def test_plots(capsys, tmp_path):
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["by-size.png", "effbw-insensitive.png", "effbw-sensitive.png", "runtime-sensitive.png"]
     assert all((tmp_path / name).stat().st_size > 5000 for name in written)
+    # Issue 39: without a time model no run-time plot (every policy's jobs run as recorded); a path
+    # as the input is named by its file name in the titles.
+    plain = tmp_path / "plain"
+    log = tmp_path / "deep" / "dir" / "jobs.txt"
+    log.parent.mkdir(parents=True)
+    log.write_text((DATA / "mixed-p.txt").read_text())
+    assert main(["run", str(log), "--topology", "dgx1-v100", "--policies", "baseline,preserve", "--plot", str(plain)]) == 0
+    assert sorted(p.name for p in plain.iterdir()) == ["by-size.png", "effbw-insensitive.png", "effbw-sensitive.png"]
+    from slurm_mapa.replay.plots import short_label
+
+    assert short_label(str(log)) == "jobs.txt" and len(short_label("x" * 200)) == 60
+
+
+def test_the_demo_writes_the_sacct_logs_plots_beside_the_workloads(capsys, tmp_path):
+    assert main(["demo", "--policies", "baseline,preserve", "--plot", str(tmp_path)]) == 0
+    assert "runtime-sensitive.png" in {p.name for p in tmp_path.iterdir()}  # the paper workload has a time model
+    assert sorted(p.name for p in (tmp_path / "sacct").iterdir()) == ["by-size.png", "effbw-insensitive.png", "effbw-sensitive.png"]
 
 
 def test_the_by_size_table_shows_medians_marks_the_best_policy_and_names_mapa(tmp_path, monkeypatch):

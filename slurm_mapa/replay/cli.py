@@ -98,7 +98,8 @@ def cmd_demo(args) -> int:
         sacct = _data_text(DEMO_INPUTS[1])
         args.time_model = None
         args.topology = None
-        args.plot = None
+        if args.plot:  # the sacct log's plots beside the paper workload's, not over them
+            args.plot = os.path.join(args.plot, "sacct")
         if sink:
             sink.input = DEMO_INPUTS[1]
         if not args.json:

@@ -126,11 +126,22 @@ def by_size_png(path: str, results: Sequence[RunResult], title: str = "") -> Non
     plt.close(fig)
 
 
-def write_plots(directory: str, label: str, results: Sequence[RunResult]) -> list[str]:
-    """Every plot of one replay into ``directory``; the paths written."""
+def short_label(label: str, longest: int = 60) -> str:
+    """An input's label for a title: a file path by its name, and at most ``longest`` characters."""
+    import os
+
+    if os.sep in label and os.path.exists(label):
+        label = os.path.basename(label)
+    return label if len(label) <= longest else label[:longest - 3] + "..."
+
+
+def write_plots(directory: str, label: str, results: Sequence[RunResult], time_model: bool = True) -> list[str]:
+    """Every plot of one replay into ``directory``; the paths written. The run-time plot only with
+    a time model: without one every policy's jobs run as recorded, and it would answer nothing."""
     import os
 
     os.makedirs(directory, exist_ok=True)
+    label = short_label(label)
     files = []
     for what, question in (("sensitive", "How fast are the GPU sets the sensitive jobs got?"),
                            ("insensitive", "How fast are the GPU sets the insensitive jobs got?")):
@@ -140,7 +151,7 @@ def write_plots(directory: str, label: str, results: Sequence[RunResult]) -> lis
     path = os.path.join(directory, "by-size.png")
     by_size_png(path, results, title=f"Which policy gives a sensitive job of k GPUs the fastest set? {label}")
     files.append(path)
-    if any(r.runtime_sensitive.count for r in results):
+    if time_model and any(r.runtime_sensitive.count for r in results):
         path = os.path.join(directory, "runtime-sensitive.png")
         boxplot_png(path, [(label, results)], what="runtime", title="How long did the sensitive jobs run?")
         files.append(path)

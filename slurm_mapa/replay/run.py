@@ -376,6 +376,6 @@ def _plots(args, label: str, results: list[RunResult], out: dict, notes: list[st
     if not have_matplotlib():
         notes.append(f"plots skipped: matplotlib is not installed ({install_hint('plot')})")
         return
-    files = write_plots(args.plot, label, results)
+    files = write_plots(args.plot, label, results, time_model=getattr(args, "time_model", None) is not None)
     out["plots"] = files
     notes.append("plots written: " + ", ".join(files))
