@@ -133,7 +133,10 @@ def test_config_file(capsys, tmp_path):
     assert main(["run", str(DATA / "mixed-p.txt"), "--config", str(cfg), "--policies", "preserve"]) == 0
     cfg.write_text("[nodez]\n")
     assert main(["run", str(DATA / "mixed-p.txt"), "--config", str(cfg)]) == 2
-    assert "unknown section" in capsys.readouterr().err
+    assert "unknown section 'nodez'" in capsys.readouterr().err
+    cfg.write_text('polcy = "x"\n[clustr]\n')  # issue 39: a key is called a key, a table a section
+    assert main(["run", str(DATA / "mixed-p.txt"), "--config", str(cfg)]) == 2
+    assert "unknown keys or sections 'clustr', 'polcy'" in capsys.readouterr().err
 
 
 def test_policies_listing(capsys):

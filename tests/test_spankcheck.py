@@ -393,3 +393,17 @@ def test_mapa_agent_logs_the_problem_once_at_start(plugin, tmp_path):
         raise RuntimeError("a check that informs must not stop the agent")
 
     log_spank_plugin_problems(str(config), {"SLURM_CONF": str(slurm_conf)}, broken)  # does not raise
+
+
+def test_building_against_an_untested_release_says_so(tmp_path):
+    """Issue 39: the plugin built against Slurm 22.05 headers (this machine's) without a word."""
+    from slurm_mapa import TESTED_SLURM_RELEASES
+    from slurm_mapa.slurm.admin.install import spank_build_report
+
+    headers = _headers_version()
+    plugin = tmp_path / "p.so"
+    built = subprocess.run(spank_build_argv("cc", SPANK_SOURCE, plugin), capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    lines = spank_build_report(plugin.read_bytes(), plugin, None)
+    noted = [line for line in lines if line.startswith("note: slurm-mapa is tested with Slurm")]
+    assert bool(noted) == (version_text(headers)[:5] not in TESTED_SLURM_RELEASES), lines

@@ -58,6 +58,14 @@ class Config:
     source_dir: str | None = None  # the config file's folder: a relative `model` path is looked up there too
 
 
+def _unknown_words(data: dict, unknown: list[str]) -> str:
+    """"unknown key 'polcy'", "unknown section 'clustr'" (a table), or both kinds, as TOML has them."""
+    tables = [name for name in unknown if isinstance(data[name], dict)]
+    kind = ("section" if len(tables) == len(unknown) else "key" if not tables else "key or section")
+    plural = {"section": "sections", "key": "keys", "key or section": "keys or sections"}[kind] if len(unknown) > 1 else kind
+    return f"unknown {plural} {', '.join(repr(name) for name in unknown)}"
+
+
 def parse_config(text: str, source: str = "config") -> Config:
     try:
         data = tomllib.loads(text)
@@ -67,7 +75,7 @@ def parse_config(text: str, source: str = "config") -> Config:
 
     unknown = sorted(set(data) - set(_SECTIONS) - HOOK_KEYS)
     if unknown:
-        raise InputError(f"{source}: unknown section(s) {', '.join(unknown)}{_line_of_key(text, unknown[0])}"
+        raise InputError(f"{source}: {_unknown_words(data, unknown)}{_line_of_key(text, unknown[0])}"
                          f"{closest_key_hint(unknown, set(_SECTIONS) | HOOK_KEYS)} "
                          f"(accepted: {', '.join(_SECTIONS)}, model, and the hooks' keys: "
                          f"{', '.join(sorted(HOOK_KEYS - set(_SECTIONS) - {'model'}))})")
@@ -102,7 +110,7 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
 
     unknown = set(data) - set(_SECTIONS) - HOOK_KEYS
     if unknown:
-        raise InputError(f"{source}: unknown section(s) {', '.join(sorted(unknown))} "
+        raise InputError(f"{source}: {_unknown_words(data, sorted(unknown))} "
                          f"(accepted: {', '.join(_SECTIONS)}, model, and the hooks' keys: "
                          f"{', '.join(sorted(HOOK_KEYS - set(_SECTIONS) - {'model'}))})")
     config = Config()

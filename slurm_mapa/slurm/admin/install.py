@@ -357,6 +357,12 @@ def spank_build_report(plugin: bytes, target: Path, running_text: str | None) ->
     if built is None:
         return [f"WARNING: {target} has no plugin_version symbol: Slurm will not load it"]
     lines = [f"built for Slurm {spank_plugin.release_text(built)} (SLURM_VERSION_NUMBER {built:#08x} of the installed headers)"]
+    from ... import TESTED_SLURM_RELEASES
+
+    if spank_plugin.release_text(built) not in TESTED_SLURM_RELEASES:
+        lines.append(f"note: slurm-mapa is tested with Slurm {' and '.join(TESTED_SLURM_RELEASES)}, not "
+                     f"{spank_plugin.release_text(built)}: the plugin builds against these headers, but its behaviour on "
+                     "that release is untested")
     running = spank_plugin.parse_slurm_version(running_text) if running_text else None
     if running is None:
         lines.append(f"no slurmd, scontrol or sinfo answered -V: check that this node runs Slurm {spank_plugin.release_text(built)}, "
