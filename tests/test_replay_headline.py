@@ -76,3 +76,19 @@ def test_long_waits_keep_the_columns_in_hours_or_days():
 
     assert _duration(99999.0, 9) == "  99999.0" and _duration(100000.0, 9) == "    27.8h" and _duration(3600.0 * 2400, 9) == "   100.0d"
     assert _duration(None, 9) == "        -" and len(_duration(1e8, 9)) == 9  # three years
+
+
+def test_mapa_is_named_alike_in_every_table_and_the_audit_says_why_peers_can_score_above_it():
+    """Issue 39: 'preserve (MAPA)' in two tables, 'preserve' in the two others, and the audit's
+    peers beating MAPA's own records unexplained."""
+    from slurm_mapa.replay.report import audit_text, table3_text
+
+    rows = [{"policy": "baseline", "min": 1.0, "p25": 1.0, "median": 1.0, "p75": 1.0, "max": 1.0, "throughput": 1.0},
+            {"policy": "preserve", "min": 1.0, "p25": 1.2, "median": 1.1, "p75": 1.1, "max": 1.0, "throughput": 1.3}]
+    assert any(line.startswith("preserve (MAPA) ") for line in table3_text(rows).splitlines())
+    audit = {"compared": 3, "skipped": 0, "policies": {
+        "preserve": {"same_set": 3, "as_good": 3, "recorded_mean_bw": 40.0, "policy_mean_bw": 40.0},
+        "greedy": {"same_set": 1, "as_good": 1, "recorded_mean_bw": 40.0, "policy_mean_bw": 44.0}}}
+    text = audit_text(audit)
+    assert any(line.startswith("preserve (MAPA) ") for line in text.splitlines())
+    assert "keep the best links free, not the fastest ones" in text

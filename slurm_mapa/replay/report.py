@@ -243,7 +243,7 @@ def table3_text(rows: list[dict]) -> str:
     lines = [f"{'policy':<18} {'MIN':>6} {'25th':>6} {'50th':>6} {'75th':>6} {'MAX':>6} {'Tput':>6}", "-" * 60]
     for row in rows:
         lines.append(
-            f"{row['policy'] + ('/' + row['node_choice'] if row.get('node_choice') else ''):<18} "
+            f"{row['policy'] + (' (MAPA)' if row['policy'] == MAPA_POLICY else '') + ('/' + row['node_choice'] if row.get('node_choice') else ''):<18} "
             + " ".join(_fmt(row[k], 6, 3) for k in ("min", "p25", "median", "p75", "max"))
             + f" {_fmt(row['throughput'], 6, 2)}"
         )
@@ -284,11 +284,21 @@ def audit_text(audit: dict) -> str:
         lines.append(line)
     lines.append(f"{'policy':<18} {'same GPUs':>9} {'as good':>8} {'mean eff. BW (recorded vs policy)':>34}")
     for name, row in audit["policies"].items():
+        label = f"{name} (MAPA)" if name == MAPA_POLICY else name
         lines.append(
-            f"{name:<18} {row['same_set']:>9} {row['as_good']:>8} "
+            f"{label:<18} {row['same_set']:>9} {row['as_good']:>8} "
             f"{_fmt(row['recorded_mean_bw'], 16)} vs {_fmt(row['policy_mean_bw'], 14)}"
         )
+    lines.append(AUDIT_LEGEND)
     return "\n".join(lines)
+
+
+AUDIT_LEGEND = (
+    "same GPUs: jobs for which the policy, in the recorded state, picks the GPUs the Prolog recorded; as good: equal on "
+    "the job's Preserve objective (the predicted effective bandwidth of a sensitive job, the preserved bandwidth of the "
+    "others). mean eff. BW: the ranking model's effective bandwidth of the recorded sets vs the policy's, over every "
+    "compared job. A policy that maximizes bandwidth for every job (greedy, the peers) can score above MAPA's records "
+    "there: MAPA gives the insensitive jobs the GPUs that keep the best links free, not the fastest ones.")
 
 
 def records_csv(records: Iterable[Record]) -> Iterable[str]:
