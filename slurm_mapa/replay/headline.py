@@ -88,6 +88,10 @@ def headline(document: Mapping, what: str, width: int = 100) -> list[str]:
                else f"their predicted effective bandwidth by the {judge} model")
     lines.append(f"  the {mine['n']} bandwidth-sensitive jobs of 2+ GPUs, {measure}:")
     lines.append(compare("median", "median"))
+    best_median = max(row["effective_bw_sensitive"]["median"] or 0.0 for row in others.values())
+    if mine["median"] is not None and mine["median"] == best_median:
+        lines.append("      (a tie on the median: on a node with enough free GPUs every topology-aware policy finds a "
+                     "best set; the policies part where nodes are fragmented, in the lines below)")
     lines.append(compare("p10", "worst tenth (p10)"))
     share = _share(ours)
     shares = sorted((value, name) for name, row in others.items() if (value := _share(row)) is not None)
