@@ -40,19 +40,8 @@ EMPTY_HOOK = "/usr/local/sbin/bench-empty-hook"
 HOOK_LINE = re.compile(r"^(Prolog|Epilog|TaskProlog)=", re.M)
 AGENT = "^/usr/bin/python3 .*slurm_mapa.slurm.agent.service import main"
 
-# The agent is the match whose parent is no match (a child forked for a Slurm command shows the
-# agent's command line until it execs); its parent, the entrypoint's restart loop, is stopped with
-# SIGSTOP so that it does not start the agent again. Prints the loop's pid.
-STOP_AGENT = r"""found=$(pgrep -f "$1") || { echo "no mapa-agent runs" >&2; exit 1; }
-agent=""
-for pid in $found; do
-    parent=$(cut -d' ' -f4 "/proc/$pid/stat" 2>/dev/null) || continue
-    echo "$found" | grep -qx "$parent" || agent="$agent${agent:+ }$pid"
-done
-case "$agent" in ""|*[!0-9]*) echo "not one mapa-agent: '$agent'" >&2; exit 1 ;; esac
-loop=$(cut -d' ' -f4 "/proc/$agent/stat")
-kill -STOP "$loop" && kill -TERM "$agent" && echo "$loop"
-"""
+# Stops the agent and its restart loop (SIGSTOP); prints the loop's pid (scripts/mini-cluster-stop-agent).
+STOP_AGENT = ["sh", "/opt/slurm-mapa/scripts/mini-cluster-stop-agent"]
 
 
 def container(name: str) -> str:
@@ -121,7 +110,7 @@ def set_agents(running: bool, loops: dict[str, str]) -> None:
             if node in loops:
                 docker(node, "kill", "-CONT", loops.pop(node))
             continue
-        proc = docker(node, "sh", "-c", STOP_AGENT, "sh", AGENT, check=False)
+        proc = docker(node, *STOP_AGENT, AGENT, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"could not stop mapa-agent on {node}: {proc.stderr.strip()}")
         loops[node] = proc.stdout.strip()

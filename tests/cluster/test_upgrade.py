@@ -185,23 +185,9 @@ mv -f /etc/slurm/plugstack.conf.new /etc/slurm/plugstack.conf
 """
 RESTORE = (f"rm -f /etc/slurm/slurm.conf.new /etc/slurm/plugstack.conf.new && "
            f"ln -sfn {SHIPPED}/slurm.conf /etc/slurm/slurm.conf && ln -sfn {SHIPPED}/plugstack.conf /etc/slurm/plugstack.conf")
-# "systemctl stop mapa-agent" for the entrypoint's restart loop: the loop (the agent's parent) is
-# stopped with SIGSTOP so that it does not start the agent again, then the agent gets SIGTERM;
-# prints the loop's pid. SIGCONT to the loop starts the agent again (after its 1 s pause). A child
-# the agent has forked for a Slurm command shows the agent's command line until it execs (CI once
-# saw two pids): the agent is the match whose parent is no match.
-STOP_AGENT = r"""found=$(pgrep -f "$1") || { echo "no mapa-agent runs" >&2; exit 1; }
-agent=""
-for pid in $found; do
-    parent=$(cut -d' ' -f4 "/proc/$pid/stat" 2>/dev/null) || continue
-    echo "$found" | grep -qx "$parent" || agent="$agent${agent:+ }$pid"
-done
-case "$agent" in ""|*[!0-9]*) echo "not one mapa-agent: '$agent' (matches: $found)" >&2; exit 1 ;; esac
-loop=$(cut -d' ' -f4 "/proc/$agent/stat")
-[ "$loop" -gt 1 ] || { echo "mapa-agent $agent has parent $loop" >&2; exit 1; }
-echo "$loop"
-kill -STOP "$loop" && kill -TERM "$agent"
-"""
+# "systemctl stop mapa-agent" for the entrypoint's restart loop (scripts/mini-cluster-stop-agent, in the
+# node through the mounted source): prints the loop's pid; SIGCONT to it starts the agent again.
+STOP_AGENT = ["sh", "/opt/slurm-mapa/scripts/mini-cluster-stop-agent"]
 MAPA_HOOKS = {"Prolog": [f"{HOOK_DIR}/mapa-prolog-wrapper"], "Epilog": [f"{HOOK_DIR}/mapa-epilog-wrapper"],
               "TaskProlog": [f"{HOOK_DIR}/mapa-taskprolog"]}
 NO_HOOKS = {"Prolog": [], "Epilog": [], "TaskProlog": []}
@@ -292,7 +278,7 @@ def _reconfigure(cluster, hooks: dict[str, list[str]], timeout: float = 90) -> N
 def _stop_agents(cluster, loops: dict[str, str]) -> None:
     for node in cluster.nodes:
         _ensure_agent(cluster, node)
-        proc = cluster.exec(node, ["sh", "-c", STOP_AGENT, "sh", AGENT_PROCESS], check=False)
+        proc = cluster.exec(node, [*STOP_AGENT, AGENT_PROCESS], check=False)
         if proc.stdout.strip().isdigit():
             loops[node] = proc.stdout.strip()  # from here on, the loop is to be continued
         if proc.returncode != 0:

@@ -723,8 +723,8 @@ local function _guarded(what, check, ...)
 end
 
 -- GPUs per node of a --gres=gpu[:type]:N or --gpus-per-node=N request (tres_per_node), else nil.
-local function _gpus_per_node(job_desc)
-    local tres = _string_field(job_desc, "tres_per_node")
+-- The GPU count of a TRES list ("gres/gpu:4", "gres/shard:1,gres/gpu:v100:4"), else nil.
+local function _gpus_in_tres(tres)
     if not tres or #tres > 4096 then
         return nil
     end
@@ -735,6 +735,10 @@ local function _gpus_per_node(job_desc)
         end
     end
     return nil
+end
+
+local function _gpus_per_node(job_desc)
+    return _gpus_in_tres(_string_field(job_desc, "tres_per_node"))
 end
 
 -- A constraint the preference can be merged with: feature names joined by '&', else nil.
@@ -818,19 +822,10 @@ end
 -- (tres_per_node), or --gpus=N on one node (-N 1), else nil.
 local function _job_gpus_per_node(job_desc)
     local k = _gpus_per_node(job_desc)
-    if k then
-        return k
+    if k == nil and job_desc.max_nodes == 1 then
+        k = _gpus_in_tres(_string_field(job_desc, "tres_per_job"))
     end
-    local per_job = _string_field(job_desc, "tres_per_job")
-    if per_job and #per_job <= 4096 and job_desc.max_nodes == 1 then
-        for item in string.gmatch(per_job, "[^,]+") do
-            local count = string.match(item, "^gres/gpu:(%d+)$") or string.match(item, "^gres/gpu:[%w_%.%-]+:(%d+)$")
-            if count then
-                return tonumber(count)
-            end
-        end
-    end
-    return nil
+    return k
 end
 
 -- A directive whose GPU count cannot be the job's is refused here, not left to fall back at the
