@@ -88,8 +88,9 @@ def main() -> None:
                 for request, free in todo:
                     started = time.monotonic()
                     limit = SearchLimit(seconds=PROLOG_LIMIT_S, clock=time.monotonic, until=started + PROLOG_LIMIT_S)
-                    signal.setitimer(signal.ITIMER_REAL, args.cap)
                     try:
+                        # Armed inside the try: under load the timer may fire before the next line runs.
+                        signal.setitimer(signal.ITIMER_REAL, args.cap)
                         result = select(policy, graph, free, request, model, limit=limit)
                         took = time.monotonic() - started
                         others += warm and getattr(result, "policy", policy) != policy

@@ -415,4 +415,5 @@ def test_a_missing_compiler_is_named_with_what_to_install(tmp_path, capsys) -> N
     os.chmod(target, 0o755)
     assert mapa_main(["spank-plugin", str(target / "spank_mapa_isolate.so"), "--cc", "no-such-cc"]) == 2
     err = capsys.readouterr().err
-    assert "no compiler 'no-such-cc' on this node's PATH" in err and "libslurm-dev" in err and "Errno" not in err, err
+    assert "cannot run the compiler 'no-such-cc': it is not on this node's PATH" in err and "libslurm-dev" in err, err
+    assert "Errno" not in err

@@ -394,7 +394,8 @@ def cmd_spank_plugin(args: argparse.Namespace) -> int:
         try:
             done = subprocess.run(spank_build_argv(args.cc, SPANK_SOURCE, built), capture_output=True, text=True, timeout=120)
         except FileNotFoundError:
-            raise InputError(f"no compiler {args.cc!r} on this node's PATH; accepted: --cc naming an installed C compiler "
+            where = "there is no such file" if "/" in args.cc else "it is not on this node's PATH"
+            raise InputError(f"cannot run the compiler {args.cc!r}: {where}; accepted: --cc naming an installed C compiler "
                              "(Debian: apt install gcc libslurm-dev; RHEL: dnf install gcc slurm-devel)") from None
         except (OSError, subprocess.TimeoutExpired) as error:
             reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
