@@ -379,7 +379,8 @@ def test_the_installed_replay_runs_on_its_bundled_data(installed):
     done = installed.run("mapa-replay")
     assert done.returncode == 0, done.stderr
     assert "bundled paper workload (300 jobs" in done.stdout and "bundled sacct log (sample-sacct.txt)" in done.stdout
-    assert re.search(r"^preserve\s+\d+", done.stdout, re.M)
+    assert re.search(r"^preserve \(MAPA\)\s+\d+", done.stdout, re.M)  # a table row of MAPA's policy
+    assert done.stdout.startswith("What MAPA gained, bundled paper workload")
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or not Path("/usr/include/slurm/spank.h").exists(),
