@@ -53,20 +53,26 @@ def _named(values: list[tuple[float, str]], value: float) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{', '.join(names[:2])} and {len(names) - 2} more"
 
 
-def _wrapped(lines: list[str], width: int) -> list[str]:
-    """Each line folded at ``width``, its continuation indented under its text."""
+def fold_prose(text: str, width: int) -> str:
+    """``text`` with its prose lines folded at ``width`` (continuations indented two spaces); table
+    rows (they hold ' | ') and rules are left whole."""
     import textwrap
 
-    out: list[str] = []
-    for line in lines:
+    lines = []
+    for line in text.splitlines():
+        if len(line) <= width or " | " in line or line.startswith("---"):
+            lines.append(line)
+            continue
         indent = " " * (len(line) - len(line.lstrip(" ")))
-        out += textwrap.wrap(line, width=max(width, 40), subsequent_indent=indent + "  ", break_on_hyphens=False) or [""]
-    return out
+        lines += textwrap.wrap(line, width=max(width, 40), subsequent_indent=indent + "  ", break_on_hyphens=False,
+                               break_long_words=False) or [line]
+    return "\n".join(lines)
 
 
-def headline(document: Mapping, what: str, width: int = 100) -> list[str]:
-    """The replay's first lines, folded at ``width``, or none when MAPA's policy or the others
-    were not replayed, or no bandwidth-sensitive job of 2+ GPUs was in the input."""
+def headline(document: Mapping, what: str, width: int | None = None) -> list[str]:
+    """The replay's first lines (folded at ``width`` when given: the text report folds them with
+    the rest, the JSON keeps them whole), or none when MAPA's policy or the others were not
+    replayed, or no bandwidth-sensitive job of 2+ GPUs was in the input."""
     rows = _rows(document)
     ours = rows.get(OURS)
     others = {name: row for name, row in rows.items() if name != OURS and row["effective_bw_sensitive"]["n"]}
@@ -111,7 +117,7 @@ def headline(document: Mapping, what: str, width: int = 100) -> list[str]:
     else:
         assumed.append("run times as recorded (no time model: waits do not depend on the GPUs chosen)")
     lines.append("  assuming: " + "; ".join(assumed) + ".")
-    return _wrapped(lines, width)
+    return lines if width is None else fold_prose("\n".join(lines), width).splitlines()
 
 
 def policy_lines(names: Sequence[str]) -> list[str]:

@@ -24,7 +24,7 @@ from . import report
 from .audit import audit
 from .cluster_spec import _build_nodes, _model, _models_used
 from .config import Config
-from .headline import headline
+from .headline import fold_prose, headline
 from .jobs import ReadStats
 from .plots import have_matplotlib, write_plots
 from .results import RunResult
@@ -206,8 +206,8 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
         parts.append(f"note: {source.stats.malformed_total} malformed record(s) were skipped (see 'read' above)")
     if source.stats.notes:
         parts.append("reader assumptions: " + "; ".join(f"{n} x {what}" for what, n in sorted(source.stats.notes.items())))
-    # First, where a reader starts: what MAPA gained, and under which assumptions (at the terminal's width).
-    story = headline(out, label, shutil.get_terminal_size((100, 24)).columns)
+    # First, where a reader starts: what MAPA gained, and under which assumptions (folded by _emit).
+    story = headline(out, label)
     if story:
         out["headline"] = story
         parts.insert(0, "\n".join(story))
@@ -353,21 +353,6 @@ def _emit(args, out: dict, text_parts: list[str]) -> None:
         width = shutil.get_terminal_size((100, 24)).columns
         print("\n\n".join(fold_prose(p, width) for p in text_parts if p))
 
-
-def fold_prose(text: str, width: int) -> str:
-    """``text`` with its prose lines folded at ``width`` (continuations indented two spaces); table
-    rows (they hold ' | ') and rules are left whole."""
-    import textwrap
-
-    lines = []
-    for line in text.splitlines():
-        if len(line) <= width or " | " in line or line.startswith("---"):
-            lines.append(line)
-            continue
-        indent = " " * (len(line) - len(line.lstrip(" ")))
-        lines += textwrap.wrap(line, width=max(width, 40), subsequent_indent=indent + "  ", break_on_hyphens=False,
-                               break_long_words=False) or [line]
-    return "\n".join(lines)
 
 
 def _plots(args, label: str, results: list[RunResult], out: dict, notes: list[str]) -> None:

@@ -279,7 +279,8 @@ def cmd_hooks(args: argparse.Namespace) -> int:
 
     # "auto" comes to a mode on this node (the TaskProlog holds it and the scope: run `mapa hooks`
     # again after changing isolation, isolation_scope or the node's topology file).
-    isolation, why = effective_mode(config, args.node or os.uname().nodename.split(".")[0])
+    node = args.node or os.uname().nodename.split(".")[0]
+    isolation, why = effective_mode(config, node)
     print(f"isolation: {isolation} ({why})", file=sys.stderr)
     texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, isolation, python, str(PACKAGE_DIR.parent),
                                                config.isolation_scope)
@@ -295,7 +296,6 @@ def cmd_hooks(args: argparse.Namespace) -> int:
         print(f"wrote {target}", file=sys.stderr)
     print(slurm_conf_lines(str(directory), needed_hook_timeout(config)), end="")
     print(feature_conf_lines(config.feature_sizes), end="")
-    node = args.node or os.uname().nodename.split(".")[0]
     if config.topology_for(node) is None:
         # The hooks work, but the Prolog falls back to Slurm's GPUs for every job here (doctor: FAIL).
         print(f"WARNING: no [nodes] entry of {args.config} matches node {node}: every job on it gets Slurm's GPUs "
