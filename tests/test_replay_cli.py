@@ -17,17 +17,20 @@ def test_demo_is_the_default_and_prints_the_comparison(capsys, monkeypatch):
     assert main([]) == 0
     out = capsys.readouterr().out
     # Issue 39: the first screen says what MAPA gained, for which jobs, by how much and assuming what.
-    first = out.splitlines()[:25]
+    first = out.splitlines()[:40]
     story_lines = first[:first.index("")]  # the headline, then the tables (not yet folded to the terminal)
     assert first[0].startswith("What MAPA gained, bundled paper workload") and all(len(line) <= 80 for line in story_lines)
     story = "\n".join(first)
     assert "bandwidth-sensitive jobs of 2+ GPUs" in story and "median: MAPA " in story and "Slurm's own: slurm-native " in story
+    assert "by size, another policy ahead of MAPA: 4-GPU p10" in story  # issue 38: a size that trails is said
     assert "mean wait of all 300 jobs: MAPA " in story
     assert "assuming: bandwidth judged by the link-bound model" in story and "paper's slowdown curve" in story
     assert "bundled paper workload" in out and "preserve" in out and "slurm-native" in out
     assert "Table 3" in out
     assert "recorded MAPA decisions: 36 compared" in out
     preserve_line = next(line for line in out.splitlines() if line.startswith("preserve ") and "36" in line.split()[1:3])
+    # the tables' legend is one logical line per column group, folded once at the width (not pre-folded and folded again)
+    assert "  insens.: the median of the same for the other jobs." in out.splitlines()
     assert preserve_line
 
 

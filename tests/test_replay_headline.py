@@ -92,3 +92,23 @@ def test_mapa_is_named_alike_in_every_table_and_the_audit_says_why_peers_can_sco
     text = audit_text(audit)
     assert any(line.startswith("preserve (MAPA) ") for line in text.splitlines())
     assert "keep the best links free, not the fastest ones" in text
+
+
+def _sized(row, by_size):
+    return {**row, "by_gpus": {size: {"effective_bw_sensitive": {"median": median, "p10": p10}}
+                               for size, (median, p10) in by_size.items()}}
+
+
+def test_the_sizes_where_mapa_leads_and_where_another_policy_is_ahead_are_named():
+    """The totals can hide a size that trails (issue 38): each size's median and p10 against the best other."""
+    document = _document()
+    sizes = {"preserve": {"1": (None, None), "3": (40.0, 6.7), "5": (40.0, 19.2)},
+             "greedy": {"3": (40.0, 40.0), "5": (19.2, 19.2)}, "baseline": {"3": (40.0, 6.7), "5": (19.2, 19.2)},
+             "slurm-native": {}}
+    document["policies"] = [_sized(row, sizes[row["policy"]]) for row in document["policies"]]
+    text = "\n".join(headline(document, "x", width=300))
+    assert "by size, MAPA ahead of every other policy: 5-GPU median 40.0 against at most 19.2\n" in text
+    assert "by size, another policy ahead of MAPA: 3-GPU p10 6.7 against 40.0 (greedy). MAPA gives" in text
+    assert "1-GPU" not in text and "5-GPU p10" not in text  # a tie is neither
+    even = [_sized(row, {"3": (40.0, 40.0)}) for row in _document()["policies"]]
+    assert "by size" not in "\n".join(headline({**document, "policies": even}, "x", width=300))

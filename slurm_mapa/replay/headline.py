@@ -104,6 +104,7 @@ def headline(document: Mapping, what: str, width: int | None = None) -> list[str
     if share is not None and shares:
         lines.append(f"    a ring over fast links only (NVLink, xGMI, NVSwitch): MAPA {share:.0%} of them; the others "
                      f"{shares[0][0]:.0%} ({shares[0][1]}) to {shares[-1][0]:.0%} ({shares[-1][1]})")
+    lines += _by_size(ours, others)
     time_model = (document.get("options") or {}).get("time_model")
     waits = sorted((row["wait"]["mean"], name) for name, row in others.items() if row["wait"]["mean"] is not None)
     if time_model and waits and ours["wait"]["mean"] is not None:
@@ -118,6 +119,35 @@ def headline(document: Mapping, what: str, width: int | None = None) -> list[str
         assumed.append("run times as recorded (no time model: waits do not depend on the GPUs chosen)")
     lines.append("  assuming: " + "; ".join(assumed) + ".")
     return lines if width is None else fold_prose("\n".join(lines), width).splitlines()
+
+
+def _by_size(ours: Mapping, others: Mapping[str, Mapping]) -> list[str]:
+    """Where MAPA leads every other policy, and where one is ahead of it, per job size (median and
+    p10 of the sensitive jobs): the totals above can hide a size that trails."""
+    ahead, behind = [], []
+    for size, mine in sorted((ours.get("by_gpus") or {}).items(), key=lambda item: int(item[0])):
+        if int(size) < 2:
+            continue
+        for stat, label in (("median", "median"), ("p10", "p10")):
+            value = (mine.get("effective_bw_sensitive") or {}).get(stat)
+            theirs = sorted((v, name) for name, row in others.items()
+                            if (v := ((row.get("by_gpus") or {}).get(size, {}).get("effective_bw_sensitive") or {}).get(stat))
+                            is not None)
+            if value is None or not theirs:
+                continue
+            best = theirs[-1][0]
+            if value > best:
+                ahead.append(f"{size}-GPU {label} {_number(value)} against at most {_number(best)}")
+            elif value < best:
+                behind.append(f"{size}-GPU {label} {_number(value)} against {_number(best)} ({_named(theirs, best)})")
+    lines = []
+    if ahead:
+        lines.append("    by size, MAPA ahead of every other policy: " + "; ".join(ahead))
+    if behind:
+        lines.append("    by size, another policy ahead of MAPA: " + "; ".join(behind) + ". MAPA gives each sensitive "
+                     "job the fastest ring free when it starts, which can leave a later job of another size without "
+                     "one (docs/policies.md, \"MAPA against the peers\", says when).")
+    return lines
 
 
 def policy_lines(names: Sequence[str]) -> list[str]:

@@ -107,17 +107,21 @@ def _fmt(value, width: int, digits: int = 1) -> str:
 
 MAPA_POLICY = "preserve"
 
-TABLE_LEGEND = """\
-columns: 'preserve (MAPA)' is MAPA's policy (the paper's Preserve); the others are the allocators clusters use
-  today (`mapa-replay policies`). sensitive effective BW: the predicted effective bandwidth (GB/s, by the judging
-  model named above, 'judged by') of the GPU set each bandwidth-sensitive job of 2+ GPUs got: min, 25th percentile
-  (p25), median, 75th (p75), max over those jobs; higher is better. insens.: the median of the same for the other
-  jobs. ranked: the median of the sensitive jobs' score by the ranking model (what the policies maximize; a
-  policy that ranks with it scores well there by construction).
-  preserved: the link bandwidth (GB/s) among the GPUs left free, averaged over time (what the next sensitive
-  job can still get); frag: 1 - preserved / the most any free set of that size could keep, averaged (0 = none).
-  wait: seconds from submit to start (mean, and p95: 95th percentile); makespan: first submit to last end; from
-  100,000 s on these are in hours (h) or days (d)."""
+# One logical line per column group: the report folds them at the terminal's width (fold_prose).
+TABLE_LEGEND = "\n".join((
+    "columns: 'preserve (MAPA)' is MAPA's policy (the paper's Preserve); the others are the allocators clusters use "
+    "today (`mapa-replay policies`).",
+    "  sensitive effective BW: the predicted effective bandwidth (GB/s, by the judging model named above, 'judged "
+    "by') of the GPU set each bandwidth-sensitive job of 2+ GPUs got: min, 25th percentile (p25), median, 75th "
+    "(p75), max over those jobs; higher is better.",
+    "  insens.: the median of the same for the other jobs.",
+    "  ranked: the median of the sensitive jobs' score by the ranking model (what the policies maximize; a policy "
+    "that ranks with it scores well there by construction).",
+    "  preserved: the link bandwidth (GB/s) among the GPUs left free, averaged over time (what the next sensitive "
+    "job can still get); frag: 1 - preserved / the most any free set of that size could keep, averaged (0 = none).",
+    "  wait: seconds from submit to start (mean, and p95: 95th percentile); makespan: first submit to last end; "
+    "from 100,000 s on these are in hours (h) or days (d).",
+))
 
 BY_GPUS_LEGEND = ("n: the sensitive jobs of that size; p10, med, p90: 10th percentile, median, 90th percentile of "
                   "their effective bandwidth by the judging model (and of the insensitive jobs'); ranked: their median "
