@@ -1,7 +1,8 @@
 """Issue 38's invariant, by brute force: a bandwidth-sensitive ring job gets a ring whose slowest
 hop is the best the free GPUs allow, on every preset and every topology file the repository
 ships, at every size, on every free set (all of them on nodes of up to 8 GPUs, random ones on
-bigger nodes), and the GPUs come back in that ring's order.
+bigger nodes), and the GPUs come back in that ring's order; likewise a chain's slowest hop and an
+all-to-all's slowest pair on nodes of up to 8 GPUs.
 
 The yardstick is the links themselves, not any model: a hop's quality is its link's bandwidth
 (graph.bandwidths, the paper's Table 1 by default), and among PCIe paths of one bandwidth the
@@ -99,3 +100,33 @@ def test_a_sensitive_ring_gets_the_best_slowest_hop_the_free_gpus_allow(source):
         for k in range(2, min(len(free), 5) + 1):
             bound = max(best_ring_of(graph, s) for s in itertools.combinations(free, k))
             check(graph, model, free, k, bound)
+
+
+def chain_bottleneck(graph, order: tuple[int, ...]) -> tuple[float, int]:
+    return min(hop_quality(graph, order[i], order[i + 1]) for i in range(len(order) - 1))
+
+
+def pair_bottleneck(graph, gpus: tuple[int, ...]) -> tuple[float, int]:
+    return min(hop_quality(graph, a, b) for a, b in itertools.combinations(gpus, 2))
+
+
+MAX_CHAIN = 5  # chains are checked over every order of every subset: 2..5 GPUs keeps that small
+
+
+@pytest.mark.parametrize("source", [s for s in SOURCES if _graph(s).size <= 8], ids=lambda s: Path(s).name)
+def test_a_sensitive_chain_and_all_to_all_get_the_best_slowest_link_the_free_gpus_allow(source):
+    """The other patterns with a link-true bound: a chain's slowest hop (over every order of every
+    subset), an all-to-all's slowest pair (every pair talks)."""
+    graph = _graph(source)
+    model = model_for_topology(graph)
+    for size in range(2, graph.size + 1):
+        for free in itertools.combinations(range(graph.size), size):
+            for k in range(2, min(size, MAX_CHAIN) + 1):
+                subsets = list(itertools.combinations(free, k))
+                chain = select("preserve", graph, free, Request(pattern=make_pattern("chain", k), sensitive=True), model)
+                got, bound = chain_bottleneck(graph, tuple(chain.placement.gpus)), max(
+                    chain_bottleneck(graph, order) for s in subsets for order in itertools.permutations(s))
+                assert got == bound, (graph.name, free, k, "chain", chain.placement.gpus, got, bound)
+                every = select("preserve", graph, free, Request(pattern=make_pattern("all", k), sensitive=True), model)
+                got, bound = pair_bottleneck(graph, tuple(every.placement.gpus)), max(pair_bottleneck(graph, s) for s in subsets)
+                assert got == bound, (graph.name, free, k, "all", every.placement.gpus, got, bound)
