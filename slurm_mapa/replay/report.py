@@ -134,8 +134,15 @@ def policy_label(result: RunResult) -> str:
     return f"{result.label} (MAPA)" if result.policy == MAPA_POLICY else result.label
 
 
-def table(results: Sequence[RunResult]) -> str:
-    """The comparison table: one line per policy, then what its columns mean."""
+NARROW_NOTE = ("narrowed to the terminal's {width} columns: {hidden} are left out here ({wide} columns show them; "
+               "--json and --csv hold every number)")
+
+
+def table(results: Sequence[RunResult], width: int | None = None) -> str:
+    """The comparison table: one line per policy, then what its columns mean; on a terminal
+    narrower than the table, the columns a first look needs (the legend says which are left out)."""
+    if width is not None and width < 143:
+        return _narrow_table(results, width)
     head = (
         f"{'policy':<18} {'jobs':>6} | {'sensitive effective BW (GB/s)':^34} | {'insens.':>7} | {'ranked':>7} | "
         f"{'preserved':>9} {'frag':>5} | {'wait mean':>9} {'p95':>8} | {'makespan':>9} {'jobs/h':>8}"
@@ -163,6 +170,30 @@ def table(results: Sequence[RunResult]) -> str:
         notes = [f"{text}: {'every policy' if every else ', '.join(labels)}" for text, labels in grouped.items()]
         lines.append("* effective bandwidths outside the judging model's fitted range: " + "; ".join(notes))
     lines.append(TABLE_LEGEND)
+    return "\n".join(lines)
+
+
+def _narrow_table(results: Sequence[RunResult], width: int) -> str:
+    head = f"{'policy':<18} {'jobs':>5} | {'sensitive BW (GB/s)':^20} | {'insens.':>7} | {'wait mean':>9} {'jobs/h':>7}"
+    sub = f"{'':<18} {'':>5} | {'min':>6} {'p25':>6} {'med':>6} | {'median':>7} | {'(s)':>9} {'':>7}"
+    lines = [head, sub, "-" * len(head)]
+    for r in results:
+        f = r.eff_sensitive.five()
+        lines.append(f"{policy_label(r) + _outside_mark(r):<18} {r.jobs:>5} | "
+                     + " ".join(_fmt(f[k], 6) for k in ("min", "p25", "median"))
+                     + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_duration(r.wait.mean, 9)} "
+                     + _fmt(r.throughput_per_hour, 7))
+    grouped: dict[str, list[str]] = {}
+    for r in results:
+        if _outside_mark(r):
+            grouped.setdefault(outside_text(r), []).append(r.label)
+    if grouped:
+        lines.append("* effective bandwidths outside the judging model's fitted range: "
+                     + "; ".join(f"{text}: {', '.join(labels)}" for text, labels in grouped.items()))
+    legend = [line for line in TABLE_LEGEND.splitlines() if not line.lstrip().startswith(("ranked:", "preserved:"))]
+    lines += legend
+    lines.append(NARROW_NOTE.format(width=width, hidden="the sensitive jobs' p75 and max, ranked, preserved, frag, "
+                                    "the wait's p95 and the makespan", wide=143))
     return "\n".join(lines)
 
 
@@ -200,18 +231,26 @@ def dropped_text(results: Sequence[RunResult]) -> str:
     return "not replayed: " + "; ".join(f"{p}: {words(d)}" for p, d in by_policy.items()) + hint
 
 
-def by_gpus_text(results: Sequence[RunResult]) -> str:
-    """Results per job size (GPUs per node): effective bandwidth p10/median/p90, mean wait."""
+def by_gpus_text(results: Sequence[RunResult], width: int | None = None) -> str:
+    """Results per job size (GPUs per node): effective bandwidth p10/median/p90, mean wait; on a
+    terminal narrower than that, the sensitive jobs' columns and the wait only."""
     sizes = sorted({g for r in results for g in r.by_gpus})
     if not sizes:
         return ""
+    narrow = width is not None and width < 110
     head = (f"{'GPUs':>4} {'policy':<18} {'jobs':>6} | {'sensitive eff. BW (GB/s)':^27} | {'ranked':>6} {'fast':>5} | "
             f"{'insensitive':^20} | {'wait mean':>9}")
     sub = (f"{'':>4} {'':<18} {'':>6} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} | {'med':>6} {'ring':>5} | "
            f"{'p10':>6} {'med':>6} {'p90':>6} | {'(s)':>9}")
+    if narrow:
+        head = f"{'GPUs':>4} {'policy':<18} {'jobs':>5} | {'sensitive BW (GB/s)':^27} {'fast':>5} | {'wait mean':>9}"
+        sub = f"{'':>4} {'':<18} {'':>5} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} {'ring':>5} | {'(s)':>9}"
     marked = any(size.grounded or size.extrapolated for r in results for size in r.by_gpus.values())
     lines = ["by GPUs per node" + (" (* = outside the judging model's fitted range: see the 'judged by' line above)" if marked else "")
              + "; " + BY_GPUS_LEGEND, head, sub, "-" * len(head)]
+    if narrow:
+        lines.insert(1, NARROW_NOTE.format(width=width, hidden="ranked and the insensitive jobs' p10, median and p90",
+                                           wide=110))
     for gpus in sizes:
         judged = [r for r in results if gpus in r.by_gpus
                   and (r.by_gpus[gpus].eff_sensitive.count or r.by_gpus[gpus].eff_insensitive.count)]
@@ -226,6 +265,11 @@ def by_gpus_text(results: Sequence[RunResult]) -> str:
                 continue
             mark = "*" if size.grounded or size.extrapolated else " "  # the same rule as _outside_mark
             s, i = size.eff_sensitive, size.eff_insensitive
+            if narrow:
+                lines.append(f"{gpus:>3}{mark} {policy_label(r):<18} {size.jobs:>5} | {s.count:>6} "
+                             + " ".join(_fmt(s.quantile(q), 6) for q in (0.1, 0.5, 0.9))
+                             + f" {_fast_share(size)} | {_duration(size.wait.mean, 9)}")
+                continue
             lines.append(
                 f"{gpus:>3}{mark} {policy_label(r):<18} {size.jobs:>6} | {s.count:>6} "
                 + " ".join(_fmt(s.quantile(q), 6) for q in (0.1, 0.5, 0.9))

@@ -173,7 +173,8 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
     header.append(_judge_line(options.judge, extrapolate))
     if affinity:
         header.append(_affinity_line(affinity, affinity_max_loss, results))
-    parts = ["\n".join(header), report.table(results)]
+    width = terminal_width()
+    parts = ["\n".join(header), report.table(results, width)]
     dropped = report.dropped_text(results)
     if dropped:
         parts.append(dropped)
@@ -183,7 +184,7 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
                 "they are not an effect of the placement (--time-model makes sensitive jobs slower on poor bandwidth)")
         parts.append(note)
         out["notes"] = [note]
-    parts.append(report.by_gpus_text(results))
+    parts.append(report.by_gpus_text(results, width))
     if options.time_model is not None:
         rows = report.table3(results)
         if rows:
@@ -352,6 +353,12 @@ def _emit(args, out: dict, text_parts: list[str]) -> None:
     else:
         width = shutil.get_terminal_size((100, 24)).columns
         print("\n\n".join(fold_prose(p, width) for p in text_parts if p))
+
+
+def terminal_width() -> int:
+    """The width the tables are laid out for: COLUMNS, else the terminal's; a file or a pipe keeps
+    every column (prose there is folded at 100, in _emit)."""
+    return shutil.get_terminal_size((200, 24)).columns
 
 
 
