@@ -34,6 +34,7 @@ def test_demo_is_the_default_and_prints_the_comparison(capsys, monkeypatch):
     # under COLUMNS=80 the tables keep the columns a first look needs and say what they leave out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "narrowed to the terminal's 80 columns" in " ".join(out.split())
+    assert preserve_line
 
 
 def test_a_wide_terminal_or_a_file_gets_every_column(capsys, monkeypatch):
