@@ -28,6 +28,7 @@ def test_demo_is_the_default_and_prints_the_comparison(capsys, monkeypatch):
     assert "bundled paper workload" in out and "preserve" in out and "slurm-native" in out
     assert "Table 3" in out
     assert "recorded MAPA decisions: 36 compared" in out
+    assert "plots: `mapa-replay demo --plot DIR`" in out  # issue 39: where the plots are
     preserve_line = next(line for line in out.splitlines() if line.startswith("preserve ") and "36" in line.split()[1:3])
     # the tables' legend is one logical line per column group, folded once at the width (not pre-folded and folded again)
     assert "  insens.: the median of the same for the other jobs." in out.splitlines()

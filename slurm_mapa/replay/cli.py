@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from importlib import resources
 from typing import Sequence
@@ -31,6 +32,7 @@ from .config import parse_config
 from .generate import GENERATORS, generate
 from .jobfile import write_jobfile
 from .headline import POLICY_SUMMARIES, policy_lines
+from .headline import fold_prose
 from .run import CsvSink, _replay
 from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, Options
 from .sources import FORMATS, PROG, Source, _check_has_jobs, _counting, _detect, _open_path, _parse_generate, _take
@@ -111,6 +113,11 @@ def cmd_demo(args) -> int:
             handle.close()
     if not code and args.json:
         print(json.dumps(dict(zip(DEMO_INPUTS, documents)), indent=2))
+    elif not code and not args.plot:
+        print("\n" + fold_prose("plots: `mapa-replay demo --plot DIR` draws these numbers as box plots in DIR (they need "
+                                "matplotlib, the package's `plot` extra: pip install -e '.[plot]' in a checkout); "
+                                "`mapa-replay run --help` replays your own sacct log.",
+                                shutil.get_terminal_size((100, 24)).columns))
     return code
 
 
