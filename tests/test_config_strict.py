@@ -93,7 +93,7 @@ def test_replay_refuses_a_bad_config_in_one_line(tmp_path, capsys, case):
     if case == "unknown key":
         assert "unknown key 'polcy' (line 1: 'polcy = \"preserve\"') (did you mean 'policy'?) (accepted: nodes, cluster, " in err
     elif case == "wrong table":
-        assert """[nodes] must be a table of node-name globs to topologies, e.g. "gpu*" = "pcie-8"; got 'dgx1-v100'""" in err
+        assert '[nodes] must be a table of node-name globs to topologies, e.g. "gpu*" = "pcie-8"; got "dgx1-v100"' in err
     elif case not in ("directory", "missing"):
         assert BAD[case][1].split("; accepted")[0] in err
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Iterable, Mapping
 
-from ..errors import InputError
+from ..errors import InputError, toml_text
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern, make_pattern
@@ -345,7 +345,7 @@ def parse_sizes(spec: str | Mapping) -> dict[int, float]:
         except (TypeError, ValueError):
             value = float("nan")
         if not value >= 0 or value == float("inf"):
-            raise InputError(f"preserve-ahead sizes: the weight of size {size} must be a number, 0 or more, got {weight!r}")
+            raise InputError(f"preserve-ahead sizes: the weight of size {size} must be a number, 0 or more, got {toml_text(weight)}")
         sizes[int(size)] = value
     _normalised(sizes)  # an empty or weightless distribution is refused here
     return sizes
@@ -367,7 +367,7 @@ def settings_from_table(table: object, source: str) -> tuple[dict[int, float] | 
             raise InputError(f"{source}: {error}") from None
     tolerance = table.get("tolerance", 0.0)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance <= 1:
-        raise InputError(f"{source}: [preserve_ahead] tolerance must be a fraction from 0 to 1, got {tolerance!r}")
+        raise InputError(f"{source}: [preserve_ahead] tolerance must be a fraction from 0 to 1, got {toml_text(tolerance)}")
     return sizes, float(tolerance)
 
 

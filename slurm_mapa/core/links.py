@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import InputError
+from ..errors import InputError, toml_text
 
 PCIE_LEVELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 _LEGACY_ALIASES = {"SOC": "SYS"}
@@ -87,7 +87,7 @@ class Link:
 def xgmi_link(links: int) -> Link:
     """``XGMI<links>``; 0 for a pair of one hive without a direct link."""
     if not isinstance(links, int) or isinstance(links, bool) or not 0 <= links <= MAX_BONDED_LINKS:
-        raise InputError(f"xGMI link count must be 0..{MAX_BONDED_LINKS}, got {links!r}")
+        raise InputError(f"xGMI link count must be 0..{MAX_BONDED_LINKS}, got {toml_text(links)}")
     if links == 0:
         return Link(kind="pcie", level=XGMI_RELAYED_LEVEL, fabric=XGMI)
     return Link(kind="nvlink", links=links, fabric=XGMI)
@@ -166,7 +166,7 @@ class Bandwidths:
             values.append(self.xgmi_relayed)
         for value in values:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise InputError(f"bandwidths must be positive numbers, got {value!r}")
+                raise InputError(f"bandwidths must be positive numbers, got {toml_text(value)}")
 
     @property
     def relayed(self) -> float:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import InputError
+from ..errors import InputError, toml_text
 from .effbw import _SELECTOR, _TERM, MODEL_KINDS, EffectiveBandwidthModel, LinkBoundModel, Term
 from .links import PCIE_LEVELS
 
@@ -59,7 +59,7 @@ def model_from_dict(data: Mapping[str, Any], *, source: str = "model") -> Effect
             if not 0 <= index < len(names):
                 raise InputError(f"{source}: term {text!r} uses x{index + 1}, but only {', '.join(names)} are defined")
         if isinstance(coefficient, bool) or not isinstance(coefficient, (int, float)):
-            raise InputError(f"{source}: term {text!r} needs a number, got {coefficient!r}")
+            raise InputError(f"{source}: term {text!r} needs a number, got {toml_text(coefficient)}")
         parsed.append(Term(variables=variables, inverse=match.group("inverse") is not None, coefficient=float(coefficient)))
     return EffectiveBandwidthModel(
         name=str(data.get("name", source)),
@@ -84,7 +84,7 @@ def _fitted_range(value: Any, source: str, key: str, what: str) -> tuple[int, in
         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
         or value[0] > value[1]
     ):
-        raise InputError(f"{source}: {key} must be [LOW, HIGH], two {what} with LOW <= HIGH (e.g. [2, 5]), got {value!r}")
+        raise InputError(f"{source}: {key} must be [LOW, HIGH], two {what} with LOW <= HIGH (e.g. [2, 5]), got {toml_text(value)}")
     return (value[0], value[1])
 
 
@@ -94,13 +94,13 @@ def _fitted_links(value: Any, source: str) -> tuple[tuple[str, float], ...]:
         return ()
     accepted = "a table of link token = GB/s, e.g. NV2 = 50.0, NVS12 = 300.0, XGMI4 = 200.0, PCIE = 12.0 (any PCIe level)"
     if not isinstance(value, Mapping) or not value:
-        raise InputError(f"{source}: fitted_links must be {accepted}; got {value!r}")
+        raise InputError(f"{source}: fitted_links must be {accepted}; got {toml_text(value)}")
     links = []
     for token, bandwidth in value.items():
         if not _LINK_TOKEN.match(token):
             raise InputError(f"{source}: fitted_links: unknown link token {token!r} ({accepted})")
         if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
-            raise InputError(f"{source}: fitted_links: {token} needs a positive number of GB/s, got {bandwidth!r}")
+            raise InputError(f"{source}: fitted_links: {token} needs a positive number of GB/s, got {toml_text(bandwidth)}")
         links.append((token, float(bandwidth)))
     return tuple(links)
 
@@ -109,7 +109,7 @@ def _basis(value: Any, source: str) -> str:
     if value is None:
         return ""
     if value not in MODEL_BASES:
-        raise InputError(f"{source}: basis must be one of {', '.join(MODEL_BASES)} (how its numbers were obtained), got {value!r}")
+        raise InputError(f"{source}: basis must be one of {', '.join(MODEL_BASES)} (how its numbers were obtained), got {toml_text(value)}")
     return str(value)
 
 
@@ -150,7 +150,7 @@ def _bottleneck_from_dict(data: Mapping[str, Any], classes: Mapping[str, Any], *
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise InputError(f"{source}: bandwidth of {name} must be a positive number of GB/s or a table of edges = GB/s "
-                             f"(e.g. {{ 2 = 208.0, 8 = 232.5 }}), got {value!r}")
+                             f"(e.g. {{ 2 = 208.0, 8 = 232.5 }}), got {toml_text(value)}")
         values.append(float(value))
         curves.append(())
     return EffectiveBandwidthModel(
@@ -172,7 +172,7 @@ def _curve(table: Mapping[str, Any], where: str) -> tuple[tuple[int, float], ...
         if not str(key).isdigit() or not 1 <= int(key) <= 4096:
             raise InputError(f"{where}: {key!r} is not an edge count ({accepted})")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise InputError(f"{where}: {key} edges needs a positive number of GB/s, got {value!r} ({accepted})")
+            raise InputError(f"{where}: {key} edges needs a positive number of GB/s, got {toml_text(value)} ({accepted})")
         points.append((int(key), float(value)))
     if not points:
         raise InputError(f"{where}: an empty table ({accepted})")
@@ -306,7 +306,7 @@ def grounded_model() -> LinkBoundModel:
     for key in ("efficiency", "pcie_efficiency"):
         value = data.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise InputError(f"{path}: {key} must be a fraction in (0, 1], got {value!r}")
+            raise InputError(f"{path}: {key} must be a fraction in (0, 1], got {toml_text(value)}")
         values.append(float(value))
     return LinkBoundModel(name=str(data.get("name", "link-bound")), efficiency=values[0], pcie_efficiency=values[1],
                           description=str(data.get("description", "")))

@@ -45,7 +45,7 @@ from ..core.links import PCIE_LEVELS, Bandwidths, parse_link
 VENDORS = ("nvidia", "amd")
 # The first render node minor: /dev/dri/renderD128 is the first GPU's (DRM numbering).
 RENDER_MINOR_BASE = 128
-from ..errors import InputError
+from ..errors import InputError, toml_text
 
 _PAIR = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 _TOP_KEYS = {
@@ -136,19 +136,19 @@ def _topology_from_toml_text(text: str, source: str) -> Topology:
         raise _fail(source, "missing 'gpus = <number of GPUs>'")
     size = data["gpus"]
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise _fail(source, f"'gpus' must be a positive integer, got {size!r}")
+        raise _fail(source, f"'gpus' must be a positive integer, got {toml_text(size)}")
     name = data.get("name", source)
     if not isinstance(name, str) or not name:
-        raise _fail(source, f"'name' must be a non-empty string, got {name!r}")
+        raise _fail(source, f"'name' must be a non-empty string, got {toml_text(name)}")
     description = data.get("description", "")
     if not isinstance(description, str):
-        raise _fail(source, f"'description' must be a string, got {description!r}")
+        raise _fail(source, f"'description' must be a string, got {toml_text(description)}")
     vendor = data.get("vendor")
     if vendor is not None and vendor not in VENDORS:
-        raise _fail(source, f"'vendor' must be one of {', '.join(VENDORS)}, got {vendor!r}")
+        raise _fail(source, f"'vendor' must be one of {', '.join(VENDORS)}, got {toml_text(vendor)}")
     default_link = data.get("default_link", "SYS")
     if not isinstance(default_link, str):
-        raise _fail(source, f"'default_link' must be a PCIe level such as \"SYS\", got {default_link!r}")
+        raise _fail(source, f"'default_link' must be a PCIe level such as \"SYS\", got {toml_text(default_link)}")
 
     links_table = data.get("links", {})
     if not isinstance(links_table, dict):
@@ -190,7 +190,7 @@ def _topology_from_toml_text(text: str, source: str) -> Topology:
             return None
         value = data[key]
         if not isinstance(value, list) or len(value) != size:
-            raise _fail(source, f"'{key}' must be a list of {size} {what} (one per GPU), got {value!r}")
+            raise _fail(source, f"'{key}' must be a list of {size} {what} (one per GPU), got {toml_text(value)}")
         for item in value:
             if not isinstance(item, kind) or isinstance(item, bool):
                 raise _fail(source, f"'{key}': {item!r} is not {what}")
@@ -223,7 +223,7 @@ def _topology_from_toml_text(text: str, source: str) -> Topology:
 
 def _bandwidths(source: str, generation: Any, table: Any) -> Bandwidths:
     if not isinstance(generation, int) or isinstance(generation, bool):
-        raise _fail(source, f"'nvlink_generation' must be an integer (1 P100 ... 5 B200), got {generation!r}")
+        raise _fail(source, f"'nvlink_generation' must be an integer (1 P100 ... 5 B200), got {toml_text(generation)}")
     if not isinstance(table, dict):
         raise _fail(source, "'bandwidth' must be a table such as [bandwidth] nvlink_per_link = 25.0")
     unknown = sorted(set(table) - _BANDWIDTH_KEYS)

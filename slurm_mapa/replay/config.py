@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 from ..core.hardware import HardwareGraph
 from ..core.patterns import SHAPES
-from ..errors import InputError
+from ..errors import InputError, toml_text
 from ..hardware.load import load_topology
 from ..hardware.presets import PRESETS
 from .directives import SiteRule, make_rules
@@ -99,7 +99,7 @@ def _table(data: dict, key: str, source: str, accepted: str) -> dict:
     """``[key]`` of the config, {} when absent; InputError when it is not a table of ``accepted``."""
     value = data.get(key, {})
     if not isinstance(value, dict):
-        raise InputError(f"{source}: [{key}] must be a table of {accepted}; got {value!r}")
+        raise InputError(f"{source}: [{key}] must be a table of {accepted}; got {toml_text(value)}")
     return value
 
 
@@ -118,7 +118,7 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
         config.node_topologies.append((pattern, _topology_name(topo, f"{source}: [nodes] {pattern!r}")))
     cluster = _table(data, "cluster", source, 'nodes = ["n1:dgx1-v100", ...]')
     if set(cluster) - {"nodes"} or not isinstance(cluster.get("nodes", []), list):
-        raise InputError(f'{source}: [cluster] takes nodes = ["NAME:PRESET", ...], e.g. ["n1:dgx1-v100"]; got {cluster!r}')
+        raise InputError(f'{source}: [cluster] takes nodes = ["NAME:PRESET", ...], e.g. ["n1:dgx1-v100"]; got {toml_text(cluster)}')
     for entry in cluster.get("nodes", []):
         config.cluster.append(parse_node_spec(entry, f"{source}: [cluster]"))
     defaults = _table(data, "defaults", source, "topology = a pattern and sensitive = true or false")
@@ -131,7 +131,7 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
     config.default_shape = shape
     sensitive = defaults.get("sensitive", False)
     if not isinstance(sensitive, bool):
-        raise InputError(f"{source}: [defaults] sensitive must be true or false, got {sensitive!r}")
+        raise InputError(f"{source}: [defaults] sensitive must be true or false, got {toml_text(sensitive)}")
     config.default_sensitive = sensitive
     rules = data.get("rules", [])
     if not isinstance(rules, list) or not all(isinstance(rule, dict) for rule in rules):
@@ -144,7 +144,7 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
     model = data.get("model")
     if model is not None:
         if not isinstance(model, str) or not model.strip():
-            raise InputError(f"{source}: model must be a model file path or a bundled model name, got {model!r}")
+            raise InputError(f"{source}: model must be a model file path or a bundled model name, got {toml_text(model)}")
         config.model = model.strip()
     from ..core.ahead import settings_from_table
 
