@@ -7,6 +7,8 @@ loop of sbatch as alice, round-robin over the nodes, each job pinned with -w; ev
 `#MAPA topology=ring sensitive=no`) under each setting, the settings alternating round by round:
 
 * on: the shipped configuration (Prolog, Epilog, TaskProlog wrappers, the SPANK plugin, mapa-agent);
+* on-python: as on, with wrappers that ask mapa-agent through the Python client (`mapa hooks --cc
+  none` on a node without --client: what a node without the compiled client runs);
 * off: MAPA disabled as docs/admin.md, "Disabling MAPA", says (the agents stopped, the three hook
   lines and the plugin's plugstack.conf line removed, `scontrol reconfigure`);
 * empty: as off, but slurm.conf names a Prolog, Epilog and TaskProlog that only `exit 0` (what any
@@ -122,15 +124,34 @@ def set_agents(running: bool, loops: dict[str, str]) -> None:
             time.sleep(0.3)
 
 
+MAPA_HOOKS = ["/usr/bin/python3", "-I", "-X", "pycache_prefix=/var/cache/slurm-mapa/pycache", "-c",
+              "import sys; sys.path.insert(0, '/opt/slurm-mapa'); from slurm_mapa.cli import main; sys.exit(main(sys.argv[1:]))",
+              "hooks", "/usr/local/sbin", "--python", "/usr/bin/python3", "--config", "/etc/slurm/mapa.toml",
+              "--pycache-prefix", "/var/cache/slurm-mapa/pycache"]
+CLIENT = "/usr/local/lib/slurm-mapa/mapa-hook-client"  # the image's (containers/Dockerfile)
+
+
+def write_hooks(compiled_client: bool) -> None:
+    """The wrappers as the entrypoint writes them (the compiled client), or with the Python client."""
+    for node in NODES:
+        docker(node, *MAPA_HOOKS, *(["--client", CLIENT] if compiled_client else ["--cc", "none"]))
+
+
+ON = ("on", "on-python")
+
+
 def switch(setting: str, current: str | None, loops: dict[str, str]) -> None:
     if setting == current:
         return
-    if setting == "on":
+    if setting in ON:
+        write_hooks(compiled_client=setting == "on")
+        if current in ON:
+            return  # the same slurm.conf: only the wrappers changed
         configure("on")
         set_agents(True, loops)
         reconfigure(hooks_wanted=True)
     else:
-        if current in (None, "on"):
+        if current in (None, *ON):
             set_agents(False, loops)
         configure(setting)
         reconfigure(hooks_wanted=setting == "empty")

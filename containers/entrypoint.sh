@@ -42,7 +42,7 @@ start_munge() {
 # The hooks slurm.conf names, written by `mapa hooks` from the mounted source, as an admin would.
 write_hooks() {
     mapa hooks /usr/local/sbin --python /usr/bin/python3 --config /etc/slurm/mapa.toml \
-        --pycache-prefix /var/cache/slurm-mapa/pycache >/dev/null
+        --pycache-prefix /var/cache/slurm-mapa/pycache --client /usr/local/lib/slurm-mapa/mapa-hook-client >/dev/null
 }
 
 # mapa-agent runs the Prolog and Epilog for the hook wrappers; like slurmd, it comes back when it

@@ -198,7 +198,7 @@ def test_wrapper_text_literal():
     assert wrapper_text("epilog", "/usr/bin/python3", "/opt/site", "/etc/slurm/mapa.toml") == (
         "#!/bin/sh\n"
         "# slurm-mapa epilog wrapper, written by `mapa hooks`. Slurm gives hooks no PATH, and a hook that\n"
-        "# fails drains the node: absolute paths only, no programs but Python, and exit 0 whatever happens.\n"
+        "# fails drains the node: absolute paths only, no programs but ours and Python, and exit 0 whatever happens.\n"
         "# Whatever umask slurmd has: nothing root writes here (log, byte code) may be writable by others.\n"
         "umask 022\n"
         "read -r MAPA_WRAPPER_STARTED rest < /proc/uptime || MAPA_WRAPPER_STARTED=0\n"
@@ -228,6 +228,9 @@ def test_wrapper_text_literal():
         "PrologEpilogTimeout=60", "AccountingStorageTRES=gres/gpu", "AccountingStoreFlags=job_comment",
     ]
     assert "PrologEpilogTimeout=75 " in slurm_conf_lines("/usr/local/sbin", 75)
+    compiled = wrapper_text("epilog", "/usr/bin/python3", "/opt/site", "/etc/slurm/mapa.toml", client="/usr/local/sbin/mapa-hook-client")
+    assert "\n/usr/local/sbin/mapa-hook-client epilog && exit 0\n/usr/bin/python3 -I -c 'import sys;" in compiled
+    assert "client.py" not in compiled
     for bad in ("python3", "/usr/bin/py'thon", "/opt/$HOME"):
         with pytest.raises(InputError, match="must be absolute and free of quotes"):
             wrapper_text("prolog", bad, "/opt/site", "/etc/slurm/mapa.toml")
@@ -254,6 +257,9 @@ def test_written_wrappers_run_the_hooks_with_and_without_the_agent(tmp_path, cap
     )
     assert mapa_main(["hooks", str(tmp_path / "sbin"), "--config", str(config_path)]) == 0
     assert "Prolog=" + str(tmp_path / "sbin" / "mapa-prolog-wrapper") in capsys.readouterr().out
+    # The compiled client (scripts/test installs cc) asks the agent below; test_hook_client.py tests it alone.
+    assert (tmp_path / "sbin" / "mapa-hook-client").exists()
+    assert str(tmp_path / "sbin" / "mapa-hook-client") + " prolog && exit 0" in (tmp_path / "sbin" / "mapa-prolog-wrapper").read_text()
     prolog = str(tmp_path / "sbin" / "mapa-prolog-wrapper")
     expected = select("preserve", preset("dgx1-v100"), range(8), Request(make_pattern("ring", 2), True)).gpus
     # No agent: the wrapper runs the Prolog in-process (Slurm's bare environment: no PATH).

@@ -522,3 +522,11 @@ def test_the_gres_fix_is_the_command_for_this_node_hyperthreads_included():
     assert ("`mapa gres-conf --topology /etc/slurm/mapa-topology.toml --cores 40 --sockets 2 --threads-per-core 2`"
             in _line(checks, "gres").fix)
     assert doctor_checks.gres_conf_command(None, None) == "mapa gres-conf --topology TOPOLOGY --cores N --sockets S --threads-per-core T"
+
+
+def test_a_wrapper_with_the_compiled_client_names_it_and_still_its_python_and_package():
+    text = wrapper_text("epilog", "/opt/mapa/bin/python3", "/opt/mapa/lib", "/etc/slurm/mapa.toml",
+                        "/var/cache/mapa", client="/usr/local/sbin/mapa-hook-client")
+    assert slurm_text.wrapper_client(text) == "/usr/local/sbin/mapa-hook-client"
+    assert slurm_text.wrapper_program(text) == ("/opt/mapa/bin/python3", "/opt/mapa/lib/slurm_mapa")
+    assert slurm_text.wrapper_client(wrapper_text("epilog", "/opt/mapa/bin/python3", "/opt/mapa/lib", "/etc/slurm/mapa.toml")) is None

@@ -54,7 +54,7 @@ def _write_hooks(cluster, node: str) -> None:
     """`mapa hooks` again, as an admin must after changing isolation (the TaskProlog holds the mode)."""
     cluster.exec(node, ["/usr/bin/python3", "-I", "-X", "pycache_prefix=/var/cache/slurm-mapa/pycache", "-c", HOOKS,
                         "hooks", "/usr/local/sbin", "--python", "/usr/bin/python3", "--config", "/etc/slurm/mapa.toml",
-                        "--pycache-prefix", "/var/cache/slurm-mapa/pycache"])
+                        "--pycache-prefix", "/var/cache/slurm-mapa/pycache", "--client", "/usr/local/lib/slurm-mapa/mapa-hook-client"])
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -48,7 +48,7 @@ def _mapa_hooks(cluster, node: str, root: str, check: bool = True):
     code = f"import sys; sys.path.insert(0, '{root}'); from slurm_mapa.cli import main; sys.exit(main(sys.argv[1:]))"
     return cluster.exec(node, ["/usr/bin/python3", "-I", "-X", f"pycache_prefix={PYCACHE}", "-c", code,
                                "hooks", HOOK_DIR, "--python", "/usr/bin/python3", "--config", "/etc/slurm/mapa.toml",
-                               "--pycache-prefix", PYCACHE], check=check)
+                               "--pycache-prefix", PYCACHE, "--client", "/usr/local/lib/slurm-mapa/mapa-hook-client"], check=check)
 
 
 def _hook_roots(cluster, node: str) -> dict[str, set[str]]:

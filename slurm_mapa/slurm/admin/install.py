@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import InputError
 from .. import trusted_files as trusted
 from ..isolation import spank_plugin
+from . import hook_client
 
 if TYPE_CHECKING:
     from ..config import HookConfig
@@ -71,7 +72,7 @@ end_job
 
 
 def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycache_prefix: str | None = None,
-                 retry_window_s: int = RETRY_WINDOW_S, jobs_dir: str | None = None) -> str:
+                 retry_window_s: int = RETRY_WINDOW_S, jobs_dir: str | None = None, client: str | None = None) -> str:
     """The POSIX shell wrapper for ``kind`` (prolog or epilog) of an installation.
 
     ``pycache_prefix``: where the in-process hook keeps byte code when the package directory is
@@ -79,9 +80,12 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
     MAPA_WRAPPER_STARTED (seconds since boot, from /proc/uptime, 0 if unreadable) for the hooks'
     budget, and MAPA_HOOK_RETRY_AFTER_SIGNAL (the signal number) to a retried hook. ``jobs_dir``
     (the config's): where the Prolog wrapper marks the job, and the Epilog wrapper says it has
-    ended, before Python starts.
+    ended, before Python starts. ``client``: the compiled client of mapa-agent (hook_client.py),
+    else the Python one.
     """
     paths = [("python", python), ("package directory", package_parent), ("config", config)]
+    if client is not None:
+        paths.append(("client", client))
     if jobs_dir is not None:
         paths.append(("jobs directory", jobs_dir))
     if pycache_prefix is not None:
@@ -90,14 +94,16 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
         if not os.path.isabs(path) or any(c in path for c in "\n'\"\\$`"):
             raise InputError(f"the {what} path {path!r} must be absolute and free of quotes, backslashes, $ and newlines")
     module, function = ENTRY[kind]
-    client = os.path.join(package_parent, "slurm_mapa", "slurm", "agent", "client.py")
+    fast_path = (f"{shlex.quote(client)} {kind} && exit 0\n" if client is not None else
+                 f"{shlex.quote(python)} -I -S {shlex.quote(os.path.join(package_parent, 'slurm_mapa', 'slurm', 'agent', 'client.py'))}"
+                 f" {kind} && exit 0\n")
     code = f'import sys; sys.path.insert(0, "{package_parent}"); from {module} import {function}; sys.exit({function}())'
     in_process = (f"{shlex.quote(python)} -I{' -X pycache_prefix=' + shlex.quote(pycache_prefix) if pycache_prefix else ''}"
                   f" -c {shlex.quote(code)}")
     return (
         "#!/bin/sh\n"
         f"# slurm-mapa {kind} wrapper, written by `mapa hooks`. Slurm gives hooks no PATH, and a hook that\n"
-        "# fails drains the node: absolute paths only, no programs but Python, and exit 0 whatever happens.\n"
+        "# fails drains the node: absolute paths only, no programs but ours and Python, and exit 0 whatever happens.\n"
         "# Whatever umask slurmd has: nothing root writes here (log, byte code) may be writable by others.\n"
         "umask 022\n"
         "read -r MAPA_WRAPPER_STARTED rest < /proc/uptime || MAPA_WRAPPER_STARTED=0\n"
@@ -105,7 +111,7 @@ def wrapper_text(kind: str, python: str, package_parent: str, config: str, pycac
         "export MAPA_CONFIG MAPA_WRAPPER_STARTED\n"
         + (f"JOBS_DIR={shlex.quote(jobs_dir)}\n{_MARK_JOB if kind == 'prolog' else _END_JOB}" if jobs_dir is not None else "")
         + "# Fast path: the node's mapa-agent runs the hook; otherwise (no agent, killed, refused) in-process.\n"
-        f"{shlex.quote(python)} -I -S {shlex.quote(client)} {kind} && exit 0\n"
+        + fast_path +
         f"{in_process}\n"
         "# Killed by a signal (the OOM killer, say) early enough to stay inside Slurm's timeout: once more;\n"
         "# that run finds what the first one left and finishes it.\n"
@@ -182,6 +188,21 @@ def check_interpreter(python: str) -> Path:
     if not os.access(resolved, os.X_OK):
         raise InputError(f"--python {python}: {resolved} is not executable; {accepted}")
     return resolved
+
+
+def check_client(client: str) -> Path:
+    """A client of mapa-agent built elsewhere (`--client`), if root may run it for every job: as
+    --python, an executable only root can change."""
+    accepted = "accepted: a mapa-hook-client built from data/client/mapa_hook_client.c, owned by root, not writable by others"
+    if not os.path.isabs(client) or any(c in client for c in "\n'\"\\$`"):
+        raise InputError(f"--client {client!r}: give an absolute path free of quotes, backslashes, $ and newlines; {accepted}")
+    try:
+        resolved = trusted.resolve_trusted_file(Path(client))
+    except trusted.UnsafePath as error:
+        raise InputError(f"--client {client}: root would run it for every job, refused: {error}") from None
+    if not os.access(resolved, os.X_OK):
+        raise InputError(f"--client {client}: {resolved} is not executable; {accepted}")
+    return Path(client)
 
 
 def check_config(config: str) -> HookConfig:
@@ -273,8 +294,25 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     if warning:
         print(warning, file=sys.stderr)
     jobs_dir = str(config.jobs_dir)
-    texts = {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix, jobs_dir=jobs_dir)
-             for kind in ENTRY}
+    try:
+        trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
+    except trusted.UnsafePath as error:
+        raise InputError(f"cannot write the hooks into {directory}: {error}") from None
+
+    def wrappers(client: Path | None) -> dict[str, str]:
+        return {WRAPPER_NAMES[kind]: wrapper_text(kind, python, str(PACKAGE_DIR.parent), args.config, args.pycache_prefix,
+                                                  jobs_dir=jobs_dir, client=None if client is None else str(client))
+                for kind in ENTRY}
+
+    texts = wrappers(None)  # refuses bad paths before anything is built
+    if args.client is not None:
+        texts = wrappers(check_client(args.client))
+        print(f"the wrappers ask mapa-agent through {args.client}", file=sys.stderr)
+    elif args.cc != "none":
+        client, said = hook_client.build_into(directory, args.cc)
+        print(said, file=sys.stderr)
+        if client is not None:
+            texts = wrappers(client)
     from ..isolation.isolator import effective_mode
 
     # "auto" comes to a mode on this node (the TaskProlog holds it and the scope: run `mapa hooks`
@@ -284,10 +322,6 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     print(f"isolation: {isolation} ({why})", file=sys.stderr)
     texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, isolation, python, str(PACKAGE_DIR.parent),
                                                config.isolation_scope)
-    try:
-        trusted.ensure_trusted_dir(directory)  # slurmd runs what is in it, as root
-    except trusted.UnsafePath as error:
-        raise InputError(f"cannot write the hooks into {directory}: {error}") from None
     for name, text in texts.items():
         target = directory / name
         # A fresh unpredictable name renamed over the target: slurmd sees the old hook or the new, never
@@ -450,4 +484,10 @@ def add_commands(commands: Any) -> None:
     hooks.add_argument("--gpu-vendor", choices=GPU_VENDORS, default="auto",
                        help="what the TaskProlog exports: auto (default; AMD variables where /dev/kfd exists), nvidia "
                             "(CUDA_VISIBLE_DEVICES) or amd (ROCR_VISIBLE_DEVICES and 0..k-1 HIP lists)")
+    hooks.add_argument("--cc", default="cc",
+                       help="the C compiler that builds the wrappers' client of mapa-agent into DIRECTORY (default "
+                            "%(default)s; 'none': the Python client, about 15 ms more CPU per Prolog and Epilog)")
+    hooks.add_argument("--client", metavar="PATH",
+                       help="a mapa-hook-client built elsewhere (nodes without a compiler: build it once with `mapa hooks "
+                            "DIR` on a node that has one, then copy it); nothing is compiled")
     hooks.set_defaults(handler=cmd_hooks)

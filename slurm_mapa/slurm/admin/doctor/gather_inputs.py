@@ -21,7 +21,7 @@ from ...text.commands import Runner
 from ...config import HookConfig, programs_root_may_run
 from .lenient_config import parse_config
 from .records import AGENT_TIMEOUT_S, HOOKS, MAX_TEXT_BYTES, PROBE, SLURM_TIMEOUT_S, TOOL_TIMEOUT_S, Inputs, PathFacts
-from .slurm_text import gres_gpu_lines, parse_show_config, slurm_values, wrapper_program
+from .slurm_text import gres_gpu_lines, parse_show_config, slurm_values, wrapper_client, wrapper_program
 
 def _describe(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
@@ -338,10 +338,13 @@ def _trusted_paths(config: HookConfig, config_path: str, spec: str | None, hook_
         wanted.append((path, "SPANK plugin", "program", True))
     wanted.append((str(conf_dir / "job_submit.lua"), "job_submit.lua", "file", True))
     for text in hook_texts.values():
+        client = wrapper_client(text)
+        if client is not None:
+            wanted.append((client, "the wrappers' client of mapa-agent", "program", True))
         program = wrapper_program(text)
         if program is not None:
             wanted += [(program[0], "the hooks' Python", "program", True),
-                       (os.path.join(program[1], "slurm_mapa"), "slurm-mapa package directory", "dir", False)]
+                       (program[1], "slurm-mapa package directory", "dir", False)]
     seen, facts = set(), []
     for path, label, kind, required in wanted:
         if path in seen:

@@ -148,9 +148,26 @@ def script_value(text: str, name: str) -> str | None:
     return words[0] if words else ""
 
 
+def wrapper_client(text: str) -> str | None:
+    """The compiled client of mapa-agent a wrapper runs (``mapa hooks`` built it), if it runs one."""
+    for line in text.splitlines():
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        if len(words) >= 2 and words[0].endswith("/mapa-hook-client") and words[1] in ("prolog", "epilog"):
+            return words[0]
+    return None
+
+
 def wrapper_program(text: str) -> tuple[str, str] | None:
     """(python, package directory) of a wrapper `mapa hooks` wrote: its agent client line (the
-    client's path as this release writes it, or as 0.1.0 did: ``slurm_mapa/slurm/agent_client.py``)."""
+    client's path as this release writes it, or as 0.1.0 did: ``slurm_mapa/slurm/agent_client.py``),
+    else (a wrapper with the compiled client) its in-process line."""
+    for line in text.splitlines():
+        match = re.match(r"""^(/\S+) -I(?: -X pycache_prefix=\S+)? -c 'import sys; sys\.path\.insert\(0, "([^"]+)"\)""", line)
+        if match and wrapper_client(text) is not None:
+            return match.group(1), str(Path(match.group(2)) / "slurm_mapa")
     for line in text.splitlines():
         if "-S" not in line or "client.py" not in line:
             continue
