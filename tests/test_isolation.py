@@ -527,7 +527,10 @@ def test_the_note_reaches_the_admin_comment_after_the_decision(node):
     agent.noted.clear()
     journal.write(tmp_path / "journal", "12", journal.Entry("dgx1", 1, "mapa:topology=ring sensitive=yes # dgx1=4,5 policy=preserve"))
     agent.isolate(os.getpid(), USER, {})
+    slurm.calls.clear()
     assert background.flush_records() == 2 and list((tmp_path / "journal").iterdir()) == []
+    # Both waiting at once (a burst keeps the records loop behind): one read, one update.
+    assert [call[1:3] for call in slurm.calls] == [["--json", "show"], ["update", "job=12"]], slurm.calls
     recorded = parse_decisions(slurm.admin["12"])["dgx1"]
     assert (recorded.gpus, recorded.isolation) == ((4, 5), "failed-open")
     assert recorded.why.startswith("cannot_set_up_the_devices_cgroup") and " " not in recorded.why

@@ -33,10 +33,11 @@ def journal_decision(ctx: PrologContext, directive: "Directive", decision: Decis
         return None
 
 
-def flush_entry(config: HookConfig, job_id: str, entry: Entry, run: RunCommand, log: Log) -> bool:
-    """Write a journal entry's record into the job's AdminComment. True when the entry is done
-    with (written, already there, or never writable: the job is gone, it would not fit); False
-    to try again later (slurmctld did not answer)."""
+def flush_entry(config: HookConfig, job_id: str, entry: Entry, run: RunCommand, log: Log, note: Entry | None = None) -> bool:
+    """Write a journal entry's record into the job's AdminComment, with the job's isolation note
+    (NodeState.note) in it when one is given. True when the entry is done with (written, already
+    there, or never writable: the job is gone, it would not fit); False to try again later
+    (slurmctld did not answer)."""
     from ..text.decision import record_directive
 
     directive = record_directive(entry.record)
@@ -44,6 +45,12 @@ def flush_entry(config: HookConfig, job_id: str, entry: Entry, run: RunCommand, 
     if directive is None or decision is None:
         log(f"job {job_id}: journal entry {entry.record[:80]!r} is not a decision record; dropped")
         return True
+    if note is not None:
+        fields = dict(token.partition("=")[::2] for token in note.record.split())
+        if fields.get("isolation", "") in ISOLATION_STATES and note.node == entry.node:
+            decision = dataclasses.replace(decision, isolation=fields["isolation"], why=fields.get("why", ""))
+        else:
+            log(f"job {job_id}: journal note {note.record[:80]!r} is not an isolation note; dropped")
     ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=entry.nodes_in_job)
     return record_decision(ctx, directive, decision, config, run, log)
 

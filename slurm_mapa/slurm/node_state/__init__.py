@@ -318,6 +318,11 @@ class NodeState:
         journal.recover(self.journal_dir)
 
     @staticmethod
+    def note_of_record(name: str) -> str:
+        """The journal name of the isolation note that goes with decision record ``name``."""
+        return journal.note_name(name)
+
+    @staticmethod
     def job_of_record(name: str) -> str | None:
         return journal.job_of(name)
 
