@@ -212,3 +212,22 @@ def test_a_dcgm_mapping_directory_problem_is_logged_once_not_every_second(tmp_pa
     os.chmod(mapping, 0o755)
     assert len(background.write_dcgm_mapping()) == 8
     assert len(errors) == 2 and "solved" in errors[1], errors
+
+
+def test_a_record_of_a_job_whose_epilog_the_agent_ran_is_not_sent(tmp_path):
+    """slurmctld refuses an AdminComment update once the job has finished ("Job has already
+    finished"): a record still waiting when the agent ran the job's Epilog costs no RPC; a requeued
+    job (its Prolog again) is sent as any other."""
+    path = write_config(tmp_path, job_submit_lua=True)
+    config = load(path)
+    up = FakeSlurm()
+    agent = Agent(str(path), [].append, run=lambda timeout: up)
+    run_prolog(env_for("41", "0", "mapa:"), config, NoSlurm(), [].append, defer=lambda action: None)
+    agent.run_hook("epilog", {"SLURM_JOB_ID": "41", "SLURMD_NODENAME": "dgx1"}, still_wanted=lambda: True)
+    assert agent.has_ended("41") and not agent.has_ended("42")
+    background = Background(agent, "dgx1")
+    assert background.flush_records() == 1 and up.calls == [] and list(config.journal.iterdir()) == []
+    assert "job 41: ended before its AdminComment record was written; the decision stays in this node's log only" in (
+        Path(config.log).read_text())
+    agent.run_hook("prolog", env_for("41", "0", "mapa:"), still_wanted=lambda: True, defer=lambda action: None)
+    assert not agent.has_ended("41")

@@ -116,6 +116,11 @@ class Background:
             if mtime and time.time() - mtime > MAX_RECORD_AGE_S:
                 log(f"job {job_id}: its AdminComment record could not be written for a week; dropped: {entry.record}")
                 done = True
+            elif self.agent.has_ended(job_id):
+                # slurmctld refuses an AdminComment update once the job has finished: not asked.
+                log(f"job {job_id}: ended before its AdminComment record was written; the "
+                    f"{'isolation note' if state.is_note(name) else 'decision'} stays in this node's log only")
+                done = True
             elif note is not None:
                 # The decision and its isolation note, both still to write: one read and one update
                 # of the AdminComment instead of two each (a burst of short jobs: docs/benchmarks.md).

@@ -46,6 +46,8 @@ from ..hooks.prolog import prolog_failing_open
 from ..isolation.isolator import Isolator, effective_mode, job_devices_for
 from ..isolation.rules import IsolationError
 
+MAX_ENDED_JOBS = 4096  # the Epilogs remembered (has_ended): far more than a records loop lags behind
+
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
 
@@ -72,6 +74,10 @@ class Agent:
         self.make_runner = metrics.instrument(run) if metrics is not None else run  # tests give a fake Slurm here
         self.background: Background | None = None  # started by main(); tests drive it directly
         self.public_log = LogLimiter()  # failures of the public socket's requests, per uid
+        # Jobs whose Epilog this agent ran: slurmctld takes no AdminComment update of a finished job,
+        # so a record still waiting for one is not sent (a burst of short jobs; docs/benchmarks.md).
+        self._ended: dict[str, None] = {}
+        self._ended_lock = threading.Lock()
 
     def run_hook(
         self,
@@ -82,11 +88,24 @@ class Agent:
         requester_pid: int | None = None,
     ) -> None:
         config_env = {"MAPA_CONFIG": self.config_path}  # read again for each job: an edit applies at once
+        job_id = env.get("SLURM_JOB_ID", "")
         if kind == "prolog":
+            with self._ended_lock:
+                self._ended.pop(job_id, None)  # a requeued job runs again under its id
             prolog_failing_open(env, config_env, self.make_runner, " (in mapa-agent)",
                                 still_wanted=still_wanted, defer=defer, requester_pid=requester_pid)
         else:
             epilog_failing_open(env, config_env, " (in mapa-agent)")
+            if job_id.isdigit() and len(job_id) <= 20:
+                with self._ended_lock:
+                    self._ended[job_id] = None
+                    while len(self._ended) > MAX_ENDED_JOBS:
+                        del self._ended[next(iter(self._ended))]
+
+    def has_ended(self, job_id: str) -> bool:
+        """Whether this agent ran the job's Epilog (since its last Prolog here)."""
+        with self._ended_lock:
+            return job_id in self._ended
 
     def isolate(self, pid: int, uid: int, env: Mapping[str, str], public: bool = False) -> str:
         """The answer to a TaskProlog's isolate request from process ``pid`` of user ``uid``
