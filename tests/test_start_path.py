@@ -8,6 +8,7 @@ on-disk journal that the agent writes later, retrying until slurmctld answers.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -231,3 +232,26 @@ def test_a_record_of_a_job_whose_epilog_the_agent_ran_is_not_sent(tmp_path):
         Path(config.log).read_text())
     agent.run_hook("prolog", env_for("41", "0", "mapa:"), still_wanted=lambda: True, defer=lambda action: None)
     assert not agent.has_ended("41")
+
+
+def test_the_agent_reuses_a_config_load_only_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    """load_hook_config keeps a load CONFIG_REUSE_S at most, and not past an edit, a chmod or a
+    rename over the file; an unusable config is read afresh every time."""
+    from slurm_mapa.slurm import config as config_module
+    from slurm_mapa.slurm.config import load_hook_config
+
+    path = write_config(tmp_path)
+    env = {"MAPA_CONFIG": str(path)}
+    first = load_hook_config(env)
+    assert first[1] == "" and load_hook_config(env) is first
+    path.write_text(path.read_text() + "\n")  # an edit (size and mtime change)
+    second = load_hook_config(env)
+    assert second is not first and load_hook_config(env) is second
+    os.chmod(path, 0o664)
+    refused = load_hook_config(env)
+    assert refused[1].startswith("bad-config: refused the config") and load_hook_config(env) is not refused
+    os.chmod(path, 0o644)
+    third = load_hook_config(env)
+    assert third[1] == "" and third is not second
+    monkeypatch.setattr(config_module, "CONFIG_REUSE_S", 0.0)
+    assert load_hook_config(env) is not third  # past the reuse time: read again

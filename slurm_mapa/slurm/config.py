@@ -377,7 +377,34 @@ def _metrics_table(table: Any, source: str) -> tuple[str, int] | None:
 MAX_CONFIG_BYTES = 1 << 20
 
 
+# mapa-agent loads the config for every request (an edit applies at once): several times per job.
+# A load is kept this long while the file's identity, size, times, mode and owner are unchanged, so
+# an edit, a chmod or a chown of the file is seen at once; what could go unseen this long is a
+# change to a directory above it or to a program it names (each root's own doing).
+CONFIG_REUSE_S = 1.0
+_recent_loads: dict[tuple[str, bool], tuple[tuple[int, ...], float, tuple[HookConfig, str]]] = {}
+
+
 def load_hook_config(env: Mapping[str, str], *, validate: bool = True) -> tuple[HookConfig, str]:
+    """The hooks' config (``$MAPA_CONFIG`` or /etc/slurm/mapa.toml) and, if it is unusable, why:
+    :func:`read_hook_config`'s answer, or that of a read within CONFIG_REUSE_S of the same file."""
+    path = env.get("MAPA_CONFIG", str(DEFAULT_CONFIG_PATH))
+    try:
+        st = os.stat(path)
+        signature = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid)
+    except OSError:
+        signature = None
+    key, now = (path, validate), time.monotonic()
+    recent = _recent_loads.get(key)
+    if signature is not None and recent is not None and recent[0] == signature and 0 <= now - recent[1] < CONFIG_REUSE_S:
+        return recent[2]
+    loaded = read_hook_config(env, validate=validate)
+    if signature is not None and not loaded[1]:  # an unusable config is read afresh each time
+        _recent_loads[key] = (signature, now, loaded)
+    return loaded
+
+
+def read_hook_config(env: Mapping[str, str], *, validate: bool = True) -> tuple[HookConfig, str]:
     """The hooks' config (``$MAPA_CONFIG`` or /etc/slurm/mapa.toml) and, if it is unusable, why.
 
     An unusable config never stops a hook: the defaults still find the ledger, and the Prolog
