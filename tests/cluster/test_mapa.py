@@ -586,7 +586,7 @@ while pgrep -f 'mapa-prolog-wrappe[r]' >/dev/null; do
     pid=$(grep -o '[0-9][0-9]*' "$mark" 2>/dev/null | head -n 1)
     what=$(tr '\0' ' ' < "/proc/${pid:-0}/cmdline" 2>/dev/null)
     case "$what" in
-        */agent/client.py*)
+        */agent/client.py*|*/mapa-hook-client\ prolog*)
             for agent in $(pgrep -f '^/usr/bin/python3 .*slurm_mapa.slurm.agent.service impor[t]'); do
                 kill -KILL "$agent" && echo "killed mapa-agent $agent, serving $pid: $what"
             done ;;
