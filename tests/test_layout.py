@@ -124,3 +124,56 @@ def test_the_import_checks_see_a_violation():
     found = imported_modules(prolog)
     assert f"{SLURM}.node_state" in found and f"{SLURM}.node_state.NodeState" in found
     assert RANK["agent"] > RANK["hooks"] and slurm_part(f"{SLURM}.agent.service") == "agent"
+
+
+def sibling_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (module -> the modules it imports): its strongly connected
+    components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_module_imports_back_a_sibling_that_imports_it():
+    """Issue 42: no circle inside a package (imports for type checking included), so each module
+    reads with only what it imports; a package's __init__ gathering its modules is not a circle."""
+    named = {module_name(path): path for path in modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in named.items():
+        if path.stem == "__init__":
+            continue
+        package = name.rsplit(".", 1)[0]
+        siblings = set()
+        for imported in imported_modules(path):
+            while imported and imported not in named:
+                imported = imported.rsplit(".", 1)[0] if "." in imported else ""
+            if imported and imported != name and named[imported].stem != "__init__" and imported.rsplit(".", 1)[0] == package:
+                siblings.add(imported)
+        graph[name] = siblings
+    assert sibling_cycles(graph) == []
+    assert sibling_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check sees one

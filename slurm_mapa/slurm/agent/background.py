@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from ..config import hook_logger, load_hook_config
 
 if TYPE_CHECKING:
-    from .service import Agent
+    from .roles import RecordKeeper
 
 MAX_RECORD_AGE_S = 7 * 86400  # a record slurmctld has refused for a week is dropped (and logged)
 MAX_BACKOFF_S = 300.0
@@ -26,7 +26,7 @@ class Background:
     the journal's AdminComment records (at most ``admin_comment_rate`` per second, retried with
     back-off while slurmctld does not answer)."""
 
-    def __init__(self, agent: "Agent", node: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, agent: "RecordKeeper", node: str, clock: Callable[[], float] = time.monotonic) -> None:
         from .features import Publisher
 
         self.agent = agent

@@ -21,7 +21,7 @@ from .client import ISOLATE, ISOLATE_KEYS, KEYS, KINDS, MAX_HEADER_BYTES, MAX_RE
 from ..text.commands import is_job_id
 
 if TYPE_CHECKING:
-    from .service import Agent
+    from .roles import HookService
 
 # One deadline for reading the whole request: a client that trickles a byte every few seconds
 # must not hold a thread (a timeout per recv would let it go on for ever).
@@ -334,7 +334,7 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     request_queue_size = LISTEN_BACKLOG
     request_read_timeout = REQUEST_READ_TIMEOUT_S
 
-    def __init__(self, path: str, agent: Agent, max_handlers: int = MAX_HANDLERS, public: bool = False,
+    def __init__(self, path: str, agent: "HookService", max_handlers: int = MAX_HANDLERS, public: bool = False,
                  admission: PublicAdmission | None = None) -> None:
         self.agent = agent
         self.public = public  # the TaskPrologs' socket: isolate requests from anyone, nothing else
@@ -459,7 +459,7 @@ def prepare_socket_dir(path: Path) -> None:
         path.unlink()
 
 
-def serve(socket_path: str, agent: Agent, max_handlers: int = MAX_HANDLERS) -> AgentServer:
+def serve(socket_path: str, agent: "HookService", max_handlers: int = MAX_HANDLERS) -> AgentServer:
     """A server bound to ``socket_path`` (mode 600 in a root-only directory); call serve_forever on it."""
     path = Path(socket_path)
     prepare_socket_dir(path)
@@ -471,7 +471,7 @@ def serve(socket_path: str, agent: Agent, max_handlers: int = MAX_HANDLERS) -> A
     return server
 
 
-def serve_isolation(socket_path: str, agent: Agent, max_handlers: int = MAX_HANDLERS) -> AgentServer:
+def serve_isolation(socket_path: str, agent: "HookService", max_handlers: int = MAX_HANDLERS) -> AgentServer:
     """The TaskPrologs' server: ``socket_path`` is mode 666 in a root-owned directory of mode 755,
     so every job's user can ask; it takes isolate requests only."""
     path = Path(socket_path)
