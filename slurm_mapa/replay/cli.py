@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from importlib import resources
 from typing import Sequence
@@ -31,9 +30,8 @@ from .cluster_spec import _load_config
 from .config import parse_config
 from .generate import GENERATORS, generate
 from .jobfile import write_jobfile
-from .headline import POLICY_SUMMARIES, policy_lines
-from .headline import fold_prose
-from .run import CsvSink, _replay
+from .headline import POLICY_SUMMARIES, fold_prose, policy_lines
+from .run import CsvSink, _replay, prose_width
 from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, Options
 from .sources import FORMATS, PROG, Source, _check_has_jobs, _counting, _detect, _open_path, _parse_generate, _take
 
@@ -117,7 +115,7 @@ def cmd_demo(args) -> int:
         print("\n" + fold_prose("plots: `mapa-replay demo --plot DIR` draws these numbers as box plots in DIR (they need "
                                 "matplotlib, the package's `plot` extra: pip install -e '.[plot]' in a checkout); "
                                 "`mapa-replay run --help` replays your own sacct log.",
-                                shutil.get_terminal_size((100, 24)).columns))
+                                prose_width()))
     return code
 
 

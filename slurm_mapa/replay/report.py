@@ -141,12 +141,12 @@ NARROW_NOTE = ("narrowed to the terminal's {width} columns: {hidden} are left ou
 def table(results: Sequence[RunResult], width: int | None = None) -> str:
     """The comparison table: one line per policy, then what its columns mean; on a terminal
     narrower than the table, the columns a first look needs (the legend says which are left out)."""
-    if width is not None and width < 143:
-        return _narrow_table(results, width)
     head = (
         f"{'policy':<18} {'jobs':>6} | {'sensitive effective BW (GB/s)':^34} | {'insens.':>7} | {'ranked':>7} | "
         f"{'preserved':>9} {'frag':>5} | {'wait mean':>9} {'p95':>8} | {'makespan':>9} {'jobs/h':>8}"
     )
+    if width is not None and width < len(head):
+        return _narrow_table(results, width, len(head))
     sub = (f"{'':<18} {'':>6} | {'min':>6} {'p25':>6} {'med':>6} {'p75':>6} {'max':>6} | {'median':>7} | {'median':>7} | "
            f"{'mean GB/s':>9} {'mean':>5} | {'(s)':>9} {'(s)':>8} | {'(s)':>9} {'':>8}")
     lines = [head, sub, "-" * len(head)]
@@ -160,20 +160,26 @@ def table(results: Sequence[RunResult], width: int | None = None) -> str:
             + f"{_duration(r.wait.mean, 9)} {_duration(r.wait.quantile(0.95), 8)} | {_duration(r.makespan, 9, 0)} "
             + _fmt(r.throughput_per_hour, 8)
         )
-    # One phrase per distinct count, with the policies that have it (not the same phrase per policy).
-    grouped: dict[str, list[str]] = {}
-    for r in results:
-        if _outside_mark(r):
-            grouped.setdefault(outside_text(r), []).append(r.label)
-    if grouped:
-        every = len(results) > 1 and sum(map(len, grouped.values())) == len(results) and len(grouped) == 1
-        notes = [f"{text}: {'every policy' if every else ', '.join(labels)}" for text, labels in grouped.items()]
-        lines.append("* effective bandwidths outside the judging model's fitted range: " + "; ".join(notes))
+    lines += _outside_note(results)
     lines.append(TABLE_LEGEND)
     return "\n".join(lines)
 
 
-def _narrow_table(results: Sequence[RunResult], width: int) -> str:
+def _outside_note(results: Sequence[RunResult]) -> list[str]:
+    """The line that explains the table's ``*`` marks (none without a mark): one phrase per
+    distinct count, with the policies that have it (not the same phrase per policy)."""
+    grouped: dict[str, list[str]] = {}
+    for r in results:
+        if _outside_mark(r):
+            grouped.setdefault(outside_text(r), []).append(r.label)
+    if not grouped:
+        return []
+    every = len(results) > 1 and sum(map(len, grouped.values())) == len(results) and len(grouped) == 1
+    notes = [f"{text}: {'every policy' if every else ', '.join(labels)}" for text, labels in grouped.items()]
+    return ["* effective bandwidths outside the judging model's fitted range: " + "; ".join(notes)]
+
+
+def _narrow_table(results: Sequence[RunResult], width: int, wide: int) -> str:
     head = f"{'policy':<18} {'jobs':>5} | {'sensitive BW (GB/s)':^20} | {'insens.':>7} | {'wait mean':>9} {'jobs/h':>7}"
     sub = f"{'':<18} {'':>5} | {'min':>6} {'p25':>6} {'med':>6} | {'median':>7} | {'(s)':>9} {'':>7}"
     lines = [head, sub, "-" * len(head)]
@@ -183,17 +189,10 @@ def _narrow_table(results: Sequence[RunResult], width: int) -> str:
                      + " ".join(_fmt(f[k], 6) for k in ("min", "p25", "median"))
                      + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_duration(r.wait.mean, 9)} "
                      + _fmt(r.throughput_per_hour, 7))
-    grouped: dict[str, list[str]] = {}
-    for r in results:
-        if _outside_mark(r):
-            grouped.setdefault(outside_text(r), []).append(r.label)
-    if grouped:
-        lines.append("* effective bandwidths outside the judging model's fitted range: "
-                     + "; ".join(f"{text}: {', '.join(labels)}" for text, labels in grouped.items()))
-    legend = [line for line in TABLE_LEGEND.splitlines() if not line.lstrip().startswith(("ranked:", "preserved:"))]
-    lines += legend
+    lines += _outside_note(results)
+    lines += [line for line in TABLE_LEGEND.splitlines() if not line.lstrip().startswith(("ranked:", "preserved:"))]
     lines.append(NARROW_NOTE.format(width=width, hidden="the sensitive jobs' p75 and max, ranked, preserved, frag, "
-                                    "the wait's p95 and the makespan", wide=143))
+                                    "the wait's p95 and the makespan", wide=wide))
     return "\n".join(lines)
 
 
@@ -237,11 +236,12 @@ def by_gpus_text(results: Sequence[RunResult], width: int | None = None) -> str:
     sizes = sorted({g for r in results for g in r.by_gpus})
     if not sizes:
         return ""
-    narrow = width is not None and width < 110
     head = (f"{'GPUs':>4} {'policy':<18} {'jobs':>6} | {'sensitive eff. BW (GB/s)':^27} | {'ranked':>6} {'fast':>5} | "
             f"{'insensitive':^20} | {'wait mean':>9}")
     sub = (f"{'':>4} {'':<18} {'':>6} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} | {'med':>6} {'ring':>5} | "
            f"{'p10':>6} {'med':>6} {'p90':>6} | {'(s)':>9}")
+    wide = len(head)
+    narrow = width is not None and width < wide
     if narrow:
         head = f"{'GPUs':>4} {'policy':<18} {'jobs':>5} | {'sensitive BW (GB/s)':^27} {'fast':>5} | {'wait mean':>9}"
         sub = f"{'':>4} {'':<18} {'':>5} | {'n':>6} {'p10':>6} {'med':>6} {'p90':>6} {'ring':>5} | {'(s)':>9}"
@@ -250,7 +250,7 @@ def by_gpus_text(results: Sequence[RunResult], width: int | None = None) -> str:
              + "; " + BY_GPUS_LEGEND, head, sub, "-" * len(head)]
     if narrow:
         lines.insert(1, NARROW_NOTE.format(width=width, hidden="ranked and the insensitive jobs' p10, median and p90",
-                                           wide=110))
+                                           wide=wide))
     for gpus in sizes:
         judged = [r for r in results if gpus in r.by_gpus
                   and (r.by_gpus[gpus].eff_sensitive.count or r.by_gpus[gpus].eff_insensitive.count)]

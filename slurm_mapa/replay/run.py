@@ -351,15 +351,19 @@ def _emit(args, out: dict, text_parts: list[str]) -> None:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        width = shutil.get_terminal_size((100, 24)).columns
+        width = prose_width()
         print("\n\n".join(fold_prose(p, width) for p in text_parts if p))
 
 
 def terminal_width() -> int:
     """The width the tables are laid out for: COLUMNS, else the terminal's; a file or a pipe keeps
-    every column (prose there is folded at 100, in _emit)."""
+    every column (prose there is folded at prose_width's 100)."""
     return shutil.get_terminal_size((200, 24)).columns
 
+
+def prose_width() -> int:
+    """The width prose is folded at: COLUMNS, else the terminal's, else 100."""
+    return shutil.get_terminal_size((100, 24)).columns
 
 
 def _plots(args, label: str, results: list[RunResult], out: dict, notes: list[str]) -> None:

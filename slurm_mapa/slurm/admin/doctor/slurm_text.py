@@ -164,10 +164,11 @@ def wrapper_program(text: str) -> tuple[str, str] | None:
     """(python, package directory) of a wrapper `mapa hooks` wrote: its agent client line (the
     client's path as this release writes it, or as 0.1.0 did: ``slurm_mapa/slurm/agent_client.py``),
     else (a wrapper with the compiled client) its in-process line."""
-    for line in text.splitlines():
-        match = re.match(r"""^(/\S+) -I(?: -X pycache_prefix=\S+)? -c 'import sys; sys\.path\.insert\(0, "([^"]+)"\)""", line)
-        if match and wrapper_client(text) is not None:
-            return match.group(1), str(Path(match.group(2)) / "slurm_mapa")
+    if wrapper_client(text) is not None:
+        for line in text.splitlines():
+            match = re.match(r"""^(/\S+) -I(?: -X pycache_prefix=\S+)? -c 'import sys; sys\.path\.insert\(0, "([^"]+)"\)""", line)
+            if match:
+                return match.group(1), str(Path(match.group(2)) / "slurm_mapa")
     for line in text.splitlines():
         if "-S" not in line or "client.py" not in line:
             continue
