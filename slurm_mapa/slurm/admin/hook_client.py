@@ -8,17 +8,16 @@ the wrappers when a C compiler is at hand, and the wrappers name whichever clien
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from pathlib import Path
 
 from .. import trusted_files as trusted
+from . import c_build
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
 SOURCE = PACKAGE_DIR / "data" / "client" / "mapa_hook_client.c"
 NAME = "mapa-hook-client"
 MAX_BINARY_BYTES = 4 << 20
-BUILD_TIMEOUT_S = 120
 
 
 def build_argv(cc: str, source: Path, output: Path) -> list[str]:
@@ -33,18 +32,14 @@ def build_into(directory: Path, cc: str) -> tuple[Path | None, str]:
     with tempfile.TemporaryDirectory(prefix="mapa-client-") as scratch:
         built = Path(scratch) / NAME
         try:
-            done = subprocess.run(build_argv(cc, SOURCE, built), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except FileNotFoundError:
-            where = "there is no such file" if "/" in cc else "it is not on this node's PATH"
-            return None, f"note: no C compiler {cc!r} ({where}): {slower}; --cc names one"
-        except (OSError, subprocess.TimeoutExpired) as error:
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-            return None, f"WARNING: cannot run the compiler {cc!r}: {reason}: {slower}"
-        if done.returncode != 0:
-            return None, f"WARNING: {cc} failed on {SOURCE}: {slower}:\n{done.stderr.strip()[-2000:]}"
-        data = trusted.read_bytes(built, MAX_BINARY_BYTES)
-        if len(data) > MAX_BINARY_BYTES:
-            return None, f"WARNING: {cc} made a client of more than {MAX_BINARY_BYTES} bytes, not installed: {slower}"
+            data = c_build.build(build_argv(cc, SOURCE, built), built, MAX_BINARY_BYTES)
+        except c_build.BuildFailed as error:
+            return None, {
+                "missing": f"note: no C compiler {cc!r} ({error.detail}): {slower}; --cc names one",
+                "unrunnable": f"WARNING: cannot run the compiler {cc!r}: {error.detail}: {slower}",
+                "failed": f"WARNING: {cc} failed on {SOURCE}: {slower}:\n{error.detail}",
+                "too-large": f"WARNING: {cc} made a client of {error.detail}, not installed: {slower}",
+            }[error.stage]
         target = directory / NAME
         trusted.replace_file(target, data, mode=0o755)
     return target, f"wrote {target} (the wrappers' client of mapa-agent, built with {cc})"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import InputError
 from .. import trusted_files as trusted
 from ..isolation import spank_plugin
-from . import hook_client
+from . import c_build, hook_client
 
 if TYPE_CHECKING:
     from ..config import HookConfig
@@ -412,7 +412,6 @@ def spank_build_report(plugin: bytes, target: Path, running_text: str | None) ->
 def cmd_spank_plugin(args: argparse.Namespace) -> int:
     """Compile the SPANK plugin into PATH (replaced whole: slurmstepd loads it at every step) and
     print its plugstack.conf line."""
-    import subprocess
     import tempfile
 
     target = Path(args.path)
@@ -426,20 +425,16 @@ def cmd_spank_plugin(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="mapa-spank-") as scratch:
         built = Path(scratch) / target.name
         try:
-            done = subprocess.run(spank_build_argv(args.cc, SPANK_SOURCE, built), capture_output=True, text=True, timeout=120)
-        except FileNotFoundError:
-            where = "there is no such file" if "/" in args.cc else "it is not on this node's PATH"
-            raise InputError(f"cannot run the compiler {args.cc!r}: {where}; accepted: --cc naming an installed C compiler "
-                             "(Debian: apt install gcc libslurm-dev; RHEL: dnf install gcc slurm-devel)") from None
-        except (OSError, subprocess.TimeoutExpired) as error:
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-            raise InputError(f"cannot run the compiler {args.cc!r}: {reason}") from None
-        if done.returncode != 0:
-            raise InputError(f"{args.cc} failed on {SPANK_SOURCE} (it needs the Slurm headers: Debian's libslurm-dev, "
-                             f"RHEL's slurm-devel):\n{done.stderr.strip()[-2000:]}")
-        data = trusted.read_bytes(built, MAX_PLUGIN_BYTES)
-        if len(data) > MAX_PLUGIN_BYTES:
-            raise InputError(f"{args.cc} made a plugin of more than {MAX_PLUGIN_BYTES} bytes; not installed")
+            data = c_build.build(spank_build_argv(args.cc, SPANK_SOURCE, built), built, MAX_PLUGIN_BYTES)
+        except c_build.BuildFailed as error:
+            raise InputError({
+                "missing": f"cannot run the compiler {args.cc!r}: {error.detail}; accepted: --cc naming an installed C "
+                           "compiler (Debian: apt install gcc libslurm-dev; RHEL: dnf install gcc slurm-devel)",
+                "unrunnable": f"cannot run the compiler {args.cc!r}: {error.detail}",
+                "failed": f"{args.cc} failed on {SPANK_SOURCE} (it needs the Slurm headers: Debian's libslurm-dev, "
+                          f"RHEL's slurm-devel):\n{error.detail}",
+                "too-large": f"{args.cc} made a plugin of {error.detail}; not installed",
+            }[error.stage]) from None
         trusted.replace_file(target, data, mode=0o644)
     print(f"wrote {target}", file=sys.stderr)
     for report in spank_build_report(data, target, spank_plugin.running_slurm_version_text()):
