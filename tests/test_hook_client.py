@@ -60,7 +60,13 @@ class FakeAgent:
                     conn.sendall(self.answer)
 
     def close(self):
+        # close() alone leaves accept() waiting (a thread left behind per test); shutdown wakes it
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
+        self.thread.join(timeout=10)
         os.unlink(self.path)
 
 

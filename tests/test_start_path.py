@@ -255,3 +255,20 @@ def test_the_agent_reuses_a_config_load_only_while_the_file_is_unchanged(tmp_pat
     assert third[1] == "" and third is not second
     monkeypatch.setattr(config_module, "CONFIG_REUSE_S", 0.0)
     assert load_hook_config(env) is not third  # past the reuse time: read again
+
+
+def test_a_multi_node_jobs_prolog_writes_its_record_before_the_job_starts_agent_or_not(tmp_path):
+    """Written after the start, a short multi-node job could end before a node put back the record
+    another node's write had dropped (slurmctld takes no update of a finished job): each node's
+    Prolog settles the AdminComment itself, even with mapa-agent's journal at hand."""
+    config = load(write_config(tmp_path, job_submit_lua=True))
+    slurm, deferred = FakeSlurm(), []
+    slurm.admin["31"] = "mapa:topology=ring sensitive=yes # summit1=0,1 policy=preserve"  # the other node's, written first
+    env = {**env_for("31", "0,1", "mapa:topology=ring sensitive=yes"), "SLURM_JOB_NUM_NODES": "2"}
+    decision = run_prolog(env, config, slurm, [].append, defer=deferred.append)
+    assert deferred == [] and list(config.journal.iterdir()) == []
+    recorded = parse_decisions(slurm.admin["31"])
+    assert set(recorded) == {"dgx1", "summit1"} and recorded["dgx1"].gpus == decision.gpus
+    # A one-node job's record still waits for the agent, off the start path.
+    run_prolog(env_for("32", "2,3", "mapa:topology=ring sensitive=yes"), config, NoSlurm(), [].append, defer=deferred.append)
+    assert len(deferred) == 1 and [path.name for path in config.journal.iterdir()] == ["32"]

@@ -470,12 +470,17 @@ def record_decision(
     log(f"job {ctx.job_id} on {ctx.node}: {decision.text()} (directive {directive.normalised()!r} from {source}; "
         f"Slurm gave {','.join(map(str, ctx.slurm_gpus))})" + (f"; FALLBACK because {problem or decision.fallback}" if decision.fallback else ""))
     entry = journal_decision(ctx, directive, decision, config, log)
-    if defer is not None:
+    if defer is not None and ctx.nodes_in_job <= 1:
         defer(lambda: None)  # mapa-agent writes the journal's records after answering, off the start path
-    else:
-        # No agent: write it now, within the budget (the journal keeps it if slurmctld does not answer).
-        if entry is not None and flush_entry(config, ctx.job_id, entry, run, log):
-            state.forget_record(ctx.job_id)
+        return
+    # No agent, or a multi-node job: write it now, within the budget (the journal keeps it if
+    # slurmctld does not answer). A multi-node job's nodes each rewrite the whole AdminComment and
+    # read back until every node's record is there; written after the job started, a job that
+    # ends within a second could finish before a lost record is put back (slurmctld takes no update
+    # of a finished job), so its nodes settle it while the job waits for their Prologs.
+    if entry is not None and flush_entry(config, ctx.job_id, entry, run, log):
+        state.forget_record(ctx.job_id)
+    if defer is None:
         reconcile_if_due(config, ctx.node, size, run, log, budget)
 
 
