@@ -6,7 +6,7 @@ statement counts, module level or inside a function):
   imports its modules, only the package;
 * the agent's client, which root runs as a script with ``python -I -S``, imports nothing of the
   project;
-* no module is much over 600 lines, but for the ones named here with the reason.
+* no module is over 600 lines.
 """
 
 from __future__ import annotations
@@ -34,11 +34,6 @@ LAYERS = (
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
 MAX_LINES = 600
-LONGER_ON_PURPOSE = {
-    # simulate(): one event loop whose inner steps share its running state, beside the Decider it
-    # drives; split, each half would be read with the other open.
-    "slurm_mapa/replay/simulate.py": 800,
-}
 
 
 def module_name(path: Path) -> str:
@@ -112,9 +107,8 @@ def test_the_agent_client_imports_nothing_of_the_project():
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE_DIR.parent)))
 def test_no_module_is_much_longer_than_a_reader_holds(path):
     relative = str(path.relative_to(PACKAGE_DIR.parent))
-    limit = LONGER_ON_PURPOSE.get(relative, MAX_LINES)
     lines = len(path.read_bytes().splitlines())
-    assert lines <= limit, f"{relative} has {lines} lines: split it by responsibility (docs/architecture.md)"
+    assert lines <= MAX_LINES, f"{relative} has {lines} lines: split it by responsibility (docs/architecture.md)"
 
 
 def test_the_import_checks_see_a_violation():

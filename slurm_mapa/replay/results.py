@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import inf
+from typing import TYPE_CHECKING
 
 from .stats import Dist, Series
+
+if TYPE_CHECKING:
+    from .decider import Decision
+    from .jobs import Job
 
 
 @dataclass
@@ -101,6 +106,46 @@ class RunResult:
         if found is None:
             found = self.by_gpus[gpus] = SizeStats()
         return found
+
+    def add_ended(self, job: "Job", first: "Decision", localities: list, start: float, end: float) -> None:
+        """An ended job in the accumulators, all jobs' and its size's: ``first``, its decision on
+        its first node; ``localities``, each node's (None where affinity was not modelled)."""
+        localities = [local for local in localities if local is not None]
+        if localities:
+            if all(localities):
+                self.affinity_local += 1
+            else:
+                self.affinity_remote += 1
+        self.jobs += 1
+        self.last_end = max(self.last_end, end)
+        self.wait.add(start - job.submit)
+        if job.sensitive and job.gpus >= 2:
+            self.wait_sensitive.add(start - job.submit)
+        self.runtime.add(end - start)
+        if job.sensitive:
+            self.runtime_sensitive.add(end - start)
+        size = self.size(job.gpus)
+        size.jobs += 1
+        size.wait.add(start - job.submit)
+        if first.effective is not None:
+            (self.eff_sensitive if job.sensitive else self.eff_insensitive).add(first.effective)
+            (size.eff_sensitive if job.sensitive else size.eff_insensitive).add(first.effective)
+        if job.sensitive and first.ranked is not None:
+            self.ranked_sensitive.add(first.ranked)
+            size.ranked_sensitive.add(first.ranked)
+        if job.sensitive and first.fast_ring is not None:
+            self.ring_checked += 1
+            size.ring_checked += 1
+            if first.fast_ring:
+                self.fast_ring += 1
+                size.fast_ring += 1
+        if first.grounded:
+            self.grounded += 1
+            size.grounded += 1
+        if first.extrapolated:
+            self.extrapolated += 1
+            size.extrapolated += 1
+        self.preserved_after.add(first.preserved)
 
     @property
     def makespan(self) -> float:
