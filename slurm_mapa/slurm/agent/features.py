@@ -1,7 +1,7 @@
 """mapa-agent's side of node choice: publish which good placements this node has free.
 
 The pure part (which features a node has) is :mod:`slurm_mapa.core.features`; this module reads
-the node's free GPUs from the ledger and writes the features into slurmctld with
+the node's free GPUs from the ledger (snapshot.py) and writes the features into slurmctld with
 ``scontrol update NodeName=NODE ActiveFeatures=...``, leaving every feature of the node that is not
 MAPA's as it is (active if active now, inactive if an administrator made it inactive). Such
 updates live in slurmctld only (a restart forgets them), so the agent publishes again at every
@@ -18,7 +18,8 @@ from ...core.features import PREFIX, feature_names, fleet_best, node_features
 from ...errors import MapaError
 from ..text.commands import CommandFailed, RunCommand, active_features_argv, parse_active_features, parse_available_features, show_node_argv
 from ..config import HookConfig
-from ..node_state import LedgerCorrupt, NodeState
+from ..node_state import LedgerCorrupt
+from .snapshot import read_snapshot
 
 
 
@@ -44,11 +45,14 @@ class Publisher:
         """MAPA's features for the node's free GPUs now (None: not configured, or no topology)."""
         from ...core.model_files import load_model
         from ...hardware.load import load_topology, model_for_topology
-        from ..hooks.node_graph import load_graph
 
         if not config.feature_sizes:
             return None
-        graph = load_graph(config, self.node)
+        try:
+            snapshot = read_snapshot(config, self.node)
+        except LedgerCorrupt:
+            return None  # the next Prolog rebuilds it; publish then
+        graph = snapshot.graph
         # The configured `model` for every server of the fleet, else each server's own default
         # (true to its links, in GB/s: rings of different servers compare on that scale).
         model = load_model(config.model) if config.model not in ("", "auto") else model_for_topology
@@ -56,11 +60,7 @@ class Publisher:
         if self._best_key != key:  # the fleet's idle best: computed once per configuration
             fleet = [load_topology(spec) for spec in config.feature_fleet] or [graph]
             self._best, self._best_key = fleet_best(fleet + [graph], config.feature_sizes, model), key
-        try:
-            ledger = NodeState.of(config).read_ledger(graph.size)
-        except LedgerCorrupt:
-            return None  # the next Prolog rebuilds it; publish then
-        return node_features(graph, ledger.free(graph.size), self._best or {}, model, config.feature_threshold)
+        return node_features(graph, snapshot.free, self._best or {}, model, config.feature_threshold)
 
     def publish(self, config: HookConfig, run: RunCommand, log: Callable[[str], None], force: bool = False) -> bool:
         """Write the node's features if they changed (or ``force``). True if slurmctld was asked."""

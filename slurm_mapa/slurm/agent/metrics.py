@@ -154,13 +154,11 @@ def read_node_gauges(config: "HookConfig", node: str) -> NodeGauges:
     Raises MapaError, OSError or ledger.LedgerCorrupt when one of them cannot be read."""
     from ...core.policies import all_policies
     from ...hardware.load import resolve_model
-    from ..hooks.node_graph import load_graph
-    from ..node_state import NodeState
+    from .snapshot import read_snapshot
 
-    graph = load_graph(config, node)
-    model = resolve_model(config.model_for(node), graph)
-    ledger = NodeState.of(config).read_ledger(graph.size)
-    return node_gauges(graph, ledger.holdings, model, all_policies())
+    snapshot = read_snapshot(config, node)
+    model = resolve_model(config.model_for(node), snapshot.graph)
+    return node_gauges(snapshot.graph, snapshot.ledger.holdings, model, all_policies())
 
 
 class AgentMetrics:
