@@ -335,7 +335,7 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     request_read_timeout = REQUEST_READ_TIMEOUT_S
 
     def __init__(self, path: str, agent: "HookService", max_handlers: int = MAX_HANDLERS, public: bool = False,
-                 admission: PublicAdmission | None = None, mode: int = 0o600) -> None:
+                 admission: PublicAdmission | None = None) -> None:
         self.agent = agent
         self.public = public  # the TaskPrologs' socket: isolate requests from anyone, nothing else
         self.admission = admission or PublicAdmission()
@@ -344,23 +344,7 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         self.turned_away = 0  # public requests closed unanswered (no task, or over their user's limit)
         self.admitted: dict[int, tuple[int, str]] = {}  # id(request) -> (uid, job), while counted active
         self.admitted_lock = threading.Lock()
-        super().__init__(path, _Handler, bind_and_activate=False)
-        # The path appears only once the socket listens: bound under a short name beside it, then
-        # renamed, so a hook that finds the path is queued, never refused (an agent restart).
-        staging = os.path.join(os.path.dirname(path) or ".", f".{os.getpid()}.s")
-        try:
-            if os.path.lexists(staging):
-                os.unlink(staging)
-            self.socket.bind(staging)
-            self.server_activate()
-            os.chmod(staging, mode)
-            os.rename(staging, path)
-            self.server_address = path
-        except BaseException:
-            self.server_close()
-            if os.path.lexists(staging):
-                os.unlink(staging)
-            raise
+        super().__init__(path, _Handler)
 
     def _turn_away(self, request: socket.socket, uid: int, why: str) -> None:
         self.turned_away += 1
@@ -500,9 +484,10 @@ def serve_isolation(socket_path: str, agent: "HookService", max_handlers: int = 
         path.unlink()
     old_umask = os.umask(0o077)
     try:
-        server = AgentServer(str(path), agent, max_handlers, public=True, mode=0o666)
+        server = AgentServer(str(path), agent, max_handlers, public=True)
     finally:
         os.umask(old_umask)
+    os.chmod(path, 0o666)
     return server
 
 
