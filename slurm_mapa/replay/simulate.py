@@ -389,7 +389,14 @@ class Simulation:
             if on_array:
                 order = _pick_vector(fits & self.features_of(want, published), self.count_array, job.nodes)
             else:
-                good = [i for i in fits if self.has_feature(i, published.get(i, self.free[i]), want)]
+                memo, gids, free, good = self.feature_memo, self.gids, self.free, []
+                for i in fits:  # has_feature, its memo read here: this runs for every node that fits
+                    mask = published.get(i, free[i])
+                    found = memo.get((gids[i], mask, want))
+                    if found is None:
+                        found = self.has_feature(i, mask, want)
+                    if found:
+                        good.append(i)
                 order = _pick_sorted(good, self.count, job.nodes)
             outcome = 1
             if order is None:
