@@ -3,7 +3,7 @@
 It implements only the calls and names slurm_mapa uses, with the signatures and return shapes
 of amdsmi's Python interface (amdsmi_interface.py of amdsmi 7.0.2 on PyPI: dicts for bandwidth,
 link type, enumeration, ECC counts; lists of dicts for processes and bad pages; AmdSmiLinkType;
-tests/test_amd_discovery.py compares the signatures with the real file when it is installed). Anything else fails the test at once with AssertionError; every call checks
+tests/hardware/test_amd_discovery.py compares the signatures with the real file when it is installed). Anything else fails the test at once with AssertionError; every call checks
 that ``amdsmi_init`` ran and that the handle is one of its own. Library errors are raised as
 ``AmdSmiLibraryException`` carrying amdsmi_status_t codes.
 """

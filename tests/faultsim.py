@@ -29,7 +29,7 @@ A job whose every Prolog attempt was killed and that left no job file runs on Sl
 those collide with GPUs MAPA gave a job before, that is reported apart as
 "shared-after-killed-prolog" (no hook can prevent it); every other overlap is a double use.
 
-Used by tests/test_invariant.py (CI-sized) and benchmarks/bench_soak.py (10,000+ jobs).
+Used by tests/core/test_invariant.py (CI-sized) and benchmarks/bench_soak.py (10,000+ jobs).
 """
 
 from __future__ import annotations

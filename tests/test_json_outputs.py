@@ -57,8 +57,8 @@ CASES = {
     ("mapa-replay", "generate"): lambda tmp: ["generate", "paper", "--jobs", "5"],
     ("mapa-replay", "policies"): lambda tmp: ["policies"],
 }
-# Asked of slurmctld or fed measurements: their JSON is checked where they run (tests/test_hooks.py's
-# fake scontrol for explain, tests/test_calibrate.py's nccl-tests outputs for fit).
+# Asked of slurmctld or fed measurements: their JSON is checked where they run (tests/slurm/hooks/test_hooks.py's
+# fake scontrol for explain, tests/calibrate/test_calibrate.py's nccl-tests outputs for fit).
 ELSEWHERE = {("mapa", "explain"), ("mapa", "calibrate", "fit")}
 
 

@@ -171,3 +171,23 @@ def test_no_module_imports_back_a_sibling_that_imports_it():
         graph[name] = siblings
     assert sibling_cycles(graph) == []
     assert sibling_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check sees one
+
+
+# --- the tests' tree ------------------------------------------------------------------------------
+TESTS_DIR = Path(__file__).resolve().parent
+NOT_A_PACKAGE_PART = {"cluster", "data", "lua"}  # the mini cluster's suite, test inputs, the Lua driver
+
+
+def test_the_tests_tree_mirrors_the_package():
+    """tests/core/ holds core's tests, tests/slurm/agent/ the agent's, ...: every folder of tests
+    names a part of the package, and every package (and each package of slurm/) has its folder."""
+    folders = {p.relative_to(TESTS_DIR) for p in TESTS_DIR.rglob("*") if p.is_dir() and "__pycache__" not in p.parts
+               and p.relative_to(TESTS_DIR).parts[0] not in NOT_A_PACKAGE_PART and not p.name.startswith(".")}
+    assert folders, "no test folders seen"
+    for folder in folders:
+        assert (PACKAGE_DIR / folder).is_dir(), f"tests/{folder} names no part of slurm_mapa"
+        assert list((TESTS_DIR / folder).glob("test_*.py")) or any(
+            f.parent == folder for f in folders), f"tests/{folder} holds no tests"
+    packages = {Path(p.name) for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").is_file()}
+    packages |= {Path("slurm") / p.name for p in (PACKAGE_DIR / "slurm").iterdir() if (p / "__init__.py").is_file()}
+    assert packages - folders == set(), "a package without its folder of tests"

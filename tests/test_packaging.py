@@ -239,7 +239,7 @@ def test_the_unpacked_sdists_tests_run(built, tmp_path):
                            capture_output=True, text=True, cwd=source, env=env, timeout=60)
     assert Path(where.stdout.strip()) == source / "slurm_mapa" / "__init__.py", where.stdout + where.stderr
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                           "tests/test_topofile.py", "tests/test_gres.py", "tests/test_amd.py",
+                           "tests/hardware/test_topofile.py", "tests/hardware/test_gres.py", "tests/hardware/test_amd.py",
                            "tests/test_bad_input.py", "-k", "not fuzz and not any_bytes"],
                           capture_output=True, text=True, cwd=source, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

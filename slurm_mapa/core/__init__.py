@@ -4,5 +4,5 @@ Nothing in this package does I/O or knows about Slurm; the replay, the Prolog an
 all call the same functions.
 
 Its modules import one another without a cycle and nothing from slurm_mapa.slurm, .replay or
-.hardware (tests/test_core_imports.py); each module's docstring says what it owns and imports.
+.hardware (tests/core/test_core_imports.py); each module's docstring says what it owns and imports.
 """

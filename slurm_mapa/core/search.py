@@ -70,7 +70,7 @@ __all__ = [
     "score_placement",
 ]
 
-# The names the tests reach in (tests/test_search_bignode.py).
+# The names the tests reach in (tests/core/test_search_bignode.py).
 _SetSearch = SetSearch
 _all_sets_keeping_most_bandwidth = all_sets_keeping_most_bandwidth
 _Meter = Meter

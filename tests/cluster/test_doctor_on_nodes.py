@@ -1,6 +1,6 @@
 """`mapa doctor` on the mini cluster (issue 26): a healthy DGX node and the controller pass, and
 each fault broken into dgx1 (one at a time, restored in a `finally`) fails its own check with exit
-status 1. The checks themselves are unit-tested on literal inputs in tests/test_doctor.py."""
+status 1. The checks themselves are unit-tested on literal inputs in tests/slurm/admin/test_doctor.py."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ What it does (docs/directives.md describes the grammar for users):
 
 This is a line-by-line port of slurm_mapa/slurm/text/directive.py (parse_comment and
 parse_directive_lines, with the checks of Directive): same order of checks, same limits, same
-message text; tests/test_job_submit_lua.py runs both over tests/data/directives/corpus.tsv and
+message text; tests/slurm/admin/test_job_submit_lua.py runs both over tests/data/directives/corpus.tsv and
 compares them. One difference by design: Slurm hands Lua bytes, so lengths and columns count bytes
 and a refused byte is shown as '\xHH' (Python counts characters of the decoded text).
 

@@ -12,8 +12,8 @@ The files (their formats are in the modules that write them):
   changed only under its lock, with the time of the last reconcile pass beside it;
 * the journal (``journal``; ``journal.py``): the AdminComment records not yet written.
 
-Invariants, which tests/test_safety.py (randomised kills at every step, stuck locks),
-tests/test_claim_races.py, tests/test_invariant.py and benchmarks/bench_soak.py prove:
+Invariants, which tests/slurm/node_state/test_safety.py (randomised kills at every step, stuck locks),
+tests/slurm/node_state/test_claim_races.py, tests/core/test_invariant.py and benchmarks/bench_soak.py prove:
 
 1. **No GPU in two live jobs**, unless too few GPUs are free and the job really shares them
    (logged as SHARES): a GPU a job takes alone is claimed first by creating its claim file,

@@ -23,7 +23,7 @@ from slurm_mapa.slurm.hooks.epilog import run_epilog
 from slurm_mapa.slurm.hooks.prolog import run_prolog
 from slurm_mapa.slurm.node_state import NodeState
 
-from test_hooks import FakeSlurm, env_for
+from fake_slurm import FakeSlurm, env_for
 
 
 class NoSlurm:

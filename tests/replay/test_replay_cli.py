@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from repo_paths import TEST_DATA
 
 from slurm_mapa.replay.cli import main
 
-DATA = Path(__file__).parent / "data" / "sacct"
+DATA = TEST_DATA / "sacct"
 
 
 def test_demo_is_the_default_and_prints_the_comparison(capsys, monkeypatch):

@@ -15,6 +15,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,7 +48,7 @@ from slurm_mapa.slurm.text.decision import (
 )
 from slurm_mapa.slurm.text.directive import parse_comment, parse_directive, parse_directive_lines
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PLUGIN = ROOT / "slurm_mapa" / "data" / "slurm" / "job_submit.lua"
 RING_YES = parse_directive("topology=ring sensitive=yes")
 
@@ -573,54 +574,6 @@ def test_reading_any_admin_comment_never_raises(text):
     assert (parts.directive is None) == (find_record(text) is None) == (record_directive(text) is None)
     parse_decisions(text)
     assert split_admin_comment(text)[0] == parts.before
-
-
-# --- job_submit.lua keeps an admin_comment already set ----------------------------------------
-
-def run_lua_submit(tmp_path: Path, cases: list[tuple[str, str | None]]) -> list[str]:
-    """(batch script, admin_comment) cases through slurm_job_submit: the admin_comment after each,
-    by tests/test_job_submit_lua.py's driver of the plugin."""
-    from test_job_submit_lua import _run_admin
-
-    results = _run_admin(tmp_path, [("submit", body, admin) for body, admin in cases])
-    assert all(rc == 0 for rc, _ in results), results
-    return [admin for _, admin in results]
-
-
-def test_job_submit_lua_keeps_the_admins_text(tmp_path):
-    body = "#!/bin/sh\n#MAPA topology=ring sensitive=yes\nsrun x\n"
-    record = "mapa:topology=ring sensitive=yes"
-    cases = [
-        (body, None),
-        (body, "checked by ops"),
-        (body, "  ops: ok \t"),
-        (body, "ops: ok mapa:topology=tree sensitive=no # n1=0 policy=preserve # checked"),
-        (body, "MAPA: checked"),
-        (body, "re MAPA: bug mapa:topology=tree"),
-        (body, "x" * (MAX_ADMIN_COMMENT_CHARS - len(record))),
-        ("#!/bin/sh\nsrun x\n", "no directive: untouched"),
-    ]
-    assert run_lua_submit(tmp_path, cases) == [
-        record,
-        "checked by ops " + record,
-        "ops: ok " + record,
-        "ops: ok " + record,
-        "MAPA: checked " + record,
-        "re MAPA: bug " + record,
-        "x" * (MAX_ADMIN_COMMENT_CHARS - len(record)),  # it would pass the bound: left as it was
-        "no directive: untouched",
-    ]
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.lists(st.sampled_from([w for w in _WORDS if w.isascii()] + ["mapa:gpus=2", "mapa:sensitive=no"]),
-                         max_size=10).map("".join), min_size=20, max_size=20))
-def test_job_submit_lua_and_python_agree_on_the_admins_text(tmp_path, texts):
-    body = "#!/bin/sh\n#MAPA topology=tree\n"
-    results = run_lua_submit(tmp_path, [(body, text) for text in texts])
-    for text, result in zip(texts, results):
-        kept = split_admin_comment(text)[0]
-        assert result == (f"{kept} " if kept else "") + "mapa:topology=tree sensitive=no", text
 
 
 # --- issue 24: the right record for every array task and het component ------------------------------

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_agent import FAKE_SCONTROL
-from test_hooks import FakeSlurm, env_for
+from fake_slurm import FAKE_SCONTROL, FakeSlurm, env_for
 
 from slurm_mapa.errors import InputError
 from slurm_mapa.slurm import config as config_module

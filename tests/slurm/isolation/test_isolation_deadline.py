@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 from slurm_mapa.slurm.agent import client as agent_client
 
-SOURCE = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data" / "spank" / "spank_mapa_isolate.c"
+SOURCE = REPO / "slurm_mapa" / "data" / "spank" / "spank_mapa_isolate.c"
 FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"]  # as containers/Dockerfile builds it
 MARGIN_S = 5.0  # a noisy 2-core machine: a regression hangs for ever, a slow run is a second late
 

@@ -6,7 +6,7 @@ MAPA never has to share here).
 Before the claim rule covered lock holders too, and before Epilogs left word that the job ended,
 these seeds found double uses (a lock holder writing a GPU a Prolog without the lock had just
 claimed) and forced sharing (ledger entries of ended jobs filling the node while squeue failed).
-The process-level soak with kill -9 is tests/test_invariant.py and benchmarks/bench_soak.py.
+The process-level soak with kill -9 is tests/core/test_invariant.py and benchmarks/bench_soak.py.
 """
 
 from __future__ import annotations

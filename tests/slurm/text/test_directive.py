@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from repo_paths import TEST_DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,7 @@ from slurm_mapa.slurm.text.directive import (
     to_request,
 )
 
-CORPUS = Path(__file__).parent / "data" / "directives" / "corpus.tsv"
+CORPUS = TEST_DATA / "directives" / "corpus.tsv"
 PARSERS = {"body": parse_directive, "comment": parse_comment, "script": parse_directive_lines}
 
 

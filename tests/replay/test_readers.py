@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from repo_paths import TEST_DATA
 
 from slurm_mapa.errors import InputError
 from slurm_mapa.replay.directives import make_rules, read_intent
@@ -13,7 +14,7 @@ from slurm_mapa.replay.jobfile import read_jobfile, write_jobfile
 from slurm_mapa.replay.jobs import ReadStats
 from slurm_mapa.replay.sacct import first_node, gpus_in_tres, parse_elapsed, read_sacct_json, read_sacct_text
 
-DATA = Path(__file__).parent / "data" / "sacct"
+DATA = TEST_DATA / "sacct"
 
 FACTS = """JobID|JobName|User|Account|Partition|Submit|Start|End|Elapsed|ElapsedRaw|State|ExitCode|NodeList|AllocTRES|Comment|AdminComment|SystemComment
 33|replay1|alice|research|gpu|2026-11-22T05:38:04|2026-11-22T05:38:56|2026-11-22T05:38:59|00:00:03|3|COMPLETED|0:0|n1|billing=1,cpu=1,gres/gpu=1,node=1|mapa-user-visible|mapa:topology=ring sensitive=yes|

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from repo_paths import REPO, TEST_DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.load import load_topology
 from slurm_mapa.hardware.nvidia_smi import parse_topo_matrix
 
-DATA = Path(__file__).parent / "data"
+DATA = TEST_DATA
 NCCL = DATA / "nccl-tests"
 PCIE = DATA / "nvidia-smi" / "pcie-8gpu-pix-phb-sys.txt"
 BRIDGE = DATA / "nvidia-smi" / "4gpu-nvlink-bridge-pairs.txt"
@@ -391,7 +392,7 @@ def test_cli_default_and_errors(tmp_path, capsys):
 
 
 def test_shipped_generic_bottleneck_model_covers_every_link_and_prefers_fast_pairs():
-    path = Path(__file__).parent.parent / "slurm_mapa" / "data" / "models" / "bottleneck-generic.toml"
+    path = REPO / "slurm_mapa" / "data" / "models" / "bottleneck-generic.toml"
     model = load_model_text(path.read_text(), source=path.name)
     from slurm_mapa.hardware.presets import PRESETS
 

@@ -18,12 +18,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from test_agent import _eventually
-from test_hooks import FakeSlurm, env_for
-from test_isolation import node  # noqa: F401 - the fixture: a node with a fake /proc and cgroupfs
+from fake_slurm import FakeSlurm, env_for, eventually
+from fake_node import node  # noqa: F401 - the fixture: a node with a fake /proc and cgroupfs
 
 from slurm_mapa.core.model_files import paper_model
 from slurm_mapa.core.patterns import make_pattern
@@ -42,7 +42,7 @@ from slurm_mapa.slurm.node_state.ledger import Holding, Ledger, LedgerFile
 from slurm_mapa.slurm.agent.metrics import (DECISION_OUTCOMES, ISOLATION_OUTCOMES, REPAIR_KINDS, AgentMetrics, command_name,
                                       decision_outcome, isolation_outcome, node_gauges, read_node_gauges, repairs_in, ring_sizes)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DASHBOARD = ROOT / "slurm_mapa" / "data" / "contrib" / "grafana" / "mapa-dashboard.json"
 ALERTS = ROOT / "slurm_mapa" / "data" / "contrib" / "prometheus" / "mapa-alerts.yml"
 
@@ -199,7 +199,7 @@ def test_a_live_agent_counts_what_its_jobs_got(metered_agent, tmp_path):
     assert agent_client.ask_agent("prolog", env_for("23", ""), socket_path) == "done"  # CPU-only: no decision
     ledger = LedgerFile(tmp_path / "ledger.json", 8).read()
     # Counted after the answer went back (off the start path): a moment later.
-    _eventually(lambda: value(samples(metrics), "mapa_prolog_duration_seconds_count", node="dgx1") == 2)
+    eventually(lambda: value(samples(metrics), "mapa_prolog_duration_seconds_count", node="dgx1") == 2)
     found = samples(metrics)
     assert value(found, "mapa_decisions_total", node="dgx1", outcome="mapa", policy="preserve") == 2
     for outcome in ("provisional", "fallback", "refused"):
@@ -233,7 +233,7 @@ def test_a_fallback_and_a_provisional_choice_are_counted_as_such(metered_agent, 
     agent, metrics, socket_path, slurm, configure = metered_agent
     env = {**env_for("31", "0,1"), "SLURMD_NODENAME": "nomatch1"}  # no [nodes] entry: the Prolog falls back
     assert agent_client.ask_agent("prolog", env, socket_path) == "done"
-    _eventually(lambda: value(samples(metrics), "mapa_prolog_duration_seconds_count", node="dgx1") == 1)
+    eventually(lambda: value(samples(metrics), "mapa_prolog_duration_seconds_count", node="dgx1") == 1)
     # A Prolog whose client went away keeps its provisional choice (test_agent's case, here counted).
     agent.run_hook("prolog", env_for("32", "2,3"), lambda: False)
     agent.note_prolog(env_for("32", "2,3"), 0.0, 0.0)
@@ -253,7 +253,7 @@ def test_a_prolog_turned_away_as_busy_is_counted_refused(tmp_path):
     try:
         assert agent_client.ask_agent("prolog", env_for("41", "0"), server.server_address) == "error busy"  # it falls back
         assert agent_client.ask_agent("epilog", env_for("41", "0"), server.server_address) == "error busy"
-        _eventually(lambda: value(samples(metrics), "mapa_decisions_total", node="dgx1", outcome="refused",
+        eventually(lambda: value(samples(metrics), "mapa_decisions_total", node="dgx1", outcome="refused",
                                   policy="preserve") == 1 and not server.refused)
     finally:
         server.shutdown()

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 from slurm_mapa.core.hardware import build_graph
 from slurm_mapa.errors import InputError
@@ -27,7 +28,7 @@ from slurm_mapa.hardware.gres import (
 from slurm_mapa.hardware.presets import PRESETS, preset
 from slurm_mapa.hardware.topofile import Topology
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 
 

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO, TEST_DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,8 +27,8 @@ from slurm_mapa.hardware.presets import PRESET_MODELS, PRESETS, preset
 from slurm_mapa.hardware.topofile import Topology, topology_to_toml
 from slurm_mapa.slurm.config import config_from_text
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "slurm_mapa" / "data" / "models"
-DATA = Path(__file__).resolve().parent / "data"
+MODELS_DIR = REPO / "slurm_mapa" / "data" / "models"
+DATA = TEST_DATA
 
 
 def ring(k: int, sensitive: bool = True) -> Request:

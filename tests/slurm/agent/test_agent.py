@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_hooks import FakeSlurm, env_for
+from fake_slurm import FAKE_SCONTROL, FakeSlurm, env_for, eventually
 
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.core.policies import Request, select
@@ -126,7 +126,7 @@ def test_a_live_agent_runs_the_prolog_and_epilog_like_the_in_process_hooks(live_
     assert LedgerFile(config.ledger, 8).read().holdings["11"].gpus == expected
     assert (config.jobs_dir / "11").read_text().splitlines()[0] == f"MAPA_GPUS={','.join(map(str, expected))}"
     # The AdminComment is written just after the answer (off the job's start).
-    _eventually(lambda: f"dgx1={','.join(map(str, expected))} policy=preserve" in slurm.admin.get("11", ""))
+    eventually(lambda: f"dgx1={','.join(map(str, expected))} policy=preserve" in slurm.admin.get("11", ""))
     # The real client, as the hook wrapper runs it.
     slurm.running.add("12")
     done = subprocess.run([sys.executable, "-I", "-S", str(CLIENT), "prolog"], check=False,
@@ -136,13 +136,6 @@ def test_a_live_agent_runs_the_prolog_and_epilog_like_the_in_process_hooks(live_
     assert agent_client.ask_agent("epilog", {"SLURM_JOB_ID": "11"}, socket_path) == "done"  # idempotent
     assert set(LedgerFile(config.ledger, 8).read().holdings) == {"12"} and not (config.jobs_dir / "11").exists()
     assert errors == []
-
-
-def _eventually(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_concurrent_requests_to_the_agent_never_share_a_gpu(live_agent):
@@ -234,14 +227,6 @@ def test_wrapper_text_literal():
     for bad in ("python3", "/usr/bin/py'thon", "/opt/$HOME"):
         with pytest.raises(InputError, match="must be absolute and free of quotes"):
             wrapper_text("prolog", bad, "/opt/site", "/etc/slurm/mapa.toml")
-
-
-FAKE_SCONTROL = """#!/bin/sh
-if [ "$1 $2 $3" = "--json show job" ]; then
-  echo '{"jobs": [{"admin_comment": "mapa:topology=ring sensitive=yes", "batch_flag": true, "job_state": ["RUNNING"]}]}'
-fi
-exit 0
-"""
 
 
 def test_written_wrappers_run_the_hooks_with_and_without_the_agent(tmp_path, capsys):

@@ -17,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO, TEST_DATA
 
 from slurm_mapa.core.links import PCIE_LEVELS
 from slurm_mapa.core.patterns import make_pattern
@@ -24,8 +25,8 @@ from slurm_mapa.core.policies import Request, select
 from slurm_mapa.hardware.load import load_topology, model_for_topology
 from slurm_mapa.hardware.presets import PRESETS, preset
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
+ROOT = REPO
+DATA = TEST_DATA
 # Every topology the repository ships or tests with: the presets' files, real `nvidia-smi topo -m`
 # and `rocm-smi --showtopo` texts (the servers' own link classes, PCIe levels included), the
 # 64-GPU test node.

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO, TEST_DATA
 
 from slurm_mapa.cli import main as cli_main
 from slurm_mapa.core.hardware import build_graph
@@ -25,7 +26,7 @@ from slurm_mapa.hardware.topofile import Topology, graph_from_toml_text, topolog
 
 from line_mutations import mutations
 
-DATA = Path(__file__).parent / "data" / "rocm-smi"
+DATA = TEST_DATA / "rocm-smi"
 IN_PACKAGE = {(0, 1), (2, 3), (4, 5), (6, 7)}
 
 
@@ -181,7 +182,7 @@ def test_format_is_detected_by_topo_show(capsys):
     assert cli_main(["topo", "show", str(DATA / "mi300x-showtopo.txt")]) == 0
     out = capsys.readouterr().out
     assert "note: rocm-smi gives no xGMI link widths" in out and "nothing to choose" in out
-    nvidia = Path(__file__).parent / "data" / "nvidia-smi" / "dgx1-v100.txt"
+    nvidia = TEST_DATA / "nvidia-smi" / "dgx1-v100.txt"
     assert detect_amd_tool(nvidia.read_text()) is None
     assert load_topology_file(str(nvidia)).gpu_vendor == "nvidia"
     assert cli_main(["topo", "show", str(DATA / "mi250x-showtopo-only.txt")]) == 2
@@ -254,7 +255,7 @@ def test_gres_lines_name_render_nodes_as_autodetect_rsmi_does():
     assert gpu_of_device_file(odd, "/dev/dri/renderD128") == 2
     with pytest.raises(InputError, match="expected /dev/dri/renderD<N>"):
         gpu_of_device_file(odd, "/dev/nvidia0")
-    shipped = (Path(__file__).parent.parent / "slurm_mapa" / "data" / "gres_conf" / "mi250x.gres.conf").read_text()
+    shipped = (REPO / "slurm_mapa" / "data" / "gres_conf" / "mi250x.gres.conf").read_text()
     assert "Flags=amd_gpu_env" in shipped and "AutoDetect=off" in shipped
 
 
@@ -278,7 +279,7 @@ def test_a_graph_with_xgmi_and_pcie_classes():
 
 # --- the TaskProlog on an AMD node ------------------------------------------------------------------
 
-TASKPROLOG = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data" / "hooks" / "mapa-taskprolog"
+TASKPROLOG = REPO / "slurm_mapa" / "data" / "hooks" / "mapa-taskprolog"
 
 
 def _taskprolog(tmp_path, content, *, kfd="/nonexistent/kfd", vendor="auto", step_gpus=None):
@@ -334,7 +335,7 @@ def test_mock_rocm_smi_prints_a_preset(tmp_path):
     import subprocess
     import sys
 
-    mock = Path(__file__).resolve().parents[1] / "scripts" / "mock-rocm-smi"
+    mock = REPO / "scripts" / "mock-rocm-smi"
     env = {**os.environ, "MAPA_PRESET": "mi250x"}
     env.pop("MAPA_MOCK_TOPOLOGY", None)
     done = subprocess.run([sys.executable, str(mock), "--showtopo", "--shownodesbw"], env=env, capture_output=True, text=True)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 from slurm_mapa.core.model_files import bundled_model, paper_model
 from slurm_mapa.errors import InputError
@@ -19,7 +20,6 @@ from slurm_mapa.replay.jobs import Job
 from slurm_mapa.replay.sacct import read_sacct_text
 from slurm_mapa.replay.simulate import Node, Options, simulate
 
-REPO = Path(__file__).resolve().parent.parent
 HEADER = "JobID|JobName|User|Account|Partition|Submit|Start|End|State|AllocTRES\n"
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 from slurm_mapa.core.hardware import HardwareGraph
 from slurm_mapa.hardware.gres import CpuLayout, gres_conf_text
@@ -22,7 +23,7 @@ from slurm_mapa.slurm.admin.doctor import checks as doctor_checks, gather_inputs
 from slurm_mapa.slurm.admin.doctor import FAIL, OK, WARN, Inputs, PathFacts, run_checks
 from slurm_mapa.slurm.admin.install import job_submit_text, taskprolog_text, wrapper_text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 
 # `scontrol show config` of the mini cluster's Slurm 26.05.5 (an excerpt), as it prints it:
@@ -169,7 +170,7 @@ def test_a_healthy_compute_node_passes_every_check():
 
 def test_docs_admin_shows_the_healthy_output():
     text = (ROOT / "docs" / "admin.md").read_text()
-    start = text.index("A healthy DGX-1 node (the healthy case of tests/test_doctor.py")
+    start = text.index("A healthy DGX-1 node (the healthy case of tests/slurm/admin/test_doctor.py")
     block = text[start:].split("\n\n", 2)[1]
     assert block == "".join("    " + line + "\n" for line in doctor_checks.format_text(run_checks(healthy())).splitlines()).rstrip("\n")
 

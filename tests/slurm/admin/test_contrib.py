@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 from slurm_mapa.cli import main
 from slurm_mapa.hardware.presets import PRESETS
 from slurm_mapa.slurm.admin import contrib
 
-DATA = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data"
+DATA = REPO / "slurm_mapa" / "data"
 EVERY = sorted(["contrib/grafana/mapa-dashboard.json", "contrib/prometheus/mapa-alerts.yml",
                 *(f"gres_conf/{name}{suffix}" for name in PRESETS for suffix in (".gres.conf", ".toml"))])
 

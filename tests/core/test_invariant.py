@@ -5,7 +5,7 @@ TaskProlog, fake scontrol/squeue, and a seeded schedule of kill -9 (hooks and ag
 scripts and names, slow / failing / hanging / garbage Slurm commands, bursts, CPU-only jobs,
 stale marks with live pids and corrupted ledgers. The soak version is benchmarks/bench_soak.py.
 
-Run one case with its report: .venv/bin/python -m pytest tests/test_invariant.py -k agent -s
+Run one case with its report: .venv/bin/python -m pytest tests/core/test_invariant.py -k agent -s
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO, TEST_DATA
 
 from slurm_mapa.core.hardware import HardwareGraph
 from slurm_mapa.errors import InputError
@@ -22,11 +23,11 @@ from slurm_mapa.hardware.topofile import graph_vendor
 
 from line_mutations import mutations
 
-DATA = Path(__file__).parent / "data" / "nvidia-smi"
+DATA = TEST_DATA / "nvidia-smi"
 # nvidia-smi can only print NVIDIA servers: the AMD presets (xGMI) have their own tests.
 NVIDIA_PRESETS = sorted(name for name in PRESETS if graph_vendor(preset(name)) == "nvidia")
 FIXTURES = sorted(path.stem for path in DATA.glob("*.txt"))
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 MOCK = ROOT / "scripts" / "mock-nvidia-smi"
 
@@ -60,7 +61,7 @@ def test_every_fixture_has_its_expected_matrix_and_matches_the_shared_copy_where
     assert copies
     for path in copies:
         assert (DATA / f"{path.stem}.expected").exists(), path.name
-    shared = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "nvidia-smi"
+    shared = REPO.parent / "shared" / "fixtures" / "nvidia-smi"
     for path in sorted(shared.glob("*.txt")) if shared.is_dir() else []:
         assert (DATA / path.name).read_text() == path.read_text(), path.name
 

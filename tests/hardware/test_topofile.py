@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 from slurm_mapa.errors import InputError
 from slurm_mapa.hardware.gres import PRESET_CPU_LAYOUTS, gres_conf_text
@@ -18,7 +19,7 @@ from slurm_mapa.hardware.topofile import (
     topology_to_toml,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 GRES_CONF = ROOT / "slurm_mapa" / "data" / "gres_conf"  # the gres.conf and topology file of every preset
 
 SMALL = """

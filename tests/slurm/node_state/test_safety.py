@@ -1,6 +1,6 @@
 """No GPU in two jobs, whatever fails: the Prolog's provisional record, its budget, the marks,
 reconciliation with the jobs directory, corrupt ledgers, stuck locks, killed Epilogs, root-side
-paths. The randomised end-to-end check is tests/test_invariant.py."""
+paths. The randomised end-to-end check is tests/core/test_invariant.py."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from slurm_mapa.slurm.node_state.job_files import JobRecords, Mark, mark_for, ma
 from slurm_mapa.slurm.node_state.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json, reconcile
 from slurm_mapa.slurm.trusted_files import UnsafePath
 
-from test_hooks import FakeSlurm, env_for
+from fake_slurm import FakeSlurm, env_for
 
 
 def make_config(tmp_path: Path, **extra: object):

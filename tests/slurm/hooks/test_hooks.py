@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
+from fake_slurm import FakeSlurm, env_for
 
 from slurm_mapa.core.order import prefix_order
 from slurm_mapa.core.patterns import make_pattern
@@ -27,51 +29,13 @@ from slurm_mapa.slurm.node_state.job_files import Mark, mark_for, mark_is_live, 
 from slurm_mapa.slurm.node_state.ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json, ledger_to_json
 from slurm_mapa.errors import InputError
 
-TASKPROLOG = Path(__file__).resolve().parents[1] / "slurm_mapa" / "data" / "hooks" / "mapa-taskprolog"
-
-
-class FakeSlurm:
-    """scontrol and squeue for one node; any other command fails the test."""
-
-    def __init__(self, node="dgx1"):
-        self.node = node
-        self.running: set[str] = set()
-        self.admin: dict[str, str] = {}
-        self.scripts: dict[str, str] = {}
-        self.calls: list[list[str]] = []
-        self.broken: set[str] = set()
-        self.gres: dict[str, list[str]] = {}
-
-    def __call__(self, argv):
-        self.calls.append(list(argv))
-        program = os.path.basename(argv[0])
-        if program in self.broken:
-            raise CommandFailed(f"{program} timed out after 5 s")
-        if program == "squeue" and argv[1:3] == ["--noheader", "--nodelist"] and argv[3] == self.node:
-            return "".join(f"{job}\n" for job in sorted(self.running))
-        if program == "scontrol" and argv[1:4] == ["--json", "show", "job"]:
-            job = argv[4]
-            record = {"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts,
-                      "gres_detail": self.gres.get(job, [])}
-            return json.dumps({"jobs": [record]})
-        if program == "scontrol" and argv[1:3] == ["write", "batch_script"]:
-            if argv[3] not in self.scripts:
-                raise CommandFailed("scontrol write batch_script exited 1: no script")
-            return self.scripts[argv[3]]
-        if program == "scontrol" and argv[1] == "update" and argv[2].startswith("job=") and argv[3].startswith("AdminComment="):
-            self.admin[argv[2][4:]] = argv[3][len("AdminComment="):]
-            return ""
-        raise AssertionError(f"unexpected command {argv}")
+TASKPROLOG = REPO / "slurm_mapa" / "data" / "hooks" / "mapa-taskprolog"
 
 
 @pytest.fixture
 def setup(tmp_path):
     config = HookConfig(ledger=tmp_path / "ledger.json", jobs_dir=tmp_path / "jobs", log=tmp_path / "log", nodes=(("dgx*", "dgx1-v100"),))
     return config, FakeSlurm(), []
-
-
-def env_for(job, gpus, comment=""):
-    return {"SLURM_JOB_ID": job, "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": gpus, "SLURM_JOB_COMMENT": comment}
 
 
 def test_prolog_chooses_like_mapa_select_and_records_everywhere(setup):

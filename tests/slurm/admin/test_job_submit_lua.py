@@ -23,15 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO, TESTS, TEST_DATA
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from slurm_mapa.core.patterns import SHAPES, make_pattern
 from slurm_mapa.errors import InputError
+from slurm_mapa.slurm.text.decision import MAX_ADMIN_COMMENT_CHARS, split_admin_comment
 from slurm_mapa.slurm.text.directive import MAX_LINE_CHARS, comment_with_directive, directive_in_comment, parse_comment, parse_directive, parse_directive_lines
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PLUGIN = ROOT / "slurm_mapa" / "data" / "slurm" / "job_submit.lua"
-DRIVER = Path(__file__).resolve().parent / "lua" / "run_cases.lua"
-CORPUS = Path(__file__).resolve().parent / "data" / "directives" / "corpus.tsv"
+DRIVER = TESTS / "lua" / "run_cases.lua"
+CORPUS = TEST_DATA / "directives" / "corpus.tsv"
 
 INSTALL_HINT = (
     "install Lua 5.1 (it provides lua5.1 and luac5.1): `apt-get update && apt-get install -y lua5.1` "
@@ -788,3 +792,54 @@ def test_a_directive_whose_gpu_count_cannot_be_the_jobs_is_refused_at_submit(tmp
     assert outcomes[3][0] == "error" and "gpus=3 but the job asks for 4 GPUs per node" in outcomes[3][1]
     assert [result.rc for result in results[4:8]] == [SUCCESS] * 4, outcomes[4:8]
     assert outcomes[8][0] == "error" and "gpus=3 but the job asks for 2 GPUs per node" in outcomes[8][1]
+
+
+# --- job_submit.lua keeps an admin_comment already set ----------------------------------------
+# Words of admins' texts and of MAPA's records, ASCII (what the plugin's byte-wise scan and
+# Python's reader must agree on).
+_ADMIN_WORDS = ["mapa:", "MAPA:", "mapa:topology=ring", "mapa:topology=blob", "#", " # ", " ", "\t", "\n", "n1=0", "n2=1,2",
+                "policy=preserve", "policy=x", "free=0-3", "checked", "ops", "=", "ticket=12", "sensitive=yes",
+                "topology=tree", "x"]
+
+def run_lua_submit(tmp_path: Path, cases: list[tuple[str, str | None]]) -> list[str]:
+    """(batch script, admin_comment) cases through slurm_job_submit: the admin_comment after each,
+    by this file's driver of the plugin."""
+    results = _run_admin(tmp_path, [("submit", body, admin) for body, admin in cases])
+    assert all(rc == 0 for rc, _ in results), results
+    return [admin for _, admin in results]
+
+
+def test_job_submit_lua_keeps_the_admins_text(tmp_path):
+    body = "#!/bin/sh\n#MAPA topology=ring sensitive=yes\nsrun x\n"
+    record = "mapa:topology=ring sensitive=yes"
+    cases = [
+        (body, None),
+        (body, "checked by ops"),
+        (body, "  ops: ok \t"),
+        (body, "ops: ok mapa:topology=tree sensitive=no # n1=0 policy=preserve # checked"),
+        (body, "MAPA: checked"),
+        (body, "re MAPA: bug mapa:topology=tree"),
+        (body, "x" * (MAX_ADMIN_COMMENT_CHARS - len(record))),
+        ("#!/bin/sh\nsrun x\n", "no directive: untouched"),
+    ]
+    assert run_lua_submit(tmp_path, cases) == [
+        record,
+        "checked by ops " + record,
+        "ops: ok " + record,
+        "ops: ok " + record,
+        "MAPA: checked " + record,
+        "re MAPA: bug " + record,
+        "x" * (MAX_ADMIN_COMMENT_CHARS - len(record)),  # it would pass the bound: left as it was
+        "no directive: untouched",
+    ]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.sampled_from(_ADMIN_WORDS + ["mapa:gpus=2", "mapa:sensitive=no"]),
+                         max_size=10).map("".join), min_size=20, max_size=20))
+def test_job_submit_lua_and_python_agree_on_the_admins_text(tmp_path, texts):
+    body = "#!/bin/sh\n#MAPA topology=tree\n"
+    results = run_lua_submit(tmp_path, [(body, text) for text in texts])
+    for text, result in zip(texts, results):
+        kept = split_admin_comment(text)[0]
+        assert result == (f"{kept} " if kept else "") + "mapa:topology=tree sensitive=no", text

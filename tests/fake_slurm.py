@@ -1,0 +1,63 @@
+"""Fakes of Slurm's commands for the hooks' and the agent's tests: a strict scontrol and squeue for
+one node (FakeSlurm), the environment slurmd gives a Prolog (env_for), a fake scontrol script."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from slurm_mapa.slurm.text.commands import CommandFailed
+
+
+class FakeSlurm:
+    """scontrol and squeue for one node; any other command fails the test."""
+
+    def __init__(self, node="dgx1"):
+        self.node = node
+        self.running: set[str] = set()
+        self.admin: dict[str, str] = {}
+        self.scripts: dict[str, str] = {}
+        self.calls: list[list[str]] = []
+        self.broken: set[str] = set()
+        self.gres: dict[str, list[str]] = {}
+
+    def __call__(self, argv):
+        self.calls.append(list(argv))
+        program = os.path.basename(argv[0])
+        if program in self.broken:
+            raise CommandFailed(f"{program} timed out after 5 s")
+        if program == "squeue" and argv[1:3] == ["--noheader", "--nodelist"] and argv[3] == self.node:
+            return "".join(f"{job}\n" for job in sorted(self.running))
+        if program == "scontrol" and argv[1:4] == ["--json", "show", "job"]:
+            job = argv[4]
+            record = {"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts,
+                      "gres_detail": self.gres.get(job, [])}
+            return json.dumps({"jobs": [record]})
+        if program == "scontrol" and argv[1:3] == ["write", "batch_script"]:
+            if argv[3] not in self.scripts:
+                raise CommandFailed("scontrol write batch_script exited 1: no script")
+            return self.scripts[argv[3]]
+        if program == "scontrol" and argv[1] == "update" and argv[2].startswith("job=") and argv[3].startswith("AdminComment="):
+            self.admin[argv[2][4:]] = argv[3][len("AdminComment="):]
+            return ""
+        raise AssertionError(f"unexpected command {argv}")
+
+
+def env_for(job, gpus, comment=""):
+    return {"SLURM_JOB_ID": job, "SLURMD_NODENAME": "dgx1", "SLURM_JOB_GPUS": gpus, "SLURM_JOB_COMMENT": comment}
+
+
+def eventually(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+FAKE_SCONTROL = """#!/bin/sh
+if [ "$1 $2 $3" = "--json show job" ]; then
+  echo '{"jobs": [{"admin_comment": "mapa:topology=ring sensitive=yes", "batch_flag": true, "job_state": ["RUNNING"]}]}'
+fi
+exit 0
+"""
