@@ -14,6 +14,10 @@ loop of sbatch as alice, round-robin over the nodes, each job pinned with -w; ev
 * empty: as off, but slurm.conf names a Prolog, Epilog and TaskProlog that only `exit 0` (what any
   hook costs in slurmd: the floor under MAPA's hooks).
 
+After each switch of setting, one unmeasured burst of one job per node (``--warm-up``) and a pause
+(``--settle``): a reconfigure restarts slurmd and the 'on' setting restarts mapa-agent, whose first
+jobs would otherwise pay cold caches that a node in service has warm.
+
 Per job: submit (the loop's clock just before its sbatch), allocation (slurmctld's "Allocate
 JobId=" or backfill's "Started JobId=" log line, docker's timestamp), start (the job's first
 command, `date +%s.%N`). Per burst: first submit to the moment every job has left squeue (its
@@ -227,6 +231,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--settings", default="on,off,empty")
     parser.add_argument("--json", help="also write every job's times to this file")
+    parser.add_argument("--warm-up", type=int, default=1,
+                        help="unmeasured one-job-per-node bursts after each switch of setting (default %(default)s)")
+    parser.add_argument("--settle", type=float, default=3.0,
+                        help="seconds to wait after a switch and its warm-up, before the measured bursts (default %(default)s)")
     args = parser.parse_args()
     sizes = [int(n) for n in args.per_node.split(",")]
     settings = args.settings.split(",")
@@ -238,8 +246,14 @@ def main() -> int:
         for round_ in range(args.rounds):
             order = settings if round_ % 2 == 0 else settings[::-1]
             for setting in order:
-                switch(setting, current, loops)
-                current = setting
+                if setting != current:
+                    switch(setting, current, loops)
+                    current = setting
+                    # Unmeasured: after a switch the daemons (slurmd restarted by the reconfigure, a
+                    # restarted mapa-agent) have cold caches that a production node's have not.
+                    for _ in range(args.warm_up):
+                        burst(1)
+                    time.sleep(args.settle)
                 for size in sizes:
                     results.setdefault((setting, size), []).append(burst(size))
                     print(f"round {round_ + 1}, {setting}, {size} per node: done", file=sys.stderr)

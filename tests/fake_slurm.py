@@ -21,6 +21,7 @@ class FakeSlurm:
         self.calls: list[list[str]] = []
         self.broken: set[str] = set()
         self.gres: dict[str, list[str]] = {}
+        self.states: dict[str, list[str]] = {}  # job -> its job_state (none: the record has no state)
 
     def __call__(self, argv):
         self.calls.append(list(argv))
@@ -30,10 +31,10 @@ class FakeSlurm:
         if program == "squeue" and argv[1:3] == ["--noheader", "--nodelist"] and argv[3] == self.node:
             return "".join(f"{job}\n" for job in sorted(self.running))
         if program == "scontrol" and argv[1:4] == ["--json", "show", "job"]:
-            job = argv[4]
-            record = {"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts,
-                      "gres_detail": self.gres.get(job, [])}
-            return json.dumps({"jobs": [record]})
+            records = [{"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts,
+                        "gres_detail": self.gres.get(job, []), **({"job_state": self.states[job]} if job in self.states else {})}
+                       for job in argv[4].split(",")]  # scontrol takes a list
+            return json.dumps({"jobs": records})
         if program == "scontrol" and argv[1:3] == ["write", "batch_script"]:
             if argv[3] not in self.scripts:
                 raise CommandFailed("scontrol write batch_script exited 1: no script")

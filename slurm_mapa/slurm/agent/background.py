@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 MAX_RECORD_AGE_S = 7 * 86400  # a record slurmctld has refused for a week is dropped (and logged)
 MAX_BACKOFF_S = 300.0
 MIN_RECONCILE_GAP_S = 1.0
+GATHER_S = 0.25  # after a start or an end, the records loop waits this long for the next ones
 
 
 class Background:
@@ -90,7 +91,7 @@ class Background:
 
     def flush_records(self, config=None) -> int:
         """Write the journal's due records; how many were written or dropped."""
-        from ..hooks.admin_comment import flush_entry, flush_note
+        from ..hooks.admin_comment import flush_entry, flush_note, reading_jobs_at_once
         from ..node_state import NodeState
 
         config = config or self._config()
@@ -100,6 +101,10 @@ class Background:
         state = NodeState.of(config)
         pending = state.pending_records()
         names = {name for name, _, _ in pending}
+        # The jobs of this turn's writes (about a second of them at admin_comment_rate), read at once.
+        due = [state.job_of_record(name) or name for name, _, _ in pending
+               if self.retry_at.get(name, 0.0) <= self.clock() and not self.agent.has_ended(state.job_of_record(name) or name)]
+        run = reading_jobs_at_once(run, config.scontrol, due[:max(1, int(config.admin_comment_rate))])
         merged: set[str] = set()
         for name, _, mtime in pending:
             if self.stop.is_set():
@@ -169,7 +174,11 @@ class Background:
         except Exception as error:  # noqa: BLE001
             self.agent.log_errors(f"mapa-agent: could not recover the journal: {error}")
         while not self.stop.is_set():
-            self.wake.wait(1.0)
+            woken = self.wake.wait(1.0)
+            if woken:
+                # A start or an end: the next moment's starts and ends go into the same turn (a
+                # burst's records are then read together and its features published once).
+                self.stop.wait(GATHER_S)
             self.wake.clear()
             config = self._config()  # once per turn, for its three parts (it is read every second)
             try:

@@ -181,6 +181,20 @@ def parse_job_json(text: str, job_id: str | None = None) -> dict:
 
 MAX_RECORDS_SHOWN = 100_000  # an array's tasks (MaxArraySize is at most 4,000,001; read this many)
 
+# A job's base states in which slurmctld still takes updates: any other base state is finished
+# (IS_JOB_FINISHED in Slurm's slurmctld.h: a base state past JOB_SUSPENDED), and slurmctld refuses
+# an update then ("Job has already finished"); COMPLETING and the like are flags beside a base state.
+_UNFINISHED_STATES = {"PENDING", "RUNNING", "SUSPENDED"}
+
+
+def job_finished(job: dict) -> bool:
+    """Whether a `scontrol --json show job` record is of a finished job (whose AdminComment
+    slurmctld no longer updates). job_state is a list of names from data_parser v0.0.40 on, a
+    string before; no state, or one not read: not finished (the update will say)."""
+    state = job.get("job_state")
+    states = {state} if isinstance(state, str) else {s for s in state if isinstance(s, str)} if isinstance(state, list) else set()
+    return bool(states) and not states & _UNFINISHED_STATES
+
 
 def _number(value: object) -> int | None:
     """A Slurm JSON number: a plain int, or (data_parser v0.0.40+) {"set": true, "number": N}."""
@@ -256,6 +270,12 @@ def parse_gpu_indices(text: str) -> tuple[int, ...]:
 
 def show_job_argv(scontrol: str, job_id: str) -> list[str]:
     return [scontrol, "--json", "show", "job", job_id]
+
+
+def show_jobs_argv(scontrol: str, job_ids: Sequence[str]) -> list[str]:
+    """Several jobs in one call (`scontrol show job` takes a comma-separated list; one id slurmctld
+    no longer knows fails the whole call with "Invalid job id specified")."""
+    return [scontrol, "--json", "show", "job", ",".join(job_ids)]
 
 
 def batch_script_argv(scontrol: str, job_id: str) -> list[str]:
