@@ -91,8 +91,9 @@ class Background:
 
     def flush_records(self, config=None) -> int:
         """Write the journal's due records; how many were written or dropped."""
-        from ..hooks.admin_comment import flush_entry, flush_note, reading_jobs_at_once
+        from ..hooks.admin_comment import flush_entry, flush_note
         from ..node_state import NodeState
+        from ..text.commands import reading_jobs_at_once
 
         config = config or self._config()
         log = hook_logger(config.log)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 from ...errors import MapaError
 from ..node_state import Entry, NodeState
-from ..text.commands import (CommandFailed, Log, RunCommand, admin_comment_argv, job_finished, parse_job_json, show_job_argv,
-                             show_jobs_argv, update_target)
+from ..text.commands import (CommandFailed, Log, RunCommand, admin_comment_argv, answered_once, job_finished, parse_job_json,
+                             show_job_argv, update_target)
 from ..config import HookConfig
 from ..text.decision import ISOLATION_STATES, Decision, parse_decisions, with_decision
 from .job_context import PrologContext
@@ -91,43 +91,6 @@ def flush_note(config: HookConfig, job_id: str, entry: Entry, run: RunCommand, l
     ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=2)  # 2: read back
     # Its first read is the one just made (one RPC less per note).
     return record_decision(ctx, directive, noted, config, answered_once(run, {tuple(show_job_argv(config.scontrol, job_id)): shown}), log)
-
-
-MAX_JOBS_PER_READ = 32
-
-
-def reading_jobs_at_once(run: RunCommand, scontrol: str, job_ids: Sequence[str]) -> RunCommand:
-    """``run``, with the first `scontrol --json show job ID` of each of ``job_ids`` answered from
-    one call that lists them all: the records of a burst of starts cost one read per turn of the
-    records loop, not one per job (each read is an RPC to slurmctld and a process on the node).
-    When one job of them is gone (slurmctld then fails the whole call), each job is read alone as
-    before; when slurmctld does not answer, each read fails as that call did, without asking again. The writes stay one per job: `scontrol update` sets one text for every job it names."""
-    ids = list(dict.fromkeys(job_ids))[:MAX_JOBS_PER_READ]
-    if len(ids) < 2:
-        return run
-    try:
-        answer: str | CommandFailed = run(show_jobs_argv(scontrol, ids))
-    except CommandFailed as error:
-        if "Invalid job id" in str(error):
-            return run  # which one is gone: each read alone says
-        answer = error  # slurmctld did not answer: each record waits, as if read alone
-    return answered_once(run, {tuple(show_job_argv(scontrol, job_id)): answer for job_id in ids})
-
-
-def answered_once(run: RunCommand, answers: dict) -> RunCommand:
-    """``run``, but each command of ``answers`` (argv tuple -> its output, or the CommandFailed it
-    raised) is answered from there the first time it is asked, then run again if asked again."""
-    unread = dict(answers)
-
-    def call(argv, *args, **kwargs):
-        answer = unread.pop(tuple(argv), None)
-        if answer is None:
-            return run(argv, *args, **kwargs)
-        if isinstance(answer, CommandFailed):
-            raise answer
-        return answer
-
-    return call
 
 
 # A multi-node job's Prologs each rewrite the whole AdminComment: a node's write made from a read

@@ -15,8 +15,8 @@ from typing import Sequence
 from ...errors import MapaError
 from ..config import HookConfig
 from ..node_state import LedgerCorrupt, Mark, NodeState
-from ..text.commands import (CommandFailed, Log, RunCommand, parse_job_ids, parse_job_json, running_jobs_argv, show_job_argv,
-                             slurm_gpus_on_only_node)
+from ..text.commands import (CommandFailed, Log, RunCommand, parse_job_ids, parse_job_json, reading_jobs_at_once, running_jobs_argv,
+                             show_job_argv, slurm_gpus_on_only_node)
 from .budget import Budget, within_budget
 from .node_graph import load_graph
 
@@ -58,7 +58,9 @@ def adopt_unknown_jobs(
 
 def adopt_jobs(who: str, jobs: Sequence[str], size: int, config: HookConfig, run: RunCommand, log: Log, budget: Budget) -> None:
     """Ask Slurm for each job's GPUs here and mark it with them (pid 0), unless its own Prolog has
-    marked it meanwhile; a job that has ended is left to reaping."""
+    marked it meanwhile; a job that has ended is left to reaping. The jobs are read in one call
+    (in a burst most are jobs whose Prolog slurmd has not started yet, marked by then)."""
+    run = reading_jobs_at_once(run, config.scontrol, jobs)
     for job_id in jobs:
         try:
             record = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)

@@ -282,6 +282,44 @@ def batch_script_argv(scontrol: str, job_id: str) -> list[str]:
     return [scontrol, "write", "batch_script", job_id, "-"]
 
 
+MAX_JOBS_PER_READ = 32
+
+
+def reading_jobs_at_once(run: RunCommand, scontrol: str, job_ids: Sequence[str]) -> RunCommand:
+    """``run``, with the first `scontrol --json show job ID` of each of ``job_ids`` answered from
+    one call that lists them all: a burst's AdminComment records, or the jobs a reconcile pass
+    finds without a mark, cost one read, not one per job (each read is an RPC to slurmctld and a
+    process on the node).
+    When one job of them is gone (slurmctld then fails the whole call), each job is read alone as
+    before; when slurmctld does not answer, each read fails as that call did, without asking again. The writes stay one per job: `scontrol update` sets one text for every job it names."""
+    ids = list(dict.fromkeys(job_ids))[:MAX_JOBS_PER_READ]
+    if len(ids) < 2:
+        return run
+    try:
+        answer: str | CommandFailed = run(show_jobs_argv(scontrol, ids))
+    except CommandFailed as error:
+        if "Invalid job id" in str(error):
+            return run  # which one is gone: each read alone says
+        answer = error  # slurmctld did not answer: each record waits, as if read alone
+    return answered_once(run, {tuple(show_job_argv(scontrol, job_id)): answer for job_id in ids})
+
+
+def answered_once(run: RunCommand, answers: dict) -> RunCommand:
+    """``run``, but each command of ``answers`` (argv tuple -> its output, or the CommandFailed it
+    raised) is answered from there the first time it is asked, then run again if asked again."""
+    unread = dict(answers)
+
+    def call(argv, *args, **kwargs):
+        answer = unread.pop(tuple(argv), None)
+        if answer is None:
+            return run(argv, *args, **kwargs)
+        if isinstance(answer, CommandFailed):
+            raise answer
+        return answer
+
+    return call
+
+
 def running_jobs_argv(squeue: str, node: str) -> list[str]:
     return [squeue, "--noheader", "--nodelist", node, "--states", "RUNNING,CONFIGURING,COMPLETING,SUSPENDED", "--format", "%A"]
 

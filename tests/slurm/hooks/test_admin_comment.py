@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from fake_slurm import FakeSlurm
 
-from slurm_mapa.slurm.hooks.admin_comment import MAX_JOBS_PER_READ, reading_jobs_at_once, record_decision
+from slurm_mapa.slurm.hooks.admin_comment import record_decision
 from slurm_mapa.slurm.hooks.job_context import PrologContext
 from slurm_mapa.slurm.config import HookConfig
-from slurm_mapa.slurm.text.commands import CommandFailed, job_finished, show_job_argv
+from slurm_mapa.slurm.text.commands import MAX_JOBS_PER_READ, CommandFailed, job_finished, reading_jobs_at_once, show_job_argv
 from slurm_mapa.slurm.text.decision import Decision, parse_decisions
 from slurm_mapa.slurm.text.directive import parse_directive
 
