@@ -289,9 +289,10 @@ def reading_jobs_at_once(run: RunCommand, scontrol: str, job_ids: Sequence[str])
     """``run``, with the first `scontrol --json show job ID` of each of ``job_ids`` answered from
     one call that lists them all: a burst's AdminComment records, or the jobs a reconcile pass
     finds without a mark, cost one read, not one per job (each read is an RPC to slurmctld and a
-    process on the node).
-    When one job of them is gone (slurmctld then fails the whole call), each job is read alone as
-    before; when slurmctld does not answer, each read fails as that call did, without asking again. The writes stay one per job: `scontrol update` sets one text for every job it names."""
+    process on the node). When one job of them is gone (slurmctld then fails the whole call), each
+    job is read alone as before; when slurmctld does not answer, each read fails as that call did,
+    without asking again. Writes stay one per job: `scontrol update` sets one text for every job
+    it names."""
     ids = list(dict.fromkeys(job_ids))[:MAX_JOBS_PER_READ]
     if len(ids) < 2:
         return run
