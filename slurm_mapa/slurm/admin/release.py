@@ -155,13 +155,12 @@ def _waiting_job(record: object) -> WaitingJob | None:
     begin time with every field read present and of Slurm's type."""
     if not isinstance(record, dict):
         return None
-    job_id, state, reason = record.get("job_id"), record.get("job_state"), record.get("state_reason")
+    job_id, reason = record.get("job_id"), record.get("state_reason")
     texts = [record.get(key) for key in ("partition", "features", "tres_per_node", "comment")]
-    # bool is an int to Python, never a job id; job_state is a list from v0.0.42 on, a string before.
+    # bool is an int to Python, never a job id.
     if type(job_id) is not int or not 0 < job_id < 10**12 or not all(isinstance(t, str) for t in texts):
         return None
-    states = [state] if isinstance(state, str) else state
-    if not isinstance(states, list) or "PENDING" not in states or reason != "BeginTime":
+    if "PENDING" not in commands.job_states(record) or reason != "BeginTime":
         return None
     partitions, constraint, gres, comment = texts
     return WaitingJob(str(job_id), reason, tuple(p for p in partitions.split(",") if p), constraint, gres, comment)

@@ -15,8 +15,8 @@ from typing import Sequence
 from ...errors import MapaError
 from ..config import HookConfig
 from ..node_state import LedgerCorrupt, Mark, NodeState
-from ..text.commands import (CommandFailed, Log, RunCommand, parse_job_ids, parse_job_json, reading_jobs_at_once, running_jobs_argv,
-                             show_job_argv, slurm_gpus_on_only_node)
+from ..text.commands import (CommandFailed, Log, RunCommand, job_states, parse_job_ids, parse_job_json, reading_jobs_at_once,
+                             running_jobs_argv, show_job_argv, slurm_gpus_on_only_node)
 from .budget import Budget, within_budget
 from .node_graph import load_graph
 
@@ -27,10 +27,9 @@ _RUNNING_STATES = {"RUNNING", "CONFIGURING", "SUSPENDED"}
 
 def still_running(record: dict) -> bool:
     """Whether a `scontrol --json show job` record is of a job still using its GPUs (no state: assume so)."""
-    state = record.get("job_state")
-    if state is None:
+    if record.get("job_state") is None:
         return True
-    states = {state} if isinstance(state, str) else set(map(str, state)) if isinstance(state, list) else set()
+    states = job_states(record)
     return bool(states & _RUNNING_STATES) and "COMPLETING" not in states
 
 

@@ -187,12 +187,19 @@ MAX_RECORDS_SHOWN = 100_000  # an array's tasks (MaxArraySize is at most 4,000,0
 _UNFINISHED_STATES = {"PENDING", "RUNNING", "SUSPENDED"}
 
 
+def job_states(job: dict) -> set[str]:
+    """The state names of a Slurm JSON job record (`scontrol --json show job`, `squeue --json`):
+    job_state is a list of names from data_parser v0.0.40 on, a string before; anything else: none."""
+    state = job.get("job_state")
+    if isinstance(state, str):
+        return {state}
+    return {name for name in state if isinstance(name, str)} if isinstance(state, list) else set()
+
+
 def job_finished(job: dict) -> bool:
     """Whether a `scontrol --json show job` record is of a finished job (whose AdminComment
-    slurmctld no longer updates). job_state is a list of names from data_parser v0.0.40 on, a
-    string before; no state, or one not read: not finished (the update will say)."""
-    state = job.get("job_state")
-    states = {state} if isinstance(state, str) else {s for s in state if isinstance(s, str)} if isinstance(state, list) else set()
+    slurmctld no longer updates); no state, or one not read: not finished (the update will say)."""
+    states = job_states(job)
     return bool(states) and not states & _UNFINISHED_STATES
 
 
