@@ -5,6 +5,8 @@ bandwidth model; the execution-time model where asked), not measurements.
     .venv/bin/python benchmarks/bench_nodechoice.py study [--seeds 30] [--quick] [--jobs-per-node 60] [--json FILE] [--out FILE]
     .venv/bin/python benchmarks/bench_nodechoice.py insensitive [--seeds 10]   # what insensitive jobs should prefer
     .venv/bin/python benchmarks/bench_nodechoice.py threshold [--seeds 10]     # how much the feature threshold matters
+    .venv/bin/python benchmarks/bench_nodechoice.py fleet [--seeds 10] [--choices A,B] [--rows R,S] [--json FILE]
+        # issue 40: mixed fleets, backlogs and few nodes; the wait rules and node weights (VARIANTS)
     .venv/bin/python benchmarks/bench_nodechoice.py plot FILE.json --png FILE
 
 Workloads (per seed, ``workload``):
@@ -16,8 +18,8 @@ Workloads (per seed, ``workload``):
 
 Arrivals: ``poisson`` - exponential gaps at a rate that gives about 85% of the cluster's GPUs
 busy (base run times); ``packed`` - the paper generator's uniform arrivals at 150% of capacity, so
-the queue is rarely empty. Every run uses backfill and Preserve inside the node (preserve-ahead in
-the cells that say so). ``ceiling`` is what no node choice can beat: each sensitive job gets the
+the queue is rarely empty; ``backlog`` - every job queued at time 0. Every run uses backfill and
+Preserve inside the node (preserve-ahead in the cells that say so). ``ceiling`` is what no node choice can beat: each sensitive job gets the
 best ring of its size on an idle node of the fleet.
 """
 
@@ -35,11 +37,44 @@ from slurm_mapa.replay.directives import request_for
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.replay.generate import generate
 from slurm_mapa.replay.simulate import Decider, Node, Options, simulate
-from slurm_mapa.replay.timemodel import TimeModel
+from slurm_mapa.replay.timemodel import DEFAULT_CURVE, TimeModel
 
 MEAN_SERVICE = 14.5
 MIX = ((1, 0.55), (2, 0.15), (3, 0.05), (4, 0.12), (8, 0.13))
 CHOICES = ("first-fit", "slurm", "prefer", "require")
+
+
+def scaled_curve(fraction: float) -> TimeModel:
+    """The paper's time curve with each slowdown's excess over 1 scaled by ``fraction``: a site whose
+    jobs lose a quarter of what the paper's VGG-16 loses prices holding out with fraction 0.25."""
+    return TimeModel(tuple((bw, 1 + fraction * (slow - 1)) for bw, slow in DEFAULT_CURVE))
+
+
+# Issue 40's node choices: the name in the tables -> the replay's options for it
+VARIANTS = {
+    "first-fit": {"node_choice": "first-fit"},
+    "slurm": {"node_choice": "slurm"},
+    "prefer": {"node_choice": "prefer"},
+    "require": {"node_choice": "require"},  # holds out require_wait (4 mean service times)
+    "prefer+weights": {"node_choice": "prefer", "node_weights": True},
+    # what insensitive jobs prefer, as mapa.toml's [features] insensitive_jobs: "none" / "noring"
+    "prefer+none": {"node_choice": "prefer", "insensitive": "best-fit"},
+    "prefer+noring": {"node_choice": "prefer", "insensitive": "complement"},
+    "require-cost+none": {"node_choice": "require", "wait_rule": "cost", "insensitive": "best-fit"},
+    "require-cost": {"node_choice": "require", "wait_rule": "cost"},
+    "require-cost+weights": {"node_choice": "require", "wait_rule": "cost", "node_weights": True},
+    "require-cost+weights+min": {"node_choice": "require", "wait_rule": "cost", "node_weights": True,
+                                 "insensitive": "complement-min"},
+    "require-cost+min": {"node_choice": "require", "wait_rule": "cost", "insensitive": "complement-min"},
+    "require-cost/4": {"node_choice": "require", "wait_rule": "cost", "wait_pricing": scaled_curve(0.25)},
+    "require-cost/4+weights": {"node_choice": "require", "wait_rule": "cost", "wait_pricing": scaled_curve(0.25),
+                               "node_weights": True},
+    "require-never": {"node_choice": "require", "require_wait": float("inf")},
+    "require-never+weights": {"node_choice": "require", "require_wait": float("inf"), "node_weights": True},
+}
+# Issue 40's rows: (cluster, workload, arrivals)
+FLEET_ROWS = (("4xdgx1", "paper", "poisson"), ("16xdgx1", "mix", "poisson"), ("mixed", "paper", "poisson"),
+              ("16xdgx1", "paper", "backlog"), ("16xdgx1", "mix", "backlog"))
 CLUSTERS = {
     "16xdgx1": ["dgx1-v100"] * 16,
     "4xdgx1": ["dgx1-v100"] * 4,
@@ -56,7 +91,7 @@ def mean_gpus(kind: str) -> float:
 
 
 def workload(kind: str, arrivals: str, seed: int, jobs: int, total_gpus: int) -> list:
-    """The jobs of one seed: ``kind`` paper|mix, ``arrivals`` poisson|packed."""
+    """The jobs of one seed: ``kind`` paper|mix, ``arrivals`` poisson|packed|backlog (every job queued at 0)."""
     load = POISSON_LOAD if arrivals == "poisson" else PACKED_LOAD
     rate = load * total_gpus / (mean_gpus(kind) * MEAN_SERVICE)  # jobs per time unit
     out = list(generate("paper", jobs, seed=seed, load=rate * MEAN_SERVICE))
@@ -65,6 +100,9 @@ def workload(kind: str, arrivals: str, seed: int, jobs: int, total_gpus: int) ->
         sizes, weights = zip(*MIX)
         for job in out:
             job.gpus = rng.choices(sizes, weights)[0]
+    if arrivals == "backlog":
+        for job in out:
+            job.submit = 0.0
     if arrivals == "poisson":
         rng = random.Random(10_000 + seed)
         t = 0.0
@@ -122,7 +160,7 @@ def run_cell(cluster: str, kind: str, arrivals: str, timemodel: bool, seeds: int
         rows["ceiling"]["mean"].append(statistics.fmean(best))
         for choice in choices:
             fresh = [replace(j) for j in drawn]
-            result = simulate(fresh, nodes, policy, replace(base, node_choice=choice), decider=decider)
+            result = simulate(fresh, nodes, policy, replace(base, **VARIANTS[choice]), decider=decider)
             dist = result.eff_sensitive
             row = rows[choice]
             row["p10"].append(dist.quantile(0.1))
@@ -224,6 +262,31 @@ def variants(seeds: int, jobs_per_node: int, what: str) -> None:
                 print("\n".join(lines), flush=True)
 
 
+def fleet(seeds: int, jobs_per_node: int, choices: list[str], rows: list[str] | None, json_path: str | None) -> None:
+    """Issue 40's rows (mixed fleets, backlogs, few nodes), with and without the time model."""
+    print(HEAD, flush=True)
+    deciders: dict = {}
+    results = []
+    for cluster, kind, arrivals in FLEET_ROWS:
+        if rows and f"{cluster}-{kind}-{arrivals}" not in rows:
+            continue
+        for timemodel in (False, True):
+            t0 = time.time()
+            cell = run_cell(cluster, kind, arrivals, timemodel, seeds, jobs_per_node, choices=choices, deciders=deciders)
+            lines = cell_lines(f"{cluster} {kind} {arrivals}{' time' if timemodel else ''}", seeds, cell)
+            for choice, line in zip(list(choices) + ["ceiling"], lines):
+                relaxed = cell.get(choice, {}).get("relaxed")
+                print(line + (f" relaxed {_m(relaxed):.1f}" if relaxed and choice != "ceiling" else ""), flush=True)
+            print(f"  ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+            results.append({"cluster": cluster, "topologies": CLUSTERS[cluster], "workload": kind, "arrivals": arrivals,
+                            "timemodel": timemodel, "seeds": seeds, "per_seed": cell})
+            if json_path:
+                with open(json_path, "w") as handle:
+                    json.dump({"jobs_per_node": jobs_per_node, "poisson_load": POISSON_LOAD,
+                               "require_wait": 4 * MEAN_SERVICE, "variants": {c: VARIANTS[c] for c in choices},
+                               "cells": results}, handle, default=str)
+
+
 def plot(path: str, png: str) -> None:
     from needs import pyplot
 
@@ -266,12 +329,23 @@ def main() -> None:
         v = sub.add_parser(name)
         v.add_argument("--seeds", type=int, default=10)
         v.add_argument("--jobs-per-node", type=int, default=60)
+    f = sub.add_parser("fleet")
+    f.add_argument("--seeds", type=int, default=10)
+    f.add_argument("--jobs-per-node", type=int, default=60)
+    f.add_argument("--choices", default="first-fit,prefer,require,require-cost,require-cost+weights")
+    f.add_argument("--rows", help="comma-separated CLUSTER-WORKLOAD-ARRIVALS, e.g. mixed-paper-poisson (default: all)")
+    f.add_argument("--json")
     p = sub.add_parser("plot")
     p.add_argument("json")
     p.add_argument("--png", required=True)
     args = parser.parse_args()
     if args.cmd == "study":
         study(args.seeds, args.quick, args.jobs_per_node, args.json, args.out)
+    elif args.cmd == "fleet":
+        unknown = [c for c in args.choices.split(",") if c not in VARIANTS]
+        if unknown:
+            parser.error(f"unknown choice {', '.join(unknown)} (accepted: {', '.join(VARIANTS)})")
+        fleet(args.seeds, args.jobs_per_node, args.choices.split(","), args.rows.split(",") if args.rows else None, args.json)
     elif args.cmd == "plot":
         plot(args.json, args.png)
     else:

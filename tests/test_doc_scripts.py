@@ -212,6 +212,7 @@ SMALL: dict[tuple[str, str], dict[str, str | None]] = {
     ("bench_nodechoice.py", "plot"): {},
     ("bench_nodechoice.py", "insensitive"): {"--seeds": "1", "+--seeds": "1", "+--jobs-per-node": "5"},
     ("bench_nodechoice.py", "threshold"): {"--seeds": "1", "+--seeds": "1", "+--jobs-per-node": "5"},
+    ("bench_nodechoice.py", "fleet"): {"--seeds": "1", "+--jobs-per-node": "5", "+--rows": "4xdgx1-paper-poisson"},
     ("bench_affinity.py", ""): {"--seeds": "1", "--jobs": "100"},
     ("bench_replay.py", "figures"): {"--seeds": "1", "+--out": "OUT"},
     ("bench_replay.py", "judged"): {"--seeds": "1", "+--jobs": "300", "+--nodes": "1", "+--loads": "1"},

@@ -32,7 +32,7 @@ from .generate import GENERATORS, generate
 from .jobfile import write_jobfile
 from .headline import POLICY_SUMMARIES, fold_prose, policy_lines
 from .run import CsvSink, _replay, prose_width
-from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, Options
+from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, WAIT_RULES, Options
 from .sources import FORMATS, PROG, Source, _check_has_jobs, _counting, _detect, _open_path, _parse_generate, _take
 
 
@@ -182,6 +182,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--require-wait", type=float, default=60.0, metavar="MINUTES",
                    help="require: how long a sensitive job holds out for a node with its feature before the constraint "
                         "is relaxed to a preference (default 60; generated workloads' times are read as seconds)")
+    p.add_argument("--wait-rule", choices=WAIT_RULES, default=Options.wait_rule,
+                   help="require: fixed (hold out --require-wait) or cost (hold out while the expected wait for a good node "
+                        "is shorter than the time the job would lose on the best node free now, priced by --time-model or "
+                        f"the paper's curve) (default {Options.wait_rule})")
+    p.add_argument("--node-weights", action="store_true",
+                   help="slurm/prefer/require: nodes publish the preserved bandwidth of their free GPUs as Slurm node "
+                        "weights, so jobs take the nodes whose free GPUs are worth least to rings first")
     p.add_argument("--feature-threshold", type=float, default=0.9, metavar="F",
                    help="mapa_ring<k> = a k-GPU ring of at least F x the fleet's best idle k-ring is free (default 0.9)")
     p.add_argument("--feature-sizes", metavar="K,...", help="ring sizes the nodes publish features for (default 2 .. the largest node)")

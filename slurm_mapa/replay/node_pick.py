@@ -55,6 +55,24 @@ def _pick_sorted(eligible: list[int], free_counts: Sequence[int], needed: int = 
     return eligible[best_start:best_start + needed]
 
 
+def weighted_pick(eligible: list[int], weights: Sequence[int], free_counts: Sequence[int], needed: int = 1) -> list[int] | None:
+    """Slurm's choice when nodes have weights: the lowest weight first. The nodes of the lowest weight
+    are tried alone (:func:`_pick_sorted`); when they cannot hold the job, the next weight's nodes join
+    them, and so on (slurm.conf(5), ``Weight``: jobs get the nodes with the lowest weight that
+    satisfy their requirements).
+    ``eligible`` is in node order; ``weights`` is indexed by node."""
+    if len(eligible) < needed:
+        return None
+    levels = sorted({weights[i] for i in eligible})
+    if len(levels) == 1:
+        return _pick_sorted(eligible, free_counts, needed)
+    for level in levels:
+        group = [i for i in eligible if weights[i] <= level]
+        if len(group) >= needed:
+            return _pick_sorted(group, free_counts, needed)
+    return None
+
+
 def _pick_vector(eligible: np.ndarray, free_counts: np.ndarray, needed: int = 1) -> list[int] | None:
     """:func:`slurm_pick` with ``eligible`` a boolean array over the cluster's nodes (ndarray methods
     only: the module-level numpy functions cost more than the work on a few thousand nodes)."""

@@ -126,6 +126,8 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
         feature_threshold=args.feature_threshold,
         feature_sizes=_feature_sizes(args.feature_sizes),
         require_wait=args.require_wait * 60.0,
+        wait_rule=getattr(args, "wait_rule", Options.wait_rule),
+        node_weights=bool(getattr(args, "node_weights", False)),
         backfill=args.backfill,
         time_model=parse_curve(args.time_model) if args.time_model is not None else None,
         pin_nodes=not args.no_pin,
@@ -152,7 +154,9 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
                     "node_features": {"threshold": options.feature_threshold,
                                       "sizes": list(options.feature_sizes) if options.feature_sizes else "2..largest node",
                                       "insensitive_jobs_prefer": options.insensitive,
-                                      "require_wait_s": options.require_wait}},
+                                      "require_wait_s": options.require_wait,
+                                      "wait_rule": options.wait_rule,
+                                      "node_weights": options.node_weights}},
         "model": {"name": ",".join(m.name for m in models), "per_node_type": model is None,
                   "fitted_gpus": list(models[0].fitted_gpus) if len(models) == 1 and models[0].fitted_gpus else None,
                   "models": [{"name": m.name, "basis": m.basis or None, "fitted_gpus": list(m.fitted_gpus) if m.fitted_gpus else None}
@@ -241,7 +245,8 @@ def _run_all(source: Source, nodes: list[Node], policies: Sequence[str], options
             csv_handle.write(report.CSV_HEADER + "\n")
         first = True
         for choice in node_choices:
-            run_options = replace(options, node_choice=choice)
+            # weights model Slurm's own choice: first-fit has none to weigh
+            run_options = replace(options, node_choice=choice, node_weights=options.node_weights and choice != "first-fit")
             for policy in policies:
                 stats = source.stats if first else ReadStats()
                 if csv_sink is not None:

@@ -6,28 +6,8 @@ recorded node with ``pin_nodes``) where the policy finds room, and with ``backfi
 may start while the head waits (up to ``backfill_depth`` of them are looked at). Without it the
 queue stops at the first job that does not fit, as in the paper's simulator.
 
-Which node a job starts on is ``Options.node_choice`` (issue 15, see :func:`.node_pick.slurm_pick`):
-
-* ``first-fit`` - the first node in node order where the policy finds room (the default);
-* ``slurm``     - select/cons_tres' choice for equal node weights: among the maximal runs of
-  consecutive nodes (node order) that can hold the job, the run with the fewest free resources,
-  and in it the node with the fewest (the tightest fit); free GPUs stand for free resources;
-* ``prefer``    - the same choice among the nodes whose MAPA features (:mod:`~slurm_mapa.core.features`)
-  match what the job prefers, else among all (Slurm's ``--prefer``): a sensitive k-GPU job prefers
-  ``mapa_ring<k>``, an insensitive one the complement or nothing (``Options.insensitive``). The
-  features are those the agents would have published at the start of the scheduling pass: a job
-  started earlier in the same pass does not update them (stale within a pass, as in Slurm);
-* ``require``   - sensitive jobs hold out for a node with their feature (``--constraint``) until
-  they have waited ``Options.require_wait`` seconds, then prefer it; the simulator wakes at that
-  bound so the relaxed job is looked at again even if nothing else happens.
-
-CPU affinity (``Options.affinity``, issue 14 item 4, :mod:`~slurm_mapa.core.affinity`): each job's
-CPUs on a node are modelled as cons_tres would give them *if it took the lowest-numbered free GPUs*:
-every CPU in those GPUs' affinity (:func:`~slurm_mapa.core.affinity.modelled_job_cpus`); the
-simulator does not track which cores are busy. Then the affinity mode (strict, prefer, ignore)
-wraps the policy as the Prolog would. ``None`` (the default) leaves affinity out, as before;
-``ignore`` decides the same but counts how many jobs got GPUs local to their CPUs. Nodes whose
-topology has no CPU affinity count every GPU as local; round-robin's stateful path ignores affinity.
+Which node a job starts on (first-fit, Slurm's choice, MAPA's node features and weights), how
+long a 'require' job holds out and CPU affinity are :class:`~.options.Options`: see :mod:`.options`.
 
 Decisions come from a :class:`~.decider.Decider`, memoised per (topology, policy, free set,
 request). Jobs stream through: the simulator keeps the queue, the running jobs and fixed-size
@@ -48,7 +28,6 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
 from math import inf
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -56,24 +35,14 @@ import numpy as np
 
 from ..core import features as mapa_features
 from ..core import peers
-from ..core.affinity import check_settings as check_affinity
-from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel
-from ..core.hardware import HardwareGraph
-from ..errors import InputError
+from ..core.wait_rule import holding_pays, loss_if_started_now
 from .decider import ALL_POLICIES, JUDGE_RANKING, Decider, Decision  # noqa: F401 - JUDGE_RANKING, Decision: this module's callers name them here
 from .directives import request_for
 from .jobs import Job
-from .node_pick import _pick_sorted, _pick_vector
+from .node_pick import _pick_sorted, _pick_vector, weighted_pick
+from .options import INSENSITIVE_CHOICES, NODE_CHOICES, WAIT_RULES, Node, Options, check_options  # noqa: F401 - callers name them here
 from .results import Record, RunResult
 from .timemodel import TimeModel
-
-NODE_CHOICES = ("first-fit", "slurm", "prefer", "require")
-# What an insensitive job (or a 1-GPU one) prefers under prefer/require:
-#   complement     - mapa_noring<k> of its own size (mapa_noring<smallest size> for a 1-GPU job)
-#   complement-min - mapa_noring<smallest size>: a node with no good ring of any size left
-#   best-fit       - nothing: Slurm's tightest fit
-INSENSITIVE_CHOICES = ("best-fit", "complement", "complement-min")
-
 
 # From this many nodes on, the simulator indexes the nodes by free GPUs instead of scanning them.
 INDEX_NODES = 32
@@ -81,49 +50,6 @@ INDEX_NODES = 32
 # same choice as :func:`_pick_sorted`, which a smaller cluster uses: a Python loop over a few nodes
 # costs less than the array calls).
 VECTOR_NODES = 64
-
-
-@dataclass(frozen=True)
-class Node:
-    name: str
-    graph: HardwareGraph
-
-
-@dataclass
-class Options:
-    backfill: bool = False
-    backfill_depth: int = 64
-    time_model: TimeModel | None = None
-    pin_nodes: bool = True
-    reorder_window: int = 10_000
-    model: EffectiveBandwidthModel | None = None
-    configured: dict | None = None  # policies built with site settings (preserve-ahead's sizes)
-    extrapolate: bool = False  # keep the judge's own predictions outside its fitted range (marked)
-    judge: EffectiveBandwidthModel | LinkBoundModel | None = None  # what scores the decisions (None: link-bound); see Decider
-    node_choice: str = "first-fit"  # see NODE_CHOICES
-    insensitive: str = "complement"  # what insensitive jobs prefer under prefer/require: see INSENSITIVE_CHOICES
-    feature_threshold: float = mapa_features.DEFAULT_THRESHOLD
-    feature_sizes: tuple[int, ...] | None = None  # ring sizes the nodes publish (None: 2 .. largest node)
-    require_wait: float = 3600.0  # seconds a 'require' job holds out for its feature
-    affinity: str | None = None  # CPU affinity mode (strict, prefer, ignore); None: not modelled
-    affinity_max_loss: float = 0.1  # prefer: the fraction of the value a local choice may give up
-
-
-def check_options(policy: str, nodes: Sequence[Node], options: Options) -> None:
-    if policy not in ALL_POLICIES:
-        raise InputError(f"unknown policy {policy!r} (accepted: {', '.join(ALL_POLICIES)})")
-    if not nodes:
-        raise InputError("the simulated cluster has no nodes")
-    if options.node_choice not in NODE_CHOICES:
-        raise InputError(f"unknown node choice {options.node_choice!r} (accepted: {', '.join(NODE_CHOICES)})")
-    if options.insensitive not in INSENSITIVE_CHOICES:
-        raise InputError(f"unknown choice for insensitive jobs {options.insensitive!r} (accepted: {', '.join(INSENSITIVE_CHOICES)})")
-    if not 0 < options.feature_threshold <= 1:
-        raise InputError(f"feature threshold must be a fraction in (0, 1], got {options.feature_threshold:g}")
-    if options.require_wait < 0:
-        raise InputError(f"the require wait bound must be 0 or more, got {options.require_wait:g}")
-    if options.affinity is not None:
-        check_affinity(options.affinity, options.affinity_max_loss)
 
 
 def _reordered(jobs: Iterable[Job], window: int, result: RunResult) -> Iterator[Job]:
@@ -181,6 +107,7 @@ class Simulation:
         self.rr_queue: list = [tuple(range(s)) for s in sizes] if self.stateful else [None] * n_nodes
         self.by_name = {node.name: i for i, node in enumerate(nodes)}
         self.largest = largest = max(sizes)
+        self.total_gpus = sum(sizes)
         self.groups: list[list[int]] = [[] for _ in nodes]  # per node: the masks of its running jobs
 
         # Preserved bandwidth (Eq. 3) of the free GPUs, node by node and in total, against the best
@@ -215,11 +142,18 @@ class Simulation:
         # Large clusters (slurm/prefer/require): the free counts as an array, and per wanted feature
         # an array of which nodes published it at the start of the pass (refreshed there for the
         # nodes that changed since: ``dirty``).
-        self.vector = not self.first_fit and n_nodes >= VECTOR_NODES
+        self.weighted = options.node_weights
+        self.vector = not self.first_fit and not self.weighted and n_nodes >= VECTOR_NODES
         self.count_array = np.array(self.count, dtype=np.int64) if self.vector else None
         self.feature_arrays: dict[tuple[bool, int], np.ndarray] = {}
         self.dirty: set[int] = set()
 
+        # require, wait rule 'cost': what the rule prices a slowdown with, the best ring of the fleet per
+        # request, and per scheduling pass the times nodes will have a wanted ring and the jobs holding out
+        self.pricing = options.wait_pricing or options.time_model or TimeModel()
+        self.fleet_ring: dict[int, float] = {}
+        self.ring_times: dict[tuple[bool, int], list[float]] = {}
+        self.holding: dict[int, int] = {}
         self.wakeups: list[float] = []  # require: when a job's wait bound ends
         self.woken: set[str] = set()  # the queued jobs with a wait bound set
         self.queue: deque = deque()
@@ -355,6 +289,70 @@ class Simulation:
                 best = heap[0]
         return best
 
+    def pick(self, candidates: list[int], needed: int, published: dict[int, int] | None) -> list[int] | None:
+        """Slurm's choice among ``candidates`` (node order): the tightest fit, after the lowest weight
+        when the nodes publish weights."""
+        if not self.weighted:
+            return _pick_sorted(candidates, self.count, needed)
+        free, tables = self.free, self.tables
+        weights = {}
+        for i in candidates:
+            table = tables[i]
+            weights[i] = int(table[published.get(i, free[i]) if published is not None else free[i]]) + 1 if table is not None else 1
+        return weighted_pick(candidates, weights, self.count, needed)
+
+    # --- how long a 'require' job holds out (wait rule 'cost') -----------------------------------
+
+    def best_ring(self, rid: int, k: int) -> float:
+        """The effective bandwidth Preserve gives the request on an idle node of the fleet's best type."""
+        found = self.fleet_ring.get(rid)
+        if found is None:
+            values = [self.decider.decide("preserve", gid, (1 << size) - 1, rid)
+                      for gid, size in dict.fromkeys(zip(self.gids, self.sizes)) if size >= k]
+            found = self.fleet_ring[rid] = max((v[0].effective for v in values if v is not None), default=0.0)
+        return found
+
+    def ring_wait(self, want: tuple[bool, int], t: float, ahead: int) -> float:
+        """Expected seconds until a node publishes ``want`` for the job with ``ahead`` jobs holding out
+        for the same ring before it: the running jobs end when they will (the replay knows; Slurm's
+        backfill plans with time limits), node by node, until the node has the ring."""
+        times = self.ring_times.get(want)
+        if times is None:
+            ends: dict[int, list[tuple[float, int]]] = {}
+            for end, _, _, picks, _ in self.running:
+                for i, decision, _ in picks:
+                    ends.setdefault(i, []).append((end, decision.mask))
+            times = []
+            for i, node_ends in ends.items():
+                mask = self.free[i]
+                for end, freed in sorted(node_ends):
+                    mask |= freed
+                    if self.has_feature(i, mask, want):
+                        times.append(end)
+                        break
+            times.sort()
+            self.ring_times[want] = times
+        if not times:
+            return inf
+        return times[min(ahead, len(times) - 1)] - t
+
+    def holding_pays(self, job: Job, rid: int, want: tuple[bool, int], fallback: int, t: float) -> bool:
+        """Whether ``job`` should hold out for its ring rather than start on ``fallback`` now: the expected
+        wait is shorter than the time it would lose there (:mod:`~slurm_mapa.core.wait_rule`, its run
+        time priced by ``pricing`` at the bandwidth it would get, against the fleet's best ring)."""
+        found = self.decide_on(fallback, rid)
+        if found is None:
+            return True  # no room there after all: nothing starts now anyway
+        loss = loss_if_started_now(job.runtime, found[0].effective, self.best_ring(rid, job.gpus), self.pricing,
+                                   len(self.queue) - 1, job.gpus * job.nodes, self.total_gpus)
+        if loss <= 0:
+            return False
+        ahead = self.holding.get(want[1], 0)
+        if holding_pays(self.ring_wait(want, t, ahead), loss):
+            self.holding[want[1]] = ahead + 1
+            return True
+        return False
+
     def decide_on(self, i: int, rid: int):
         """The policy's decision on node ``i`` (and round-robin's new device queue), or None."""
         return self.decider.decide(self.policy, self.gids[i], self.free[i], rid, self.rr_queue[i] if self.stateful else None,
@@ -397,18 +395,22 @@ class Simulation:
                         found = self.has_feature(i, mask, want)
                     if found:
                         good.append(i)
-                order = _pick_sorted(good, self.count, job.nodes)
+                order = self.pick(good, job.nodes, published)
             outcome = 1
             if order is None:
-                wait = self.options.require_wait
-                if self.choice == "require" and want[0] and t - job.submit < wait:
-                    if job.id not in self.woken:
-                        self.woken.add(job.id)
-                        heapq.heappush(self.wakeups, job.submit + wait)
-                    return None
+                if self.choice == "require" and want[0]:
+                    if self.options.wait_rule == "cost":
+                        order = _pick_vector(fits, self.count_array, job.nodes) if on_array else self.pick(fits, job.nodes, published)
+                        if order is None or self.holding_pays(job, rid, want, order[0], t):
+                            return None
+                    elif t - job.submit < self.options.require_wait:
+                        if job.id not in self.woken:
+                            self.woken.add(job.id)
+                            heapq.heappush(self.wakeups, job.submit + self.options.require_wait)
+                        return None
                 outcome = -1
         if order is None:
-            order = _pick_vector(fits, self.count_array, job.nodes) if on_array else _pick_sorted(fits, self.count, job.nodes)
+            order = _pick_vector(fits, self.count_array, job.nodes) if on_array else self.pick(fits, job.nodes, published)
             if order is None:
                 return None
         picks: Picks = []
@@ -457,6 +459,8 @@ class Simulation:
                 self.rr_queue[i] = new_queue
         heapq.heappush(self.running, (t + runtime, self.seq, job, picks, t))
         self.seq += 1
+        if self.ring_times:
+            self.ring_times.clear()
         return True
 
     def schedule(self, t: float) -> None:
@@ -471,6 +475,8 @@ class Simulation:
         published = self.changed_in_pass if self.by_features else None
         if self.dirty and self.by_features:
             self.refresh_features()
+        self.ring_times.clear()
+        self.holding.clear()
         while index < len(queue):
             job, rid = queue[index]
             if index == 0 and self.head_job is job and self.head_failed_at == self.releases and not backfill:
