@@ -22,6 +22,7 @@ class FakeSlurm:
         self.broken: set[str] = set()
         self.gres: dict[str, list[str]] = {}
         self.states: dict[str, list[str]] = {}  # job -> its job_state (none: the record has no state)
+        self.node_counts: dict[str, int] = {}  # job -> its node_count (none: the record has none)
 
     def __call__(self, argv):
         self.calls.append(list(argv))
@@ -32,7 +33,9 @@ class FakeSlurm:
             return "".join(f"{job}\n" for job in sorted(self.running))
         if program == "scontrol" and argv[1:4] == ["--json", "show", "job"]:
             records = [{"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts,
-                        "gres_detail": self.gres.get(job, []), **({"job_state": self.states[job]} if job in self.states else {})}
+                        "gres_detail": self.gres.get(job, []), **({"job_state": self.states[job]} if job in self.states else {}),
+                        **({"node_count": {"set": True, "infinite": False, "number": self.node_counts[job]}}
+                           if job in self.node_counts else {})}
                        for job in argv[4].split(",")]  # scontrol takes a list
             return json.dumps({"jobs": records})
         if program == "scontrol" and argv[1:3] == ["write", "batch_script"]:

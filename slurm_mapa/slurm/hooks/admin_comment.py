@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ...errors import MapaError
 from ..node_state import Entry, NodeState
-from ..text.commands import (CommandFailed, Log, RunCommand, admin_comment_argv, answered_once, job_finished, parse_job_json,
-                             show_job_argv, update_target)
+from ..text.commands import (CommandFailed, Log, RunCommand, admin_comment_argv, answered_once, job_finished, job_node_count,
+                             parse_job_json, show_job_argv, update_target)
 from ..config import HookConfig
 from ..text.decision import ISOLATION_STATES, Decision, parse_decisions, with_decision
 from .job_context import PrologContext
@@ -88,7 +88,10 @@ def flush_note(config: HookConfig, job_id: str, entry: Entry, run: RunCommand, l
             "it stays in this node's log only")
         return True
     noted = dataclasses.replace(decision, isolation=state, why=why)
-    ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=2)  # 2: read back
+    # The agent that noted the failure did not know the job's nodes; the record does. Another node's
+    # write can drop this one only in a multi-node job: read back there (and when the count is not
+    # given), not for a one-node job (a burst's notes each read 8 times in 3 s before this).
+    ctx = PrologContext(job_id=job_id, node=entry.node, slurm_gpus=(), env_comment="", nodes_in_job=job_node_count(job) or 2)
     # Its first read is the one just made (one RPC less per note).
     return record_decision(ctx, directive, noted, config, answered_once(run, {tuple(show_job_argv(config.scontrol, job_id)): shown}), log)
 

@@ -210,6 +210,12 @@ def _number(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def job_node_count(job: dict) -> int | None:
+    """How many nodes a Slurm JSON job record says the job has (``node_count``); None when it says nothing usable."""
+    count = _number(job.get("node_count"))
+    return count if count is not None and count > 0 else None
+
+
 def update_target(job: dict, job_id: str) -> str:
     """How `scontrol update` must name job ``job_id`` (its record ``job``) to change it alone: an
     array task as ARRAY_TASK (its own id may be the array's, which names every task), a het

@@ -478,6 +478,32 @@ def test_a_note_waits_while_its_decision_is_in_the_journal(node, tmp_path):
     assert "not an isolation note; dropped" in logs[-1]
 
 
+@pytest.mark.parametrize("node_count", [1, 2, None])
+def test_a_note_reads_its_write_back_only_for_a_job_of_several_nodes(node, tmp_path, node_count):
+    """A one-node job's AdminComment has no other writer to race: its note is one read and one update.
+    A multi-node job's (or one whose record gives no node count) is read back until the other
+    nodes' decisions are there or the settle bound passes (here the other node never writes)."""
+    from slurm_mapa.slurm.config import load_hook_config
+    from slurm_mapa.slurm.hooks import admin_comment
+    from fake_slurm import FakeSlurm
+
+    config, _ = load_hook_config({"MAPA_CONFIG": str(tmp_path / "mapa.toml")})
+    slurm = FakeSlurm()
+    slurm.admin["12"] = "mapa:topology=ring sensitive=yes # dgx1=4,5 policy=preserve"
+    if node_count is not None:
+        slurm.node_counts["12"] = node_count
+    note = journal.Entry("dgx1", 0, "isolation=failed-open why=x")
+    assert admin_comment.flush_note(config, "12", note, slurm, lambda line: None) is True
+    shows = [call for call in slurm.calls if call[1:3] == ["--json", "show"]]
+    updates = [call for call in slurm.calls if call[1] == "update"]
+    assert len(updates) == 1, slurm.calls
+    if node_count == 1:
+        assert len(shows) == 1, slurm.calls
+    else:
+        assert 2 <= len(shows) <= admin_comment.MULTI_NODE_READS, slurm.calls
+    assert parse_decisions(slurm.admin["12"])["dgx1"].isolation == "failed-open"
+
+
 def test_auto_isolates_only_where_the_topology_names_the_device_files(node, tmp_path):
     """isolation = "auto" (the default): fail-open on a node whose topology file has minor_numbers
     (discovery from NVML or AMD SMI writes them), off where it is a preset or nvidia-smi text."""
