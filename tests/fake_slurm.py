@@ -23,6 +23,14 @@ class FakeSlurm:
         self.gres: dict[str, list[str]] = {}
         self.states: dict[str, list[str]] = {}  # job -> its job_state (none: the record has no state)
         self.node_counts: dict[str, int] = {}  # job -> its node_count (none: the record has none)
+        self.gone: set[str] = set()  # jobs slurmctld no longer knows
+
+    def record(self, job: str) -> dict:
+        """Job ``job``'s JSON record, as scontrol and squeue print it (the fields the hooks read)."""
+        return {"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts,
+                "gres_detail": self.gres.get(job, []), **({"job_state": self.states[job]} if job in self.states else {}),
+                **({"node_count": {"set": True, "infinite": False, "number": self.node_counts[job]}}
+                   if job in self.node_counts else {})}
 
     def __call__(self, argv):
         self.calls.append(list(argv))
@@ -32,12 +40,14 @@ class FakeSlurm:
         if program == "squeue" and argv[1:3] == ["--noheader", "--nodelist"] and argv[3] == self.node:
             return "".join(f"{job}\n" for job in sorted(self.running))
         if program == "scontrol" and argv[1:4] == ["--json", "show", "job"]:
-            records = [{"job_id": int(job), "admin_comment": self.admin.get(job, ""), "batch_flag": job in self.scripts,
-                        "gres_detail": self.gres.get(job, []), **({"job_state": self.states[job]} if job in self.states else {}),
-                        **({"node_count": {"set": True, "infinite": False, "number": self.node_counts[job]}}
-                           if job in self.node_counts else {})}
-                       for job in argv[4].split(",")]  # scontrol takes a list
-            return json.dumps({"jobs": records})
+            if "," in argv[4] or argv[4] in self.gone:  # scontrol takes one job id (Slurm 26.05.5)
+                raise CommandFailed("scontrol exited 1: scontrol_print_job error: Invalid job id specified")
+            return json.dumps({"jobs": [self.record(argv[4])]})
+        if program == "squeue" and argv[1:3] == ["--json", "--states=all"] and argv[3].startswith("--jobs="):
+            known = [job for job in argv[3][len("--jobs="):].split(",") if job not in self.gone]
+            if not known:  # squeue fails only when it knows none of them
+                raise CommandFailed("squeue exited 1: slurm_load_jobs error: Invalid job id specified")
+            return json.dumps({"jobs": [self.record(job) for job in known], "errors": []})
         if program == "scontrol" and argv[1:3] == ["write", "batch_script"]:
             if argv[3] not in self.scripts:
                 raise CommandFailed("scontrol write batch_script exited 1: no script")

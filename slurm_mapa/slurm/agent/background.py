@@ -105,7 +105,7 @@ class Background:
         # The jobs of this turn's writes (about a second of them at admin_comment_rate), read at once.
         due = [state.job_of_record(name) or name for name, _, _ in pending
                if self.retry_at.get(name, 0.0) <= self.clock() and not self.agent.has_ended(state.job_of_record(name) or name)]
-        run = reading_jobs_at_once(run, config.scontrol, due[:max(1, int(config.admin_comment_rate))])
+        run = reading_jobs_at_once(run, config.squeue, config.scontrol, due[:max(1, int(config.admin_comment_rate))])
         merged: set[str] = set()
         for name, _, mtime in pending:
             if self.stop.is_set():

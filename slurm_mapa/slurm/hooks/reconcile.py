@@ -59,7 +59,7 @@ def adopt_jobs(who: str, jobs: Sequence[str], size: int, config: HookConfig, run
     """Ask Slurm for each job's GPUs here and mark it with them (pid 0), unless its own Prolog has
     marked it meanwhile; a job that has ended is left to reaping. The jobs are read in one call
     (in a burst most are jobs whose Prolog slurmd has not started yet, marked by then)."""
-    run = reading_jobs_at_once(run, config.scontrol, jobs)
+    run = reading_jobs_at_once(run, config.squeue, config.scontrol, jobs)
     for job_id in jobs:
         try:
             record = parse_job_json(run(show_job_argv(config.scontrol, job_id)), job_id)

@@ -285,10 +285,13 @@ def show_job_argv(scontrol: str, job_id: str) -> list[str]:
     return [scontrol, "--json", "show", "job", job_id]
 
 
-def show_jobs_argv(scontrol: str, job_ids: Sequence[str]) -> list[str]:
-    """Several jobs in one call (`scontrol show job` takes a comma-separated list; one id slurmctld
-    no longer knows fails the whole call with "Invalid job id specified")."""
-    return [scontrol, "--json", "show", "job", ",".join(job_ids)]
+def show_jobs_argv(squeue: str, job_ids: Sequence[str]) -> list[str]:
+    """Several jobs in one call. Not `scontrol show job J1,J2`: scontrol takes one job id and
+    answers a list with "Invalid job id specified" (seen on Slurm 26.05.5). squeue takes a list;
+    ``--states=all`` keeps the jobs that have ended; it leaves out the jobs slurmctld no longer
+    knows and fails ("Invalid job id specified") only when it knows none of them. Its JSON job
+    records are those of `scontrol --json show job` (Slurm's data_parser)."""
+    return [squeue, "--json", "--states=all", "--jobs=" + ",".join(job_ids)]
 
 
 def batch_script_argv(scontrol: str, job_id: str) -> list[str]:
@@ -298,24 +301,39 @@ def batch_script_argv(scontrol: str, job_id: str) -> list[str]:
 MAX_JOBS_PER_READ = 32
 
 
-def reading_jobs_at_once(run: RunCommand, scontrol: str, job_ids: Sequence[str]) -> RunCommand:
+def reading_jobs_at_once(run: RunCommand, squeue: str, scontrol: str, job_ids: Sequence[str]) -> RunCommand:
     """``run``, with the first `scontrol --json show job ID` of each of ``job_ids`` answered from
-    one call that lists them all: a burst's AdminComment records, or the jobs a reconcile pass
-    finds without a mark, cost one read, not one per job (each read is an RPC to slurmctld and a
-    process on the node). When one job of them is gone (slurmctld then fails the whole call), each
-    job is read alone as before; when slurmctld does not answer, each read fails as that call did,
-    without asking again. Writes stay one per job: `scontrol update` sets one text for every job
-    it names."""
+    one `squeue --json` call that lists them all (:func:`show_jobs_argv`): a burst's AdminComment
+    records, or the jobs a reconcile pass finds without a mark, cost one read, not one per job
+    (each read is an RPC to slurmctld and a process on the node). A job the answer leaves out (gone)
+    and every job of an answer that cannot be read are read alone, as before; when slurmctld does
+    not answer, each read fails as that call did, without asking again. Writes stay one per job:
+    `scontrol update` sets one text for every job it names."""
     ids = list(dict.fromkeys(job_ids))[:MAX_JOBS_PER_READ]
     if len(ids) < 2:
         return run
+    answers: dict = {}
     try:
-        answer: str | CommandFailed = run(show_jobs_argv(scontrol, ids))
+        text = run(show_jobs_argv(squeue, ids))
     except CommandFailed as error:
         if "Invalid job id" in str(error):
-            return run  # which one is gone: each read alone says
-        answer = error  # slurmctld did not answer: each record waits, as if read alone
-    return answered_once(run, {tuple(show_job_argv(scontrol, job_id)): answer for job_id in ids})
+            return run  # slurmctld knows none of them: each read alone says so
+        return answered_once(run, {tuple(show_job_argv(scontrol, job_id)): error for job_id in ids})
+    try:
+        data = json.loads(text) if len(text) <= MAX_OUTPUT_BYTES else None
+    except (ValueError, RecursionError):
+        data = None
+    records = data.get("jobs") if isinstance(data, dict) and not data.get("errors") else None
+    if not isinstance(records, list):
+        return run
+    wanted = set(ids)
+    for record in records[:MAX_RECORDS_SHOWN]:
+        job_id = str(record.get("job_id")) if isinstance(record, dict) else None
+        # As `scontrol --json show job ID` would show it (parse_job_json picks it by its id); a record
+        # without its AdminComment is not taken for one (a write from it would drop what is there).
+        if job_id in wanted and isinstance(record.get("admin_comment"), str):
+            answers.setdefault(tuple(show_job_argv(scontrol, job_id)), json.dumps({"jobs": [record]}))
+    return answered_once(run, answers)
 
 
 def answered_once(run: RunCommand, answers: dict) -> RunCommand:

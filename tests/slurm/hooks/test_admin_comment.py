@@ -1,5 +1,6 @@
 """The AdminComment record's writes (hooks/admin_comment.py): a finished job is not asked to
-change, and the records loop reads the jobs of a turn in one call."""
+change, and the records loop reads the jobs of a turn in one call (`squeue --json --jobs=...`:
+scontrol takes one job id)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from slurm_mapa.slurm.text.decision import Decision, parse_decisions
 from slurm_mapa.slurm.text.directive import parse_directive
 
 SCONTROL = "/usr/bin/scontrol"
+SQUEUE = "/usr/bin/squeue"
 
 
 @pytest.mark.parametrize("state, finished", [
@@ -47,19 +49,28 @@ def test_a_finished_job_is_read_but_not_asked_to_change():
 
 def test_the_records_of_a_turn_are_read_in_one_call():
     slurm = FakeSlurm()
-    run = reading_jobs_at_once(slurm, SCONTROL, ["11", "12", "13", "12"])
-    assert slurm.calls == [[SCONTROL, "--json", "show", "job", "11,12,13"]]
+    run = reading_jobs_at_once(slurm, SQUEUE, SCONTROL, ["11", "12", "13", "12"])
+    assert slurm.calls == [[SQUEUE, "--json", "--states=all", "--jobs=11,12,13"]]
     for job in ("11", "12", "13"):
         assert _record_with(run, job)
-    shows = [call for call in slurm.calls if call[1:3] == ["--json", "show"]]
-    assert len(shows) == 1 and len([call for call in slurm.calls if call[1] == "update"]) == 3
+    reads = [call for call in slurm.calls if call[0] in (SCONTROL, SQUEUE) and call[1] == "--json"]
+    assert len(reads) == 1 and len([call for call in slurm.calls if call[1] == "update"]) == 3
     assert all(parse_decisions(slurm.admin[job])["dgx1"].gpus == (2, 3) for job in ("11", "12", "13"))
     run(show_job_argv(SCONTROL, "11"))  # a second read of a job asks slurmctld again (the answer may have changed)
     assert slurm.calls[-1] == show_job_argv(SCONTROL, "11")
-    assert reading_jobs_at_once(slurm, SCONTROL, ["14"]) is slurm  # one job: nothing to gain
+    assert reading_jobs_at_once(slurm, SQUEUE, SCONTROL, ["14"]) is slurm  # one job: nothing to gain
     many = [str(n) for n in range(100, 200)]
-    reading_jobs_at_once(slurm, SCONTROL, many)
-    assert slurm.calls[-1][4] == ",".join(many[:MAX_JOBS_PER_READ])
+    reading_jobs_at_once(slurm, SQUEUE, SCONTROL, many)
+    assert slurm.calls[-1][3] == "--jobs=" + ",".join(many[:MAX_JOBS_PER_READ])
+
+
+def test_what_is_written_after_the_list_read_keeps_the_admin_comment_it_read():
+    slurm = FakeSlurm()
+    slurm.admin["15"] = "checked by admin; mapa:topology=ring sensitive=yes # dgx2=0,1 policy=preserve"
+    run = reading_jobs_at_once(slurm, SQUEUE, SCONTROL, ["15", "16"])
+    assert _record_with(run, "15")
+    recorded = parse_decisions(slurm.admin["15"])
+    assert set(recorded) == {"dgx1", "dgx2"} and slurm.admin["15"].startswith("checked by admin")
 
 
 def _record_with(run, job: str) -> bool:
@@ -68,27 +79,43 @@ def _record_with(run, job: str) -> bool:
                            run, [].append, sleep=lambda seconds: None)
 
 
+def test_a_gone_job_is_read_alone_and_the_others_from_the_list():
+    slurm = FakeSlurm()
+    slurm.gone.add("22")
+    run = reading_jobs_at_once(slurm, SQUEUE, SCONTROL, ["21", "22"])
+    assert _record_with(run, "21") and slurm.calls[-1][1] == "update"  # 21 came from the list
+    assert _record_with(run, "22")  # gone: read alone, slurmctld says so, and the record is dropped
+    assert slurm.calls[-1] == show_job_argv(SCONTROL, "22") and "22" not in slurm.admin
+    slurm.gone.add("21")
+    assert reading_jobs_at_once(slurm, SQUEUE, SCONTROL, ["21", "22"]) is slurm  # none known: each alone
+
+
 class Failing(FakeSlurm):
-    def __init__(self, message: str) -> None:
+    def __init__(self, answer) -> None:
         super().__init__()
-        self.message = message
+        self.answer = answer
 
     def __call__(self, argv, *args, **kwargs):
-        if argv[1:4] == ["--json", "show", "job"] and "," in argv[4]:
+        if argv[0] == SQUEUE:
             self.calls.append(list(argv))
-            raise CommandFailed(self.message)
+            if isinstance(self.answer, CommandFailed):
+                raise self.answer
+            return self.answer
         return super().__call__(argv, *args, **kwargs)
 
 
-def test_a_gone_job_in_the_list_makes_each_job_read_alone():
-    slurm = Failing("scontrol --json show job exited 1: scontrol_print_job error: Invalid job id specified")
-    run = reading_jobs_at_once(slurm, SCONTROL, ["21", "22"])
-    assert run is slurm  # the plain runner: each record reads its own job, as without the batch
-    assert _record_with(run, "21") and slurm.calls[-2] == show_job_argv(SCONTROL, "21")
-
-
 def test_an_unanswered_list_fails_each_read_without_asking_again():
-    slurm = Failing("scontrol: error: Unable to contact slurm controller (connect failure)")
-    run = reading_jobs_at_once(slurm, SCONTROL, ["31", "32"])
+    slurm = Failing(CommandFailed("squeue: error: Unable to contact slurm controller (connect failure)"))
+    run = reading_jobs_at_once(slurm, SQUEUE, SCONTROL, ["31", "32"])
     assert not _record_with(run, "31") and not _record_with(run, "32")  # both wait in the journal
     assert len(slurm.calls) == 1
+
+
+@pytest.mark.parametrize("answer", ["not json", '{"jobs": 3}', '{"jobs": [], "errors": [{"error": "x"}]}', "[" * 100_000,
+                                    '{"jobs": [{"job_id": 41}]}'])  # the last: a record without its AdminComment
+def test_an_answer_that_cannot_be_read_leaves_each_job_to_its_own_read(answer):
+    slurm = Failing(answer)
+    run = reading_jobs_at_once(slurm, SQUEUE, SCONTROL, ["41", "42"])
+    assert _record_with(run, "41") and _record_with(run, "42")
+    assert [call for call in slurm.calls if call[0] == SCONTROL and call[1] == "--json"] == [
+        show_job_argv(SCONTROL, "41"), show_job_argv(SCONTROL, "42")]

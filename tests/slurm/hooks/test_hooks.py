@@ -374,8 +374,8 @@ def test_jobs_running_without_a_ledger_entry_are_adopted_with_slurms_gpus(setup)
     slurm.running = {"90", "91", "92"}
     slurm.gres = {"90": ["gpu:2(IDX:0,3)"], "91": []}  # 90: a killed Prolog; 91: a CPU-only job
     assert reconcile_node(config, "dgx1", slurm, logs.append)  # mapa-agent's pass, off the start path
-    shows = [call[4] for call in slurm.calls if call[1:4] == ["--json", "show", "job"]]
-    assert shows == ["90,91,92"]  # the unmarked jobs read in one call
+    reads = [call[1:] for call in slurm.calls if call[1] == "--json"]
+    assert reads == [["--json", "--states=all", "--jobs=90,91,92"]]  # the unmarked jobs read in one call
     decision = run_prolog(env_for("92", "1,2", "mapa:sensitive=yes"), config, slurm, logs.append)
     assert not {0, 3} & set(decision.gpus)
     holdings = LedgerFile(config.ledger, 8).read().holdings
@@ -732,11 +732,12 @@ def test_a_prolog_asks_about_a_job_with_an_unreadable_mark_before_choosing(setup
     assert not {1, 2, 5} & set(decision.gpus)
     holdings = LedgerFile(config.ledger, 8).read().holdings
     assert holdings["40"].gpus == (1, 2) and holdings["42"].gpus == (5,)
-    asked = {job for call in slurm.calls if call[1:4] == ["--json", "show", "job"] for job in call[4].split(",")}
-    assert {"40", "42"} <= asked  # in one call (scontrol show job takes a list)
+    lists = [call[3] for call in slurm.calls if call[1:3] == ["--json", "--states=all"]]
+    assert len(lists) == 1 and {"40", "42"} <= set(lists[0][len("--jobs="):].split(","))  # in one call (squeue takes a list)
     slurm.calls.clear()
     run_prolog(env_for("43", "7", "mapa:"), config, slurm, logs.append)  # converted: never asked again
-    assert not {job for call in slurm.calls if call[1:4] == ["--json", "show", "job"] for job in call[4].split(",")} & {"40", "42"}
+    asked = {job for call in slurm.calls if call[1] == "--json" for job in call[-1].removeprefix("--jobs=").split(",")}
+    assert not asked & {"40", "42"}
 
 
 def test_a_prolog_asks_about_a_job_the_kernel_shows_but_no_file_names_before_choosing(setup, monkeypatch):
