@@ -329,9 +329,10 @@ def reading_jobs_at_once(run: RunCommand, squeue: str, scontrol: str, job_ids: S
     wanted = set(ids)
     for record in records[:MAX_RECORDS_SHOWN]:
         job_id = str(record.get("job_id")) if isinstance(record, dict) else None
-        # As `scontrol --json show job ID` would show it (parse_job_json picks it by its id); a record
-        # without its AdminComment is not taken for one (a write from it would drop what is there).
-        if job_id in wanted and isinstance(record.get("admin_comment"), str):
+        # As `scontrol --json show job ID` would show it (parse_job_json picks it by its id). A record
+        # without the fields the callers read is not taken for one: a write from a record without
+        # its AdminComment would drop what is there, an adoption without gres_detail would see no GPUs.
+        if job_id in wanted and isinstance(record.get("admin_comment"), str) and isinstance(record.get("gres_detail"), list):
             answers.setdefault(tuple(show_job_argv(scontrol, job_id)), json.dumps({"jobs": [record]}))
     return answered_once(run, answers)
 

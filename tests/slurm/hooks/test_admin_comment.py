@@ -112,7 +112,8 @@ def test_an_unanswered_list_fails_each_read_without_asking_again():
 
 
 @pytest.mark.parametrize("answer", ["not json", '{"jobs": 3}', '{"jobs": [], "errors": [{"error": "x"}]}', "[" * 100_000,
-                                    '{"jobs": [{"job_id": 41}]}'])  # the last: a record without its AdminComment
+                                    '{"jobs": [{"job_id": 41, "gres_detail": []}]}',  # no AdminComment
+                                    '{"jobs": [{"job_id": 41, "admin_comment": ""}]}'])  # no gres_detail
 def test_an_answer_that_cannot_be_read_leaves_each_job_to_its_own_read(answer):
     slurm = Failing(answer)
     run = reading_jobs_at_once(slurm, SQUEUE, SCONTROL, ["41", "42"])
