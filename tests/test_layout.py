@@ -191,3 +191,15 @@ def test_the_tests_tree_mirrors_the_package():
     packages = {Path(p.name) for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").is_file()}
     packages |= {Path("slurm") / p.name for p in (PACKAGE_DIR / "slurm").iterdir() if (p / "__init__.py").is_file()}
     assert packages - folders == set(), "a package without its folder of tests"
+
+
+def test_no_two_test_files_share_a_name():
+    """The test folders have no __init__.py, so pytest imports each test file by its name alone: a
+    second file of the same name in another folder fails to collect ("import file mismatch")."""
+    seen: dict[str, Path] = {}
+    for path in sorted(TESTS_DIR.rglob("test_*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        assert path.name not in seen, f"{path.relative_to(TESTS_DIR)} and {seen[path.name].relative_to(TESTS_DIR)} share a name"
+        seen[path.name] = path
+    assert len(seen) > 50, "too few test files seen"

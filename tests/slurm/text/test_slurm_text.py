@@ -133,14 +133,14 @@ def test_runner_bounds_output_and_refuses_what_cannot_run(tmp_path):
 )
 def test_gpu_lists_out_of_bounds_are_refused_before_anything_is_built(text, message):
     tracemalloc.start()
-    started = time.perf_counter()
+    started = time.process_time()
     try:
         with pytest.raises(ValueError, match=message) as caught:
             parse_gpu_indices(text)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert time.perf_counter() - started < 0.5 and peak < 256 << 10
+    assert time.process_time() - started < 0.5 and peak < 256 << 10
     assert "accepted: indices 0 to 1023" in str(caught.value)
 
 
@@ -184,11 +184,11 @@ def test_gres_detail_on_hostile_records():
                        {"gres_detail": ["gpu:1(IDX:0)", "gpu:1(IDX:1)"]}, {"gres_detail": ["gpu:1(IDX:0);x"]},
                        {"gres_detail": ["x" * 100_000]}, []):
         assert slurm_gpus_on_only_node(unreadable) is None, unreadable  # type: ignore[arg-type]
-    started = time.perf_counter()
+    started = time.process_time()
     for huge in ("gpu:1(IDX:0-999999999999)", "gpu:1(IDX:0-20000000)", ",".join(["gpu:1(IDX:0-1023)"] * 2000)):
         with pytest.raises(ValueError, match="accepted: indices 0 to 1023"):
             slurm_gpus_on_only_node({"gres_detail": [huge]})
-    assert time.perf_counter() - started < 1
+    assert time.process_time() - started < 1
 
 
 def test_directive_lines_with_replacement_and_other_non_ascii_text():
@@ -330,10 +330,10 @@ def test_the_record_stays_bounded():
 
 def test_reading_a_hostile_admin_comment_stays_fast():
     hostile = ("mapa:" + "x" * 8000 + " ") * 200 + "mapa:topology=ring # n1=0-999999999 policy=p " + "#" * 10_000
-    started = time.perf_counter()
+    started = time.process_time()
     assert find_record(hostile) is None  # beyond the characters read (MAX_RECORD_SCAN_CHARS)
     assert parse_decisions(hostile) == {} and read_admin_comment(hostile).before == hostile.strip()
-    assert time.perf_counter() - started < 1
+    assert time.process_time() - started < 1
 
 
 # Foreign `mapa:` words in front of the record: an admin's notes, another tool's, a user's rejected directive.
@@ -365,12 +365,12 @@ def test_ten_thousand_foreign_mapa_words_in_front_do_not_hide_the_record():
     record = "mapa:topology=ring sensitive=yes # n1=0,3 policy=preserve free=0,1,2,3 eff=58.900 agg=100.000 pres=216.000 # ok"
     text = f"{foreign} {record}"
     assert len(text) <= MAX_RECORD_SCAN_CHARS
-    started = time.perf_counter()
+    started = time.process_time()
     assert find_record(text) == len(foreign) + 1
     assert parse_decisions(text) == {"n1": N1} and record_directive(text) == RING_YES
     assert read_admin_comment(text) == AdminComment(foreign, "mapa:topology=ring sensitive=yes", (N1.text(),), ("ok",))
     assert split_admin_comment(text) == (foreign, record)
-    assert time.perf_counter() - started < 1
+    assert time.process_time() - started < 1
     mixed = f"{_foreign(4000)} {record}"  # other words, with `#` among them: they end segments too
     assert parse_decisions(mixed) == {"n1": N1} and record_directive(mixed) == RING_YES
 
@@ -389,9 +389,11 @@ def test_the_record_is_looked_for_in_a_bounded_prefix_only():
     ("mapa:" + "x" * 8000 + "\u00e9 #") * 200,  # each one long, with a character no directive has
 ])
 def test_reading_admin_comments_full_of_mapa_words_stays_fast(hostile):
-    started = time.perf_counter()
+    # The bounds in this file are CPU time of this process: a quadratic parse still exceeds them by
+    # far, and a host loaded by other work (CI runs the cluster tests beside these) does not.
+    started = time.process_time()
     assert find_record(hostile) is None and parse_decisions(hostile) == {} and record_directive(hostile) is None
-    assert time.perf_counter() - started < 1
+    assert time.process_time() - started < 1
 
 
 def test_no_directive_holds_a_token_starting_with_mapa():
