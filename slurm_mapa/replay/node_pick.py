@@ -63,14 +63,8 @@ def weighted_pick(eligible: list[int], weights: Sequence[int], free_counts: Sequ
     ``eligible`` is in node order; ``weights`` is indexed by node."""
     if len(eligible) < needed:
         return None
-    levels = sorted({weights[i] for i in eligible})
-    if len(levels) == 1:
-        return _pick_sorted(eligible, free_counts, needed)
-    for level in levels:
-        group = [i for i in eligible if weights[i] <= level]
-        if len(group) >= needed:
-            return _pick_sorted(group, free_counts, needed)
-    return None
+    level = sorted(weights[i] for i in eligible)[max(needed, 1) - 1]  # the lowest weight whose nodes (and lighter ones) suffice
+    return _pick_sorted([i for i in eligible if weights[i] <= level], free_counts, needed)
 
 
 def _pick_vector(eligible: np.ndarray, free_counts: np.ndarray, needed: int = 1) -> list[int] | None:
