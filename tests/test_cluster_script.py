@@ -40,6 +40,28 @@ def test_every_container_name_and_address_follows_the_clusters_settings():
     assert not addresses, addresses  # every cluster address is ${MAPA_SUBNET_PREFIX:-...}.N
 
 
+def _mounts_of(compose: str, block_start: str) -> list[str]:
+    """The volume entries of the compose block that starts with the line ``block_start``."""
+    indent = " " * (len(block_start) - len(block_start.lstrip()) + 2)
+    block = compose.split(f"\n{block_start}\n", 1)[1]
+    entries = block.split(f"\n{indent}volumes:\n", 1)[1]
+    listed = re.match(r"(?:[ ]+(?:- \S+|#.*)\n)*", entries).group(0)  # entries and comments
+    return re.findall(r"- (\S+)\n", listed)
+
+
+def test_the_controller_mounts_what_every_container_mounts_and_its_state_volume():
+    """slurmctld lists its volumes in full (a service's list replaces the shared one): it must keep
+    every shared mount, and StateSaveLocation must be a named volume (off fuse-overlayfs, kept
+    across `docker restart`)."""
+    compose = (ROOT / "containers" / "compose.yml").read_text()
+    common = _mounts_of(compose, "x-common: &common")
+    controller = _mounts_of(compose, "  slurmctld:")
+    assert len(common) >= 5 and set(common) <= set(controller), (common, controller)
+    conf = (ROOT / "containers" / "config" / "slurm.conf").read_text()
+    state = re.search(r"^StateSaveLocation=(\S+)$", conf, re.M).group(1)
+    assert f"slurmctld-state:{state}" in controller, (state, controller)
+
+
 def _fake_tools(tmp_path: Path, slurmd_package: str, slurmd_v: str = "") -> dict[str, str]:
     """A PATH whose docker has every image already, whose base image holds ``slurmd_package``
     (empty: no slurmd in it), whose builds succeed and whose built image's ``slurmd -V`` prints

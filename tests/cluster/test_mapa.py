@@ -577,11 +577,19 @@ LEDGER_LOCK = "/var/lib/slurm-mapa/ledger.json.lock"
 KILL_EVERY_PROLOG = r"""
 mark=/run/slurm-mapa/jobs/.prolog-$1
 deadline=$(( $(date +%s) + 60 ))
-until pgrep -f 'mapa-prolog-wrappe[r]' >/dev/null; do
-    [ "$(date +%s)" -lt "$deadline" ] || { echo "no Prolog wrapper ran" >&2; exit 1; }
+# The wrapper of this job (its environment names the job): another job's Prolog on the node must
+# not stand for it.
+wrapper_of_job() {
+    for p in $(pgrep -f 'mapa-prolog-wrappe[r]'); do
+        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$1" && { echo "$p"; return 0; }
+    done
+    return 1
+}
+until wrapper=$(wrapper_of_job "$1"); do
+    [ "$(date +%s)" -lt "$deadline" ] || { echo "no Prolog wrapper of job $1 ran" >&2; exit 1; }
     sleep 0.05
 done
-while pgrep -f 'mapa-prolog-wrappe[r]' >/dev/null; do
+while kill -0 "$wrapper" 2>/dev/null; do
     [ "$(date +%s)" -lt "$deadline" ] || { echo "the Prolog wrapper still runs" >&2; exit 1; }
     pid=$(grep -o '[0-9][0-9]*' "$mark" 2>/dev/null | head -n 1)
     what=$(tr '\0' ' ' < "/proc/${pid:-0}/cmdline" 2>/dev/null)
@@ -625,7 +633,8 @@ def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(clu
     print(kills)
     killed_lines = kills.splitlines()
     # Both paths were killed: mapa-agent, then the in-process Prolog (and its retry).
-    assert any("mapa-agent" in line for line in killed_lines) and any("prolog_main" in line for line in killed_lines), kills
+    assert any("mapa-agent" in line for line in killed_lines) and any("prolog_main" in line for line in killed_lines), (
+        f"killed: {kills!r}; the job's MAPA file: {_job_file(cluster, node, killed)!r}")
     cluster.wait_state(killed, "RUNNING")
     slurm = _slurm_gpus(cluster, killed)
     assert _job_file(cluster, node, killed) is None, f"job {killed} got a decision after all; killed:\n{kills}"
