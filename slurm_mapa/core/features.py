@@ -79,6 +79,7 @@ __all__ = [
     "feature_name",
     "feature_names",
     "fleet_best",
+    "good_free_at",
     "has_good",
     "node_features",
 ]
@@ -185,3 +186,21 @@ def node_features(graph: HardwareGraph, free: Iterable[int] | int, best: Mapping
         good = has_good(graph, mask, k, best[k], model, threshold, shape)
         out.append(feature_name(k, shape) if good else complement_name(k, shape))
     return tuple(out)
+
+
+def good_free_at(graph: HardwareGraph, free: Iterable[int] | int, ends: Iterable[tuple[float, Iterable[int]]], k: int,
+                 fleet_k: float, model: ModelFor, threshold: float = DEFAULT_THRESHOLD,
+                 shape: str = "ring") -> float | None:
+    """When the node is expected to have a good k-GPU ``shape`` free (issue 40's wait rule): 0.0 when
+    one is free now; else the end time (as given in ``ends``: the running jobs' (end time, GPUs)) of
+    the job after whose end, the jobs freeing their GPUs in end order, one is; None when none would
+    be (the node is too small, or the GPUs it needs are held by jobs left out of ``ends``, e.g.
+    jobs whose end is not known). Jobs that end together free their GPUs together."""
+    mask = _mask(graph, free)
+    if has_good(graph, mask, k, fleet_k, model, threshold, shape):
+        return 0.0
+    for end, gpus in sorted(((float(end), _mask(graph, gpus)) for end, gpus in ends), key=lambda pair: pair[0]):
+        mask |= gpus
+        if has_good(graph, mask, k, fleet_k, model, threshold, shape):
+            return end
+    return None

@@ -186,6 +186,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="require: fixed (hold out --require-wait) or cost (hold out while the expected wait for a good node "
                         "is shorter than the time the job would lose on the best node free now, priced by --time-model or "
                         f"the paper's curve) (default {Options.wait_rule})")
+    p.add_argument("--wait-limits", type=float, default=0.0, metavar="F",
+                   help="require with --wait-rule cost: 0 (default) lets the rule know run times and ends; F (1 to 100) "
+                        "prices as `mapa release --wait-rule cost` does in Slurm: time limits of F x each job's run time, "
+                        "running jobs ending at their limits, the worst ring free now")
     p.add_argument("--node-weights", action="store_true",
                    help="slurm/prefer/require: nodes publish the preserved bandwidth of their free GPUs as Slurm node "
                         "weights, so jobs take the nodes whose free GPUs are worth least to rings first")

@@ -79,6 +79,11 @@ class Options:
     require_wait: float = 3600.0  # seconds a 'require' job holds out for its feature (wait_rule fixed)
     wait_rule: str = "fixed"  # see WAIT_RULES
     wait_pricing: TimeModel | None = None  # the slowdown the cost rule expects (None: time_model, else the default curve)
+    # 0: the cost rule knows each job's run time and the running jobs' ends (an oracle); F > 0: as
+    # `mapa release --wait-rule cost` in Slurm, a job's time limit is F x its run time (at full
+    # speed), the running jobs end at their limits, and the loss is priced at the worst ring free
+    # now on a node with room (Slurm picks the node).
+    wait_limits: float = 0.0
     node_weights: bool = False  # nodes publish the preserved bandwidth of their free GPUs as Slurm weights
     affinity: str | None = None  # CPU affinity mode (strict, prefer, ignore); None: not modelled
     affinity_max_loss: float = 0.1  # prefer: the fraction of the value a local choice may give up
@@ -99,6 +104,9 @@ def check_options(policy: str, nodes: Sequence[Node], options: Options) -> None:
         raise InputError(f"the require wait bound must be 0 or more, got {options.require_wait:g}")
     if options.wait_rule not in WAIT_RULES:
         raise InputError(f"unknown wait rule {options.wait_rule!r} (accepted: {', '.join(WAIT_RULES)})")
+    if not (options.wait_limits == 0 or 1 <= options.wait_limits <= 100):
+        raise InputError(f"time limits as a multiple of run times must be 0 (the cost rule knows run times) or 1 to 100, "
+                         f"got {options.wait_limits:g}")
     if options.node_weights and options.node_choice == "first-fit":
         raise InputError("node weights need a node choice that models Slurm's (slurm, prefer or require), not first-fit")
     if options.affinity is not None:

@@ -319,9 +319,10 @@ class Simulation:
         times = self.ring_times.get(want)
         if times is None:
             ends: dict[int, list[tuple[float, int]]] = {}
-            for end, _, _, picks, _ in self.running:
+            limits = self.options.wait_limits  # > 0: jobs end at their time limits, as Slurm expects
+            for end, _, job, picks, start in self.running:
                 for i, decision, _ in picks:
-                    ends.setdefault(i, []).append((end, decision.mask))
+                    ends.setdefault(i, []).append((max(start + job.runtime * limits, t) if limits else end, decision.mask))
             times = []
             for i, node_ends in ends.items():
                 mask = self.free[i]
@@ -343,7 +344,11 @@ class Simulation:
         found = self.decide_on(fallback, rid)
         if found is None:
             return True  # no room there after all: nothing starts now anyway
-        loss = loss_if_started_now(job.runtime, found[0].effective, self.best_ring(rid, job.gpus), self.pricing,
+        now_bw, runtime = found[0].effective, job.runtime
+        if self.options.wait_limits:  # as `mapa release` prices it: its time limit, the worst ring free now
+            runtime *= self.options.wait_limits
+            now_bw = min(d[0].effective for i in self.eligible(job) if (d := self.decide_on(i, rid)) is not None)
+        loss = loss_if_started_now(runtime, now_bw, self.best_ring(rid, job.gpus), self.pricing,
                                    len(self.queue) - 1, job.gpus * job.nodes, self.total_gpus)
         if loss <= 0:
             return False

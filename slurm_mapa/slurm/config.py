@@ -103,6 +103,7 @@ class HookConfig:
     feature_sizes: tuple[int, ...] = ()
     feature_threshold: float = 0.9
     feature_fleet: tuple[str, ...] = ()  # topologies of the fleet's node types (presets or files)
+    feature_outlook: bool = False  # publish the ring outlook (text/outlook.py) in the node's Extra
     # [affinity]: CPU affinity in the Prolog's decision (core/affinity.py); "prefer" unless the
     # table says otherwise ("ignore": the policy alone, as before issue 14).
     affinity_mode: str = "prefer"
@@ -333,8 +334,8 @@ def _config_from_text(text: str, source: str, validate: bool) -> HookConfig:
 def _features_table(table: Any, source: str, text: str = "") -> dict[str, Any]:
     """``[features]``: sizes = [2, 4, 8], threshold = 0.9, fleet = ["dgx1-v100", ...]."""
     accepted = ("sizes (GPU counts 2-64), threshold (a fraction in (0, 1]), fleet (topologies of the fleet's node types), "
-                "insensitive_jobs (none or noring)")
-    _unknown_in_table(table, "features", {"sizes", "threshold", "fleet", "insensitive_jobs"}, text, source, accepted)
+                "insensitive_jobs (none or noring), outlook (true or false)")
+    _unknown_in_table(table, "features", {"sizes", "threshold", "fleet", "insensitive_jobs", "outlook"}, text, source, accepted)
     sizes = table.get("sizes", [])
     if not isinstance(sizes, list) or not sizes or not all(isinstance(k, int) and not isinstance(k, bool) and 2 <= k <= 64 for k in sizes):
         raise InputError(f"{source}: [features] sizes must be a list of GPU counts 2-64, e.g. [2, 4, 8]; got {toml_text(sizes)}")
@@ -348,8 +349,12 @@ def _features_table(table: Any, source: str, text: str = "") -> dict[str, Any]:
     if insensitive not in ("noring", "none"):
         raise InputError(f"{source}: [features] insensitive_jobs must be \"none\" (no preference) or \"noring\" (insensitive "
                          f"jobs and jobs without a directive prefer mapa_noring<k>), got {toml_text(insensitive)}")
+    outlook = table.get("outlook", False)
+    if not isinstance(outlook, bool):
+        raise InputError(f"{source}: [features] outlook must be true (publish the ring outlook mapa release --wait-rule cost "
+                         f"reads, in the node's Extra) or false, got {toml_text(outlook)}")
     return {"feature_sizes": tuple(sorted(set(sizes))), "feature_threshold": float(threshold), "feature_fleet": tuple(fleet),
-            "feature_insensitive_jobs": insensitive}
+            "feature_insensitive_jobs": insensitive, "feature_outlook": outlook}
 
 
 _METRICS_ACCEPTED = ('a table with one key, listen = "HOST:PORT" (an IPv4 address or host name, or [IPv6], and a port '

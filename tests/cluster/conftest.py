@@ -162,14 +162,15 @@ class Cluster:
     # -- jobs ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def hook_config(self, nodes: Iterable[str], extra: str):
-        """mapa.toml on ``nodes`` with ``extra`` appended while the block runs (every hook reads it
-        afresh); the shipped file again afterwards."""
+    def hook_config(self, nodes: Iterable[str], extra: str, edit: Callable[[str], str] = lambda text: text):
+        """mapa.toml on ``nodes`` with ``extra`` appended (after ``edit`` of the shipped text) while
+        the block runs (every hook reads it afresh); the shipped file again afterwards."""
         nodes = tuple(nodes)
         for node in nodes:
             base = self.exec(node, ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
+            edited = edit(base)
             self.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml.new && mv /etc/slurm/mapa.toml.new /etc/slurm/mapa.toml"],
-                      input=base + extra)
+                      input=edited + extra)
         try:
             yield
         finally:

@@ -152,6 +152,65 @@ def test_features_are_published_again_after_a_slurmctld_restart(cluster):
     cluster.cancel(*jobs["dgx1"], *jobs["dgx2"])
 
 
+def _outlook(cluster, node: str) -> dict:
+    from slurm_mapa.slurm.text.outlook import parse_outlook
+
+    return parse_outlook(cluster.node(node).get("extra") or "")
+
+
+def _wait_outlook(cluster, node: str, predicate, timeout: float = 90, what: str = "") -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = _outlook(cluster, node)
+        if predicate(seen):
+            return seen
+        if time.monotonic() > deadline:
+            raise cluster.Error(f"{node}'s ring outlook not {what} after {timeout}s: {seen}")
+        time.sleep(0.5)
+
+
+def _release_pass(cluster, *args: str) -> str:
+    """One `mapa release` pass on the controller, as root (what the service runs); what it logged."""
+    return cluster.exec("slurmctld", ["mapa", "release", *args]).stderr
+
+
+def test_the_cost_rule_starts_a_short_job_now_and_holds_a_long_one(cluster):
+    """Issue 40: with `[features] outlook = true` each DGX node's mapa-agent publishes, in the
+    node's Extra, when its running jobs' Slurm end times free a good ring; `mapa release
+    --wait-rule cost` starts a placement=require job at once when that wait is longer than what
+    running now on a worse ring would lose over the job's time limit, and holds it otherwise."""
+    with cluster.hook_config(DGX, "", edit=lambda text: text.replace("[features]\n", "[features]\noutlook = true\n", 1)):
+        jobs = _build_scene(cluster)  # both nodes: no good 3-ring free; the scene's jobs have no time limit
+        for node in DGX:
+            _wait_outlook(cluster, node, lambda o: "mapa_ring3" in o and o["mapa_ring3"].now is not None, what="published")
+        # dgx2's 3-GPU job is given 30 minutes: its end frees a good 3-ring there (learnt at a reconcile pass).
+        cluster.run("scontrol", "update", f"JobId={jobs['dgx2'][1]}", "TimeLimit=30")
+        end = int(cluster.job(jobs["dgx2"][1])["end_time"]["number"])
+        seen = _wait_outlook(cluster, "dgx2", lambda o: o["mapa_ring3"].good_at == end, what=f"expecting a 3-ring at {end}")
+        assert seen["mapa_ring3"].best >= seen["mapa_ring3"].now > 0
+        assert end - time.time() > 25 * 60
+        # Two minutes on a worse ring cost far less than half an hour's wait: it starts now.
+        short = _submit(cluster, "topology=ring sensitive=yes placement=require wait=10", 3, "-p", "dgx", "--time=2")
+        # Ten hours there cost more than the wait: it holds out.
+        long = _submit(cluster, "topology=ring sensitive=yes placement=require wait=10", 3, "-p", "dgx", "--time=600")
+        for jobid in (short, long):
+            assert cluster.job(jobid)["state_reason"] == "BeginTime"
+        logged = _release_pass(cluster, "--wait-rule", "cost")
+        print(logged, seen)
+        assert f"job {short} (placement=require) starts now: a good 3-GPU ring is expected in" in logged, logged
+        assert f"job {long}" not in logged, logged
+        assert _running_node(cluster, short) in DGX
+        time.sleep(3)
+        assert cluster.job(long)["state_reason"] == "BeginTime"
+        logged = _release_pass(cluster, "--wait-rule", "cost")  # the next pass: still holding out
+        assert f"job {long}" not in logged and cluster.job(long)["state_reason"] == "BeginTime", logged
+        # The fixed rule (the service's) leaves both to their begin time or a good node.
+        assert f"job {long}" not in _release_pass(cluster)
+        cluster.cancel(short, long, *jobs["dgx1"], *jobs["dgx2"])
+    for node in DGX:
+        _wait_features(cluster, node, lambda f: f == {"mapa_ring2", "mapa_ring3", "mapa_ring4"}, what="idle again")
+
+
 def test_no_job_was_held_or_failed_for_its_constraints(cluster):
     """Runs after the tests above (file order). Slurm fails a job whose constraint is active on no
     node it may use (state FAILED, reason BadConstraints, at submission) and holds a pending one

@@ -102,3 +102,45 @@ def test_invariants(free, extra, threshold, graph):
     assert rings <= {n for n in node_features(graph, more, best, MODEL, threshold) if "noring" not in n}
     # a lower threshold never takes a ring feature away
     assert rings <= {n for n in node_features(graph, free, best, MODEL, threshold * 0.9) if "noring" not in n}
+
+
+def _brute_good_at(graph, free, ends, k, fleet_k, threshold):
+    """The reference for good_free_at: the earliest of 0 and the jobs' end times at which the GPUs
+    free then (the free ones and those of every job ended by that time) hold a ring the brute-force
+    search rates at least threshold x fleet_k."""
+    def good(gpus):
+        brute = brute_force_all(graph, tuple(sorted(gpus)), make_pattern("ring", k), MODEL) if len(gpus) >= k else None
+        return brute is not None and brute["effective"][0][0] >= threshold * fleet_k - 1e-9
+
+    for t in sorted({0.0, *(end for end, _ in ends)}):
+        if good(set(free) | {g for end, gpus in ends if end <= t for g in gpus}):
+            return t
+    return None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_good_free_at_is_the_first_end_that_frees_a_good_ring_as_brute_force_finds(data):
+    graph = data.draw(st.sampled_from([DGX, PCIE]))
+    owner = data.draw(st.lists(st.integers(-1, 3), min_size=8, max_size=8))  # -1: free; else the job holding the GPU
+    free = [gpu for gpu, job in enumerate(owner) if job < 0]
+    end_of = data.draw(st.lists(st.sampled_from([100.0, 200.0, 300.0]), min_size=4, max_size=4))
+    ends = [(end_of[job], [gpu for gpu, j in enumerate(owner) if j == job]) for job in range(4) if job in owner]
+    known = data.draw(st.lists(st.booleans(), min_size=len(ends), max_size=len(ends)))
+    ends = [pair for pair, kept in zip(ends, known) if kept]  # jobs whose end is unknown are left out
+    k = data.draw(st.sampled_from([2, 3, 4]))
+    threshold = data.draw(st.sampled_from([0.5, 0.9, 1.0]))
+    fleet_k = fleet_best([DGX], (k,), MODEL)[k]
+    expected = _brute_good_at(graph, free, ends, k, fleet_k, threshold)
+    assert features.good_free_at(graph, free, ends, k, fleet_k, MODEL, threshold) == expected
+
+
+def test_good_free_at_on_a_dgx1_whose_good_rings_are_held():
+    best4 = fleet_best([DGX], (4,), MODEL)[4]
+    assert features.good_free_at(DGX, range(8), [], 4, best4, MODEL) == 0.0
+    # 0-3 free later (job A at 500), 4-7 by job B ending at 200: B's end frees a double-NVLink quad first.
+    assert features.good_free_at(DGX, (), [(500.0, (0, 1, 2, 3)), (200.0, (4, 5, 6, 7))], 4, best4, MODEL) == 200.0
+    # B's end unknown (left out): only A's end frees one.
+    assert features.good_free_at(DGX, (), [(500.0, (0, 1, 2, 3))], 4, best4, MODEL) == 500.0
+    assert features.good_free_at(DGX, (), [], 4, best4, MODEL) is None
+    assert features.good_free_at(PCIE, range(8), [], 4, best4, MODEL) is None  # never as good as a DGX-1's

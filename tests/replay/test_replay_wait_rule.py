@@ -178,3 +178,51 @@ def test_mapa_replay_takes_the_wait_rule_and_weights_and_says_so_in_its_json(cap
     assert [p["node_choice"] for p in out["policies"]] == ["first-fit", "require"]
     assert main(argv + ["--wait-rule", "later"]) == 2
     assert "invalid choice: 'later'" in capsys.readouterr().err
+
+
+# --- as `mapa release` prices it in Slurm: time limits, the worst ring free now ------------------
+
+def test_with_time_limits_running_jobs_end_at_their_limits_and_the_job_prices_its_limit():
+    """wait_limits=3: a job's limit is 3x its run time; a running job placed by hand with run time
+    10 from 0 is expected to end at 30, not 10; and the loss is 3x the run time's."""
+    sim = require_cost(nodes=2, wait_limits=3.0)
+    occupy_until(sim, 0, REST, 10.0)  # its Job's runtime is its end (10), started at 0
+    sim.fleet_best(4)
+    assert sim.ring_wait((True, 4), 5.0, 0) == 25.0  # ends at 3 x 10 = 30
+    assert require_cost(nodes=2).ring_wait((True, 4), 5.0, 0) == float("inf")  # (no running job: no ring expected)
+    job = Job("s", 0, 10, 4, sensitive=True)
+    oracle, limits = require_cost(), require_cost(wait_limits=3.0)
+    for sim in (oracle, limits):
+        sim.admit(job)
+        occupy_until(sim, 0, REST, 1000.0)
+        sim.fleet_best(4)
+    lost = lost_alone(oracle, job, oracle.queue[0][1])
+    # The blocker (run time 1000 from 0) ends at 1000 for the oracle, at its limit 3000 for Slurm's rule.
+    assert oracle.holding_pays(job, oracle.queue[0][1], (True, 4), 0, 5.0) is (995.0 < lost)
+    assert limits.holding_pays(job, limits.queue[0][1], (True, 4), 0, 5.0) is (2995.0 < 3 * lost)
+
+
+def test_with_time_limits_the_loss_is_priced_at_the_worst_ring_free_now():
+    """Two nodes with room: an idle DGX-1 and one whose free GPUs hold a poor ring. Slurm may pick
+    either, so the rule prices the poor one."""
+    sim = require_cost(nodes=2, wait_limits=1.0)
+    occupy_until(sim, 1, REST, 1000.0)
+    sim.fleet_best(4)
+    job = Job("s", 0, 10, 4, sensitive=True)
+    sim.admit(job)
+    rid = sim.queue[0][1]
+    curve = TimeModel()
+    worst = sim.decider.decide("preserve", sim.gids[1], FRAGMENTED, rid)[0].effective
+    best = sim.decider.decide("preserve", sim.gids[0], 0xFF, rid)[0].effective
+    assert worst < best
+    expected = 10 * (curve.slowdown(worst) - curve.slowdown(best))
+    assert expected > 0
+    # Holding pays exactly while the wait (1000 - t) is shorter than the worst-priced loss.
+    assert sim.holding_pays(job, rid, (True, 4), 0, 1000.0 - expected + 0.5) is True
+    sim.holding.clear()
+    assert sim.holding_pays(job, rid, (True, 4), 0, 1000.0 - expected - 0.5) is False
+
+
+def test_time_limits_are_checked():
+    with pytest.raises(InputError, match="0 .*or 1 to 100, got 0.5"):
+        check_options("preserve", [Node("n1", DGX1)], Options(node_choice="require", wait_rule="cost", wait_limits=0.5))

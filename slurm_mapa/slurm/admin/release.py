@@ -33,16 +33,18 @@ loop is the edge.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable
 
+from ...core.wait_rule import SlowdownCurve, holding_pays, loss_if_started_now
 from ...errors import InputError
 from ..text import commands
 from ..text.directive import directive_in_comment
+from ..text.outlook import RingOutlook, extra_of_node, parse_outlook
 
 FIELD = "\x1f"  # sinfo's fields are split by this (no sinfo field is user-writable)
 PENDING_FORMAT = "%A %r"  # job id, one space, the reason (which may hold spaces): nothing users write
@@ -64,6 +66,7 @@ class WaitingJob:
     constraint: str  # the job's --constraint, "" when none
     gres: str  # the job's tres_per_node (squeue %b), e.g. gres/gpu:4
     comment: str
+    time_limit_s: float | None = None  # None: unset or infinite
 
 
 @dataclass(frozen=True)
@@ -127,22 +130,9 @@ def parse_waiting_json(text: str, asked: Collection[str]) -> list[WaitingJob]:
     it starts at its begin time, as it would without this command. CommandFailed for output that
     is too long, not JSON, not an object with a ``jobs`` list, or that reports errors.
     """
-    if len(text) > commands.MAX_OUTPUT_BYTES:
-        raise commands.CommandFailed(f"squeue --json printed {len(text)} characters (accepted: at most {commands.MAX_OUTPUT_BYTES})")
-    try:
-        data = json.loads(text)
-    except RecursionError:
-        raise commands.CommandFailed("squeue --json printed JSON nested too deeply to read (accepted: Slurm's job list)") from None
-    except ValueError:  # JSONDecodeError, and invalid UTF-8 surrogates
-        raise commands.CommandFailed(f"squeue --json printed something that is not JSON: {text[:120]!r}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
-        raise commands.CommandFailed(f"squeue --json printed no jobs list (expected an object with \"jobs\": [...]): {text[:120]!r}")
-    errors = data.get("errors")
-    if errors:  # Slurm says the answer is incomplete or wrong
-        raise commands.CommandFailed(f"squeue --json reported errors: {json.dumps(errors)[:200]}")
     wanted, seen = set(asked), set()
     jobs: list[WaitingJob] = []
-    for record in data["jobs"]:
+    for record in commands.job_records(text, "squeue --json"):
         job = _waiting_job(record)
         if job is not None and job.job_id in wanted and job.job_id not in seen:
             seen.add(job.job_id)
@@ -163,7 +153,8 @@ def _waiting_job(record: object) -> WaitingJob | None:
     if "PENDING" not in commands.job_states(record) or reason != "BeginTime":
         return None
     partitions, constraint, gres, comment = texts
-    return WaitingJob(str(job_id), reason, tuple(p for p in partitions.split(",") if p), constraint, gres, comment)
+    return WaitingJob(str(job_id), reason, tuple(p for p in partitions.split(",") if p), constraint, gres, comment,
+                      commands.job_time_limit_s(record))
 
 
 def parse_nodes(text: str) -> list[NodeLine]:
@@ -223,12 +214,91 @@ def jobs_to_release(jobs: Iterable[WaitingJob], nodes: Iterable[NodeLine]) -> li
     return found
 
 
+def nodes_argv(scontrol: str) -> list[str]:
+    """Every node, one line each: their GPUs (Gres=) and MAPA's ring outlook (Extra=, text/outlook.py)."""
+    return [scontrol, "--oneliner", "show", "nodes"]
+
+
+@dataclass(frozen=True)
+class NodeOutlook:
+    gpus: int  # the node's GPUs (Gres=gpu...:N summed), 0 when it shows none
+    rings: dict[str, RingOutlook]  # what its mapa-agent published; {} when nothing (or not MAPA's)
+
+
+_GRES_GPUS = re.compile(r"(?:^|,)gpu(?::[A-Za-z0-9_.\-]{1,64})?:([0-9]{1,4})")
+
+
+def parse_node_outlooks(text: str) -> dict[str, NodeOutlook]:
+    """``nodes_argv``'s lines as node name -> NodeOutlook. A node whose Extra is not MAPA's outlook
+    counts as publishing none. CommandFailed for output too long, or a line without one NodeName=."""
+    _bounded(text, "scontrol show nodes")
+    found: dict[str, NodeOutlook] = {}
+    for line in text.split("\n"):
+        if not line.strip():
+            continue
+        names = re.findall(r"(?:^|\s)NodeName=(\S+)", line)
+        if len(names) != 1:
+            raise commands.CommandFailed(f"scontrol show nodes printed {line[:120]!r} (expected one NodeName= per line)")
+        gres = re.findall(r"(?:^|\s)Gres=(\S*)", line)
+        gpus = sum(int(n) for n in _GRES_GPUS.findall(re.sub(r"\([^)]*\)", "", gres[0]))) if len(gres) == 1 else 0
+        try:
+            rings = parse_outlook(extra_of_node(line))
+        except commands.CommandFailed:
+            rings = {}
+        found[names[0]] = NodeOutlook(gpus, rings)
+        if len(found) > MAX_RECORDS:
+            raise commands.CommandFailed(f"more than {MAX_RECORDS} nodes in one scontrol answer")
+    return found
+
+
+def holding_out_costs_more(jobs: Iterable[WaitingJob], nodes: Iterable[NodeLine], outlooks: dict[str, NodeOutlook],
+                           queued: int, now: float, curve: SlowdownCurve) -> list[tuple[str, str]]:
+    """(job id, why) for every waiting placement=require job that should start now on the best node
+    free rather than hold out for a good one (issue 40's cost rule, core/wait_rule.py): the expected
+    wait (when its nodes' outlooks expect a good ring free, counting the jobs holding out for the
+    same ring before it, in the order given) is no shorter than what starting now would lose (its
+    time limit x the slowdown on a ring free now against the fleet's best, scaled for the ``queued``
+    jobs behind it). Slurm, not this command, then picks the node among those with room, so the
+    ring free now is priced at the worst of them (an assumption against starting now). A job
+    holds out, as before, when no node of its partitions can run it now (none publishes k GPUs
+    free), or it has no time limit."""
+    in_service = [line for line in nodes if line.state in IN_SERVICE]
+    ahead: dict[str, int] = {}
+    found: list[tuple[str, str]] = []
+    for job in jobs:
+        wanted = wanted_features(job)
+        if wanted is None:
+            continue
+        ring = next(name for name in wanted if name.startswith("mapa_ring"))
+        own = wanted - {ring}
+        names = {line.node for line in in_service if line.partition in job.partitions and own <= line.features}
+        rings = [outlooks[name].rings[ring] for name in sorted(names) if name in outlooks and ring in outlooks[name].rings]
+        free_now = [entry.now for entry in rings if entry.now is not None]
+        if not free_now or job.time_limit_s is None:
+            continue
+        k = int(ring[len("mapa_ring"):])
+        total = sum(outlooks[name].gpus for name in names if name in outlooks)
+        loss = loss_if_started_now(job.time_limit_s, min(free_now), max(entry.best for entry in rings), curve,
+                                   queued, k, total)
+        times = sorted(entry.good_at for entry in rings if entry.good_at is not None)  # 0: free now
+        wait = max(times[min(ahead.get(ring, 0), len(times) - 1)] - now, 0.0) if times else math.inf
+        if loss > 0 and holding_pays(wait, loss):
+            ahead[ring] = ahead.get(ring, 0) + 1
+            continue
+        expected = "no node expects one" if math.isinf(wait) else f"expected in {max(wait, 0):.0f} s"
+        found.append((job.job_id, f"a good {k}-GPU ring is {expected}; starting now (a ring of {min(free_now):g} GB/s "
+                                  f"or better) loses {loss:.0f} s"))
+    return found
+
+
 def release_once(run: Callable[[list[str]], str], squeue: str = "squeue", sinfo: str = "sinfo", scontrol: str = "scontrol",
-                 log: Callable[[str], None] = print) -> int:
+                 log: Callable[[str], None] = print, curve: SlowdownCurve | None = None,
+                 clock: Callable[[], float] = time.time) -> int:
     """One pass; the number of jobs released. A job that started or ended meanwhile makes its
     update fail: logged, and the pass goes on. A ``squeue --json`` batch that fails leaves its
     jobs to their begin time; the other batches go on, and the pass then raises CommandFailed."""
-    ids = [job_id for job_id, reason in parse_pending(run(squeue_argv(squeue))) if reason == "BeginTime"]
+    pending = parse_pending(run(squeue_argv(squeue)))
+    ids = [job_id for job_id, reason in pending if reason == "BeginTime"]
     jobs: list[WaitingJob] = []
     failed: list[str] = []
     for start in range(0, len(ids), JSON_BATCH):
@@ -239,14 +309,21 @@ def release_once(run: Callable[[list[str]], str], squeue: str = "squeue", sinfo:
             failed.append(str(error))
     released = 0
     if any(wanted_features(job) is not None for job in jobs):  # else sinfo is not asked
-        for job_id, node in jobs_to_release(jobs, parse_nodes(run(sinfo_argv(sinfo)))):
+        nodes = parse_nodes(run(sinfo_argv(sinfo)))
+        good = jobs_to_release(jobs, nodes)
+        why = {job_id: f"{node} has a good placement free" for job_id, node in good}
+        holding = [job for job in jobs if job.job_id not in why]
+        if curve is not None and any(wanted_features(job) is not None for job in holding):
+            outlooks = parse_node_outlooks(run(nodes_argv(scontrol)))
+            why.update(holding_out_costs_more(holding, nodes, outlooks, len(pending) - 1, clock(), curve))
+        for job_id, reason in why.items():
             try:
                 run(release_argv(scontrol, job_id))
             except commands.CommandFailed as error:
                 log(f"mapa release: job {job_id}: {error}")
                 continue
             released += 1
-            log(f"mapa release: job {job_id} (placement=require) starts now: {node} has a good placement free")
+            log(f"mapa release: job {job_id} (placement=require) starts now: {reason}")
     if failed:
         raise commands.CommandFailed(f"squeue --json failed for {len(failed)} batch(es) of jobs waiting for their begin "
                                      f"time (they start then): {failed[0]}")
@@ -266,9 +343,14 @@ def cmd_release(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    curve = None
+    if args.wait_rule == "cost":
+        from ...replay.timemodel import parse_curve
+
+        curve = parse_curve(args.time_curve)
     while True:
         try:
-            release_once(runner, args.squeue, args.sinfo, args.scontrol, log)
+            release_once(runner, args.squeue, args.sinfo, args.scontrol, log, curve)
         except commands.CommandFailed as error:
             hint = ("; give --squeue, --sinfo or --scontrol with the command's path (each runs from PATH by default)"
                     if str(error).startswith("cannot run ") else "")
@@ -293,5 +375,13 @@ def add_commands(commands_parser: Any) -> None:
     release.add_argument("--sinfo", default="sinfo", help="the sinfo to run (default: sinfo on PATH)")
     release.add_argument("--scontrol", default="scontrol", help="the scontrol to run (default: scontrol on PATH)")
     release.add_argument("--timeout", type=float, default=20.0, help="seconds one Slurm command may take (default 20)")
+    release.add_argument("--wait-rule", choices=("fixed", "cost"), default="fixed",
+                         help="fixed (default): a job waits for a good node until its wait= begin time; cost: it also "
+                         "starts at once on the best node free when the expected wait for a good one (the nodes' "
+                         "outlooks: [features] outlook = true) is longer than what starting there would lose "
+                         "(docs/admin.md, \"Waiting only when it pays\")")
+    release.add_argument("--time-curve", default="default", metavar="BW:SLOWDOWN,...",
+                         help="with --wait-rule cost: how much slower a sensitive job runs at each effective bandwidth "
+                         "(GB/s, as the nodes publish it), e.g. 12.3:3,25:1.8,50:1; default: the paper's curve")
     release.set_defaults(handler=cmd_release)
 

@@ -8,19 +8,31 @@ updates live in slurmctld only (a restart forgets them), so the agent publishes 
 reconcile pass as well as after starts and ends; it asks slurmctld only when the features changed,
 or at the reconcile pass. Configured by ``[features]`` in mapa.toml; without it nothing
 is published. docs/admin.md, "Choosing the node", has the slurm.conf lines.
+
+With ``outlook = true`` it also writes the node's ring outlook (text/outlook.py: per feature, the
+best placement free now, the fleet's best, and when the running jobs' Slurm end times are expected
+to free a good one) into the node's ``Extra`` field, in the same update; ``mapa release
+--wait-rule cost`` reads it. The end times come from one ``squeue --json`` call for the ledger's
+jobs whose end this agent does not know yet (each job once; all of them again at a reconcile pass:
+a time limit may have changed). A node whose Extra holds someone else's text keeps it.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ...core.features import PREFIX, feature_names, fleet_best, node_features
+import time
+
+from ...core.features import PREFIX, best_free, feature_name, feature_names, fleet_best, good_free_at, node_features
 from ...errors import MapaError
-from ..text.commands import CommandFailed, RunCommand, active_features_argv, parse_active_features, parse_available_features, show_node_argv
+from ..text.commands import (CommandFailed, RunCommand, active_features_argv, is_job_id, job_end_time, job_records,
+                             parse_active_features, parse_available_features, show_jobs_argv, show_node_argv)
+from ..text.outlook import RingOutlook, extra_of_node, outlook_text, parse_outlook
 from ..config import HookConfig
 from ..node_state import LedgerCorrupt
-from .snapshot import read_snapshot
+from .snapshot import NodeSnapshot, read_snapshot
 
+MAX_ENDS_PER_READ = 200  # the ledger's jobs asked about in one squeue call (a node holds at most a few dozen)
 
 
 def merged_features(active: Sequence[str], mapa: Sequence[str]) -> tuple[str, ...]:
@@ -36,10 +48,14 @@ class Publisher:
 
     def __init__(self, node: str) -> None:
         self.node = node
-        self.last: tuple[str, ...] | None = None
+        self.last: tuple[tuple[str, ...], str | None] | None = None  # the features and outlook written last
         self.last_problem = ""  # said once, not at every start and end
         self._best: dict | None = None
         self._best_key: tuple | None = None
+        self._model = None
+        self._snapshot: NodeSnapshot | None = None
+        self.ends: dict[str, float | None] = {}  # job -> its Slurm end time (None: asked, not known)
+        self.foreign_extra = False  # the node's Extra holds text that is not MAPA's: left alone
 
     def wanted(self, config: HookConfig) -> tuple[str, ...] | None:
         """MAPA's features for the node's free GPUs now (None: not configured, or no topology)."""
@@ -60,7 +76,45 @@ class Publisher:
         if self._best_key != key:  # the fleet's idle best: computed once per configuration
             fleet = [load_topology(spec) for spec in config.feature_fleet] or [graph]
             self._best, self._best_key = fleet_best(fleet + [graph], config.feature_sizes, model), key
+        self._model, self._snapshot = model, snapshot
         return node_features(graph, snapshot.free, self._best or {}, model, config.feature_threshold)
+
+    def outlook(self, config: HookConfig, now: float) -> dict[str, RingOutlook]:
+        """The ring outlook of the snapshot ``wanted`` read (call it first), with ``self.ends``."""
+        snapshot, model = self._snapshot, self._model
+        if snapshot is None or model is None:
+            return {}
+        graph, free = snapshot.graph, snapshot.free
+        ends = [(end, holding.gpus) for job, holding in snapshot.ledger.holdings.items()
+                if (end := self.ends.get(job)) is not None]
+        found: dict[str, RingOutlook] = {}
+        for k, best in sorted((self._best or {}).items()):
+            at = good_free_at(graph, free, ends, k, best, model, config.feature_threshold)
+            found[feature_name(k)] = RingOutlook(best_free(graph, free, k, model), best,
+                                                 None if at is None else (0.0 if at == 0.0 else max(at, now + 1)))
+        return found
+
+    def learn_ends(self, config: HookConfig, run: RunCommand, log: Callable[[str], None], again: bool) -> None:
+        """Ask Slurm the end times of the ledger's jobs not asked about yet (``again``: all of them)."""
+        snapshot = self._snapshot
+        jobs = list(snapshot.ledger.holdings) if snapshot is not None else []
+        self.ends = {job: end for job, end in self.ends.items() if job in jobs}
+        unknown = [job for job in jobs if (again or job not in self.ends) and is_job_id(job)][:MAX_ENDS_PER_READ]
+        if not unknown:
+            return
+        try:
+            records = job_records(run(show_jobs_argv(config.squeue, unknown)), "squeue --json")
+        except CommandFailed as error:
+            if "Invalid job id" not in str(error):  # else slurmctld knows none of them: no ends to learn
+                log(f"features of {self.node}: the running jobs' end times are unknown ({error}); the outlook leaves them out")
+                return
+            records = []
+        for job in unknown:
+            self.ends.setdefault(job, None)
+        for record in records:
+            job = str(record.get("job_id")) if isinstance(record, dict) else ""
+            if job in self.ends:
+                self.ends[job] = job_end_time(record)
 
     def publish(self, config: HookConfig, run: RunCommand, log: Callable[[str], None], force: bool = False) -> bool:
         """Write the node's features if they changed (or ``force``). True if slurmctld was asked."""
@@ -72,7 +126,13 @@ class Publisher:
             self.last_problem = str(error)
             return False
         self.last_problem = ""
-        if mapa is None or (mapa == self.last and not force):
+        if mapa is None:
+            return False
+        extra = None
+        if config.feature_outlook and not (self.foreign_extra and not force):
+            self.learn_ends(config, run, log, again=force)
+            extra = outlook_text(self.outlook(config, time.time()))
+        if (mapa, extra) == self.last and not force:
             return False
         try:
             shown = run(show_node_argv(config.scontrol, self.node))
@@ -81,12 +141,26 @@ class Publisher:
             if missing:
                 log(f"features of {self.node}: slurm.conf does not list {','.join(missing)} in the node's Features= "
                     f"(needed: {','.join(feature_names(config.feature_sizes))}); nothing published")
-                self.last = mapa  # said once per change, not at every start
+                self.last = (mapa, extra)  # said once per change, not at every start
                 return True
-            run(active_features_argv(config.scontrol, self.node, merged_features(active, mapa)))
+            if extra is not None and not self._extra_is_ours(shown, log):
+                extra = None
+            run(active_features_argv(config.scontrol, self.node, merged_features(active, mapa), extra))
         except (CommandFailed, ValueError) as error:
             log(f"features of {self.node}: could not publish {','.join(mapa)} ({error}); trying again at the next change or pass")
             self.last = None
             return True
-        self.last = mapa
+        self.last = (mapa, extra)
+        return True
+
+    def _extra_is_ours(self, shown: str, log: Callable[[str], None]) -> bool:
+        """Whether the node's Extra is empty or MAPA's outlook (else it is left as it is, said once)."""
+        try:
+            parse_outlook(extra_of_node(shown))
+        except CommandFailed as error:
+            if not self.foreign_extra:
+                log(f"features of {self.node}: the node's Extra is not MAPA's ({error}); the outlook is not published there")
+            self.foreign_extra = True
+            return False
+        self.foreign_extra = False
         return True

@@ -216,6 +216,39 @@ def job_node_count(job: dict) -> int | None:
     return count if count is not None and count > 0 else None
 
 
+def job_end_time(job: dict) -> float | None:
+    """When a Slurm JSON job record says the job ends (``end_time``: Unix seconds; for a running job
+    its start plus its time limit); None when unset, infinite or not a positive number."""
+    end = _number(job.get("end_time"))
+    return float(end) if end is not None and end > 0 else None
+
+
+def job_time_limit_s(job: dict) -> float | None:
+    """A Slurm JSON job record's time limit in seconds (``time_limit`` is in minutes); None when
+    unset or infinite."""
+    minutes = _number(job.get("time_limit"))
+    return minutes * 60.0 if minutes is not None and minutes > 0 else None
+
+
+def job_records(text: str, what: str) -> list:
+    """The ``jobs`` list of a Slurm JSON answer (`squeue --json`, `scontrol --json show job`).
+    CommandFailed, naming ``what`` printed it, for output that is too long, not JSON, not an object
+    with a ``jobs`` list, or that reports errors."""
+    if len(text) > MAX_OUTPUT_BYTES:
+        raise CommandFailed(f"{what} printed {len(text)} characters (accepted: at most {MAX_OUTPUT_BYTES})")
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise CommandFailed(f"{what} printed JSON nested too deeply to read (accepted: Slurm's job list)") from None
+    except ValueError:  # JSONDecodeError, and invalid UTF-8 surrogates
+        raise CommandFailed(f"{what} printed something that is not JSON: {text[:120]!r}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
+        raise CommandFailed(f"{what} printed no jobs list (expected an object with \"jobs\": [...]): {text[:120]!r}")
+    if data.get("errors"):  # Slurm says the answer is incomplete or wrong
+        raise CommandFailed(f"{what} reported errors: {json.dumps(data['errors'])[:200]}")
+    return data["jobs"]
+
+
 def update_target(job: dict, job_id: str) -> str:
     """How `scontrol update` must name job ``job_id`` (its record ``job``) to change it alone: an
     array task as ARRAY_TASK (its own id may be the array's, which names every task), a het
@@ -439,8 +472,14 @@ def _parse_node_features(text: str, field: str) -> tuple[str, ...]:
     return names
 
 
-def active_features_argv(scontrol: str, node: str, features: tuple[str, ...]) -> list[str]:
-    """`scontrol update NodeName=NODE ActiveFeatures=a,b` (ValueError for a name Slurm would not take)."""
+def active_features_argv(scontrol: str, node: str, features: tuple[str, ...], extra: str | None = None) -> list[str]:
+    """`scontrol update NodeName=NODE ActiveFeatures=a,b [Extra=TEXT]` (ValueError for a name Slurm
+    would not take, or an Extra with blanks, quotes or control characters)."""
     if not all(map(is_feature_name, features)):
         raise ValueError(f"feature names {features!r} (accepted: letters, digits, '_', '.', '-')")
-    return [scontrol, "update", f"NodeName={node}", f"ActiveFeatures={','.join(features)}"]
+    argv = [scontrol, "update", f"NodeName={node}", f"ActiveFeatures={','.join(features)}"]
+    if extra is not None:
+        if not re.fullmatch(r"[A-Za-z0-9_.,:/@=-]{0,4096}", extra):
+            raise ValueError(f"node Extra {extra[:80]!r} (accepted: up to 4096 letters, digits and _.,:/@=-)")
+        argv.append(f"Extra={extra}")
+    return argv

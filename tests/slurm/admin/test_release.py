@@ -14,8 +14,12 @@ from slurm_mapa.slurm.text import commands
 from slurm_mapa.slurm.admin.release import (
     JSON_BATCH,
     NodeLine,
+    NodeOutlook,
     WaitingJob,
+    holding_out_costs_more,
     jobs_to_release,
+    nodes_argv,
+    parse_node_outlooks,
     parse_nodes,
     parse_pending,
     parse_waiting_json,
@@ -26,6 +30,8 @@ from slurm_mapa.slurm.admin.release import (
     squeue_json_argv,
     wanted_features,
 )
+from slurm_mapa.slurm.text.outlook import RingOutlook
+from slurm_mapa.replay.timemodel import TimeModel
 
 R, F = "\x1e", "\x1f"
 REQUIRE = "mapa:topology=ring sensitive=yes placement=require wait=10"
@@ -161,6 +167,7 @@ class FakeSlurm:
 
     def __init__(self, jobs: list[dict], sinfo: str = SINFO_TEXT, honour_filters: bool = True) -> None:
         self.jobs, self.sinfo, self.honour_filters = jobs, sinfo, honour_filters
+        self.nodes = ""  # `scontrol --oneliner show nodes`
         self.calls: list[list[str]] = []
 
     def released(self) -> list[str]:
@@ -170,6 +177,8 @@ class FakeSlurm:
         self.calls.append(list(argv))
         if argv[0] == "sinfo":
             return self.sinfo
+        if argv[:3] == ["scontrol", "--oneliner", "show"]:
+            return self.nodes
         if argv[:2] == ["scontrol", "update"]:
             return ""
         assert argv[0] == "squeue", argv
@@ -393,6 +402,15 @@ def test_the_command_checks_its_interval(capsys) -> None:
     assert "--every must be 1 to 3600 seconds" in capsys.readouterr().err
 
 
+def test_the_cost_rules_curve_is_checked_before_any_pass(capsys) -> None:
+    assert main(["release", "--wait-rule", "cost", "--time-curve", "12:3,oops"]) != 0
+    assert "time curve point 'oops'" in capsys.readouterr().err
+    assert main(["release", "--wait-rule", "cost", "--time-curve", "50:1,12:3"]) != 0
+    assert "must increase" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["release", "--wait-rule", "sometimes"])
+
+
 def test_a_missing_slurm_command_is_an_error_line_naming_the_option(tmp_path, capsys) -> None:
     """Issue 39: without squeue on PATH, one pass said `mapa release: cannot run squeue: ...` with no
     `error:` and no hint; it exits 1 with both."""
@@ -417,3 +435,83 @@ def test_a_missing_compiler_is_named_with_what_to_install(tmp_path, capsys) -> N
     err = capsys.readouterr().err
     assert "cannot run the compiler 'no-such-cc': it is not on this node's PATH" in err and "libslurm-dev" in err, err
     assert "Errno" not in err
+
+
+# `scontrol --oneliner show nodes` (Slurm 24.11, abridged): a DGX-1 whose 4-rings are all held until
+# Unix time 1_000_600, a PCIe node with a 4-GPU set free now, a node without MAPA's outlook, and
+# one whose Extra is a site's own text.
+NODES_TEXT = (
+    "NodeName=dgx1 Arch=x86_64 ActiveFeatures=mapa_ring2,mapa_noring4 Gres=gpu:8(S:0-1) State=MIXED Partitions=gpu,dgx "
+    "Extra=mapa_ring2=48.1/58.93@0,mapa_ring4=-/53.6@1000600\n"
+    "NodeName=pcie1 Arch=x86_64 ActiveFeatures=mapa_noring2,mapa_noring4 Gres=gpu:pcie:8 State=IDLE Partitions=gpu "
+    "Extra=mapa_ring2=12.3/58.93@-,mapa_ring4=12.3/53.6@-\n"
+    "NodeName=torus1 Arch=x86_64 ActiveFeatures=(null) Gres=gpu:16 State=IDLE Partitions=gpu\n"
+    "NodeName=site1 Arch=x86_64 ActiveFeatures=(null) Gres=gpu:a100:2,gpu:h100:2 State=IDLE Partitions=gpu Extra={\"rack\":1}\n"
+)
+COST_SINFO = (f"dgx1{F}gpu*{F}mix{F}mapa_ring2,mapa_noring4\npcie1{F}gpu*{F}idle{F}mapa_noring2,mapa_noring4\n"
+              f"torus1{F}gpu*{F}idle{F}(null)\n")
+PAPER = TimeModel()
+
+
+def waiting(job_id: str, gpus: int = 4, limit_s: float | None = 3600.0) -> WaitingJob:
+    return WaitingJob(job_id, "BeginTime", ("gpu",), "", f"gres/gpu:{gpus}", REQUIRE, limit_s)
+
+
+def test_node_outlooks_are_read_from_scontrol_show_nodes() -> None:
+    found = parse_node_outlooks(NODES_TEXT)
+    assert found["dgx1"] == NodeOutlook(8, {"mapa_ring2": RingOutlook(48.1, 58.93, 0.0), "mapa_ring4": RingOutlook(None, 53.6, 1000600.0)})
+    assert found["pcie1"].gpus == 8 and found["pcie1"].rings["mapa_ring4"] == RingOutlook(12.3, 53.6, None)
+    assert found["torus1"] == NodeOutlook(16, {}) and found["site1"] == NodeOutlook(4, {})  # not MAPA's: none
+    assert nodes_argv("/usr/bin/scontrol") == ["/usr/bin/scontrol", "--oneliner", "show", "nodes"]
+    with pytest.raises(commands.CommandFailed, match="one NodeName="):
+        parse_node_outlooks("Arch=x86_64 Gres=gpu:8\n")
+
+
+def test_a_job_holds_out_while_the_expected_wait_is_shorter_than_what_starting_now_loses() -> None:
+    nodes, outlooks = parse_nodes(COST_SINFO), parse_node_outlooks(NODES_TEXT)
+    # Now on pcie1's 12.3 GB/s ring: 3600 s x (3.0 - 1.032 at 53.6) lost, x (1 + 3 queued x 4 / 32 GPUs).
+    loss = 3600 * (PAPER.slowdown(12.3) - PAPER.slowdown(53.6)) * (1 + 3 * 4 / 32)
+    assert loss == pytest.approx(9741.6, abs=0.1)
+    assert holding_out_costs_more([waiting("41")], nodes, outlooks, 3, now=1_000_000, curve=PAPER) == []  # 600 s < loss
+    late = 1_000_600 - loss - 1  # the wait is now just longer than the loss: start now
+    released = holding_out_costs_more([waiting("41")], nodes, outlooks, 3, now=late, curve=PAPER)
+    assert released == [("41", "a good 4-GPU ring is expected in 9743 s; starting now (a ring of 12.3 GB/s or better) loses 9742 s")]
+    # A short job loses less than it would wait (200 s x 1.968 x 1.375 = 541 s < 600 s); a job with no time limit holds out.
+    assert [j for j, _ in holding_out_costs_more([waiting("41", limit_s=200.0), waiting("42", limit_s=None)], nodes, outlooks, 3,
+                                                  now=1_000_000, curve=PAPER)] == ["41"]
+
+
+def test_the_second_job_holding_out_for_the_same_ring_expects_the_next_one() -> None:
+    """dgx1 expects a good 4-ring in 600 s, dgx2 in 20000 s: the first job holds out for dgx1's; the
+    second expects dgx2's, longer than it would lose (9210 s), and starts now. A 2-GPU job whose
+    good ring is free now is left to the good-node rule (jobs_to_release)."""
+    nodes = parse_nodes(COST_SINFO + f"dgx2{F}gpu*{F}mix{F}mapa_ring2,mapa_noring4\n")
+    outlooks = parse_node_outlooks(NODES_TEXT + "NodeName=dgx2 Gres=gpu:8 State=MIXED Extra=mapa_ring4=-/53.6@1020000\n")
+    two = holding_out_costs_more([waiting("41"), waiting("42"), waiting("43", gpus=2)], nodes, outlooks, 3, now=1_000_000, curve=PAPER)
+    assert two == [("42", "a good 4-GPU ring is expected in 20000 s; starting now (a ring of 12.3 GB/s or better) loses 9210 s")]
+    # With dgx2 out of service, the second job expects the last ring expected (dgx1's), as the replay does.
+    nodes = parse_nodes(COST_SINFO + f"dgx2{F}gpu*{F}drain{F}mapa_ring2,mapa_noring4\n")
+    assert holding_out_costs_more([waiting("41"), waiting("42")], nodes, outlooks, 3, now=1_000_000, curve=PAPER) == []
+
+
+def test_a_job_no_node_can_run_now_holds_out() -> None:
+    nodes = parse_nodes(COST_SINFO.replace("pcie1", "pcieX"))  # pcie1 is not in the job's partition's service list
+    assert holding_out_costs_more([waiting("41")], nodes, parse_node_outlooks(NODES_TEXT), 3, now=1e9, curve=PAPER) == []
+    other = WaitingJob("44", "BeginTime", ("dgx",), "", "gres/gpu:4", REQUIRE, 3600.0)  # pcie1 is not in partition dgx
+    assert holding_out_costs_more([other], parse_nodes(COST_SINFO), parse_node_outlooks(NODES_TEXT), 3, now=1e9, curve=PAPER) == []
+
+
+def test_release_once_with_the_cost_rule_asks_the_outlooks_only_for_jobs_still_holding_out() -> None:
+    record = dict(job(41, gres="gres/gpu:4", partition="gpu"), time_limit={"set": True, "infinite": False, "number": 10})
+    slurm = FakeSlurm([record, job(45, comment="", partition="gpu")], sinfo=COST_SINFO)
+    slurm.nodes = NODES_TEXT
+    logged: list[str] = []
+    # 10 minutes on pcie1 lose 600 x 1.968 x (1 + 1 queued x 4 / 32) = 1328 s, less than dgx1's expected wait
+    # from 999000 (1600 s): it starts now; from 1000500 (100 s) it holds out.
+    assert release_once(slurm, log=logged.append, curve=PAPER, clock=lambda: 999_000.0) == 1
+    assert slurm.calls[-2] == nodes_argv("scontrol") and slurm.released() == ["41"]
+    assert "expected in 1600 s" in logged[0]
+    slurm.calls.clear()
+    assert release_once(slurm, log=logged.append, curve=PAPER, clock=lambda: 1_000_500.0) == 0  # 100 s: it holds out
+    slurm.calls.clear()
+    assert release_once(slurm, log=logged.append) == 0 and nodes_argv("scontrol") not in slurm.calls  # the fixed rule

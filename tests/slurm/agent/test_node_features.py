@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from slurm_mapa.errors import InputError
@@ -15,6 +17,7 @@ from slurm_mapa.slurm.text.commands import (
 from slurm_mapa.slurm.config import HookConfig, config_from_text
 from slurm_mapa.slurm.agent.features import Publisher, merged_features
 from slurm_mapa.slurm.node_state.ledger import Holding, Ledger, LedgerFile
+from slurm_mapa.slurm.text.outlook import parse_outlook
 
 # `scontrol --oneliner show node dgx1` as Slurm 24.11 prints it (abridged in the middle).
 SHOW_NODE = ("NodeName=dgx1 Arch=x86_64 CoresPerSocket=20 CPUAlloc=0 CPUEfctv=80 CPUTot=80 CPULoad=0.52 "
@@ -137,6 +140,7 @@ def test_the_fleets_best_sets_the_bar(tmp_path):
     ("sizes = [2]\nthreshold = 0", "threshold"), ("sizes = [2]\nthreshold = 1.5", "threshold"),
     ("sizes = [2]\nfleet = \"dgx1-v100\"", "fleet"), ("sizes = [2]\nshape = \"tree\"", r"unknown key 'shape' in \[features\] \(line 3: "),
     ("sizes = [2]\ninsensitive_jobs = \"ring\"", "insensitive_jobs must be \"none\""),
+    ("sizes = [2]\noutlook = 1", "outlook must be true"), ("sizes = [2]\noutlook = \"yes\"", "outlook must be true"),
 ])
 def test_a_bad_features_table_is_refused_naming_what_is_accepted(table, message):
     with pytest.raises(InputError, match=message):
@@ -184,3 +188,78 @@ def test_mapa_hooks_prints_the_slurm_conf_lines_node_choice_needs():
         "#   Features=mapa_ring2,mapa_noring2,mapa_ring4,mapa_noring4\n"
         "# and to SchedulerParameters= (comma-separated with what is there):\n"
         "#   ignore_prefer_validation\n")
+
+
+class FakeSlurmWithEnds(FakeScontrol):
+    """FakeScontrol that also answers `squeue --json --states=all --jobs=...` with the jobs' end
+    times (``ends``: job -> Unix time; a job left out is one slurmctld no longer knows)."""
+
+    def __init__(self, ends: dict[str, int], text: str = SHOW_NODE) -> None:
+        super().__init__(text)
+        self.ends = ends
+
+    def __call__(self, argv):
+        if argv[0] == "/usr/bin/squeue":
+            self.calls.append(list(argv))
+            asked = argv[-1].removeprefix("--jobs=").split(",")
+            return json.dumps({"jobs": [{"job_id": int(job), "end_time": {"set": True, "infinite": False, "number": self.ends[job]}}
+                                        for job in asked if job in self.ends], "errors": []})
+        return super().__call__(argv)
+
+
+def test_the_outlook_says_when_the_running_jobs_free_a_good_ring(tmp_path):
+    """[features] outlook = true: the node's Extra says, per feature, the best ring free now, the
+    fleet's best and when a good one is expected free, from the jobs' Slurm end times (asked once
+    per job; all again at a reconcile pass)."""
+    config = config_for(tmp_path, feature_outlook=True)
+    # Job 7 holds 0-3, job 8 holds 4-7 (no 4-ring is free); 8 ends first.
+    LedgerFile(config.ledger, 8).write(Ledger({"7": Holding((0, 1, 2, 3), "preserve", 1.0), "8": Holding((4, 5, 6, 7), "preserve", 1.0)}))
+    slurm, logs = FakeSlurmWithEnds({"7": 4_000_000_000, "8": 3_000_000_000}), []
+    publisher = Publisher("dgx1")
+    assert publisher.publish(config, slurm, logs.append)
+    update = slurm.calls[-1]
+    assert update[:4] == ["/usr/bin/scontrol", "update", "NodeName=dgx1", "ActiveFeatures=v100,ib,mapa_noring2,mapa_noring4"]
+    outlook = parse_outlook(update[4].removeprefix("Extra="))
+    assert outlook["mapa_ring4"].now is None and outlook["mapa_ring4"].good_at == 3_000_000_000  # job 8's end frees 4-7
+    assert outlook["mapa_ring2"].good_at == 3_000_000_000 and outlook["mapa_ring4"].best > outlook["mapa_ring2"].best * 0.5
+    assert [c for c in slurm.calls if c[0] == "/usr/bin/squeue"] == [["/usr/bin/squeue", "--json", "--states=all", "--jobs=7,8"]]
+    assert not publisher.publish(config, slurm, logs.append)  # nothing changed: nothing asked
+    assert len([c for c in slurm.calls if c[0] == "/usr/bin/squeue"]) == 1
+    # Job 8 ends (the ledger drops it); job 9 starts on 4,5: asked about 9 alone.
+    LedgerFile(config.ledger, 8).write(Ledger({"7": Holding((0, 1, 2, 3), "preserve", 1.0), "9": Holding((4, 5), "preserve", 1.0)}))
+    slurm.ends["9"] = 3_500_000_000
+    assert publisher.publish(config, slurm, logs.append)
+    assert [c for c in slurm.calls if c[0] == "/usr/bin/squeue"][-1][-1] == "--jobs=9"
+    outlook = parse_outlook(slurm.calls[-1][4].removeprefix("Extra="))
+    assert outlook["mapa_ring2"].good_at == 0.0 and outlook["mapa_ring2"].now is not None  # 6,7 are free: a 2-ring now
+    assert outlook["mapa_ring4"].good_at == 3_500_000_000
+    # A job slurmctld does not know has no end: the rings it holds are not expected free.
+    publisher = Publisher("dgx1")
+    slurm.ends.pop("9")
+    assert publisher.publish(config, slurm, logs.append)
+    assert parse_outlook(slurm.calls[-1][4].removeprefix("Extra="))["mapa_ring4"].good_at == 4_000_000_000
+    # The reconcile pass asks about every job again (a time limit may have changed).
+    slurm.ends["7"] = 3_900_000_000
+    assert publisher.publish(config, slurm, logs.append, force=True)
+    assert [c for c in slurm.calls if c[0] == "/usr/bin/squeue"][-1][-1] == "--jobs=7,9"
+    assert parse_outlook(slurm.calls[-1][4].removeprefix("Extra="))["mapa_ring4"].good_at == 3_900_000_000 and logs == []
+
+
+def test_an_extra_that_is_not_mapas_is_left_alone_and_said_once(tmp_path):
+    config = config_for(tmp_path, feature_outlook=True)
+    slurm, logs = FakeSlurmWithEnds({}, SHOW_NODE.rstrip("\n") + " Extra={\"rack\":\"r12\"}\n"), []
+    publisher = Publisher("dgx1")
+    assert publisher.publish(config, slurm, logs.append)
+    assert slurm.calls[-1] == ["/usr/bin/scontrol", "update", "NodeName=dgx1", "ActiveFeatures=v100,ib,mapa_ring2,mapa_ring4"]
+    assert len(logs) == 1 and "Extra is not MAPA's" in logs[0]
+    LedgerFile(config.ledger, 8).write(Ledger({"7": Holding((0, 3, 5, 6), "preserve", 1.0)}))
+    assert publisher.publish(config, slurm, logs.append)
+    assert all(not arg.startswith("Extra=") for arg in slurm.calls[-1]) and len(logs) == 1
+
+
+def test_without_outlook_nothing_is_asked_and_no_extra_written(tmp_path):
+    config = config_for(tmp_path)
+    LedgerFile(config.ledger, 8).write(Ledger({"7": Holding((0, 1, 2, 3), "preserve", 1.0)}))
+    slurm = FakeSlurmWithEnds({"7": 4_000_000_000})
+    assert Publisher("dgx1").publish(config, slurm, [].append)
+    assert [c[0] for c in slurm.calls] == ["/usr/bin/scontrol", "/usr/bin/scontrol"] and len(slurm.calls[-1]) == 4
