@@ -19,9 +19,8 @@ a time limit may have changed). A node whose Extra holds someone else's text kee
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 import time
+from typing import Callable, Sequence
 
 from ...core.features import PREFIX, best_free, feature_name, feature_names, fleet_best, good_free_at, node_features
 from ...errors import MapaError
@@ -56,6 +55,11 @@ class Publisher:
         self._snapshot: NodeSnapshot | None = None
         self.ends: dict[str, float | None] = {}  # job -> its Slurm end time (None: asked, not known)
         self.foreign_extra = False  # the node's Extra holds text that is not MAPA's: left alone
+
+    @property
+    def published(self) -> tuple[str, ...] | None:
+        """MAPA's features as last written (None: nothing yet); the metrics show them."""
+        return self.last[0] if self.last is not None else None
 
     def wanted(self, config: HookConfig) -> tuple[str, ...] | None:
         """MAPA's features for the node's free GPUs now (None: not configured, or no topology)."""

@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=isolation_server.serve_forever, daemon=True, name="mapa-agent isolation").start()
     agent.background = Background(agent, args.node)
     if agent.metrics is not None:
-        agent.metrics.features = lambda: agent.background.features.last if agent.background is not None else None
+        agent.metrics.features = lambda: agent.background.features.published if agent.background is not None else None
     agent.background.start()
     # In a thread of its own: Slurm's commands (bounded timeouts) must not hold up the start.
     threading.Thread(target=log_spank_plugin_problems, args=(args.config, dict(os.environ)), daemon=True,

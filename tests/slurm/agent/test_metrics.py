@@ -278,13 +278,13 @@ def test_isolation_answers_are_counted(node):  # noqa: F811 - test_isolation's f
 
 def test_features_written_and_active_are_shown(metered_agent):
     agent, metrics, *_ = metered_agent
-    metrics.features = lambda: agent.background.features.last
+    metrics.features = lambda: agent.background.features.published  # as service.main wires it
     assert value(samples(metrics), "mapa_feature_publications_total", node="dgx1") == 0
     assert not any(name == "mapa_node_feature_active" for name, _ in samples(metrics))  # nothing published yet
     publisher = agent.background.features
 
     def publish(config, run, log, force=False):  # as Publisher.publish after a write slurmctld took
-        publisher.last = ("mapa_ring2", "mapa_noring4")
+        publisher.last = (("mapa_ring2", "mapa_noring4"), "mapa_ring2=48.1/58.93@0,mapa_ring4=-/53.6@-")  # with an outlook
         return True
 
     publisher.publish = publish

@@ -223,6 +223,7 @@ def test_the_outlook_says_when_the_running_jobs_free_a_good_ring(tmp_path):
     assert outlook["mapa_ring4"].now is None and outlook["mapa_ring4"].good_at == 3_000_000_000  # job 8's end frees 4-7
     assert outlook["mapa_ring2"].good_at == 3_000_000_000 and outlook["mapa_ring4"].best > outlook["mapa_ring2"].best * 0.5
     assert [c for c in slurm.calls if c[0] == "/usr/bin/squeue"] == [["/usr/bin/squeue", "--json", "--states=all", "--jobs=7,8"]]
+    assert publisher.published == ("mapa_noring2", "mapa_noring4")  # what the metrics show
     assert not publisher.publish(config, slurm, logs.append)  # nothing changed: nothing asked
     assert len([c for c in slurm.calls if c[0] == "/usr/bin/squeue"]) == 1
     # Job 8 ends (the ledger drops it); job 9 starts on 4,5: asked about 9 alone.
