@@ -39,15 +39,20 @@ def _mapa_features(cluster, node: str) -> set[str]:
     return {name for name in _features(cluster, node) if name.startswith("mapa_")}
 
 
-def _wait_features(cluster, node: str, predicate, timeout: float = 40, what: str = "") -> set[str]:
+def _wait_on(cluster, node: str, read, predicate, timeout: float, what: str):
+    """``read(cluster, node)`` once it satisfies ``predicate`` (polled every 0.5 s)."""
     deadline = time.monotonic() + timeout
     while True:
-        seen = _mapa_features(cluster, node)
+        seen = read(cluster, node)
         if predicate(seen):
             return seen
         if time.monotonic() > deadline:
-            raise cluster.Error(f"{node}'s MAPA features not {what} after {timeout}s: {sorted(seen)}")
+            raise cluster.Error(f"{node}'s {what} after {timeout}s: {sorted(seen) if isinstance(seen, set) else seen}")
         time.sleep(0.5)
+
+
+def _wait_features(cluster, node: str, predicate, timeout: float = 40, what: str = "") -> set[str]:
+    return _wait_on(cluster, node, _mapa_features, predicate, timeout, f"MAPA features not {what}")
 
 
 SUBMITTED: list[int] = []  # by this module's tests
@@ -159,14 +164,7 @@ def _outlook(cluster, node: str) -> dict:
 
 
 def _wait_outlook(cluster, node: str, predicate, timeout: float = 90, what: str = "") -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        seen = _outlook(cluster, node)
-        if predicate(seen):
-            return seen
-        if time.monotonic() > deadline:
-            raise cluster.Error(f"{node}'s ring outlook not {what} after {timeout}s: {seen}")
-        time.sleep(0.5)
+    return _wait_on(cluster, node, _outlook, predicate, timeout, f"ring outlook not {what}")
 
 
 def _release_pass(cluster, *args: str) -> str:

@@ -230,22 +230,22 @@ _GRES_GPUS = re.compile(r"(?:^|,)gpu(?::[A-Za-z0-9_.\-]{1,64})?:([0-9]{1,4})")
 
 def parse_node_outlooks(text: str) -> dict[str, NodeOutlook]:
     """``nodes_argv``'s lines as node name -> NodeOutlook. A node whose Extra is not MAPA's outlook
-    counts as publishing none. CommandFailed for output too long, or a line without one NodeName=."""
+    counts as publishing none. CommandFailed for output too long, or a line that does not start with NodeName=."""
     _bounded(text, "scontrol show nodes")
     found: dict[str, NodeOutlook] = {}
     for line in text.split("\n"):
         if not line.strip():
             continue
-        names = re.findall(r"(?:^|\s)NodeName=(\S+)", line)
-        if len(names) != 1:
-            raise commands.CommandFailed(f"scontrol show nodes printed {line[:120]!r} (expected one NodeName= per line)")
+        name = re.match(r"NodeName=(\S+)", line)  # first on the line (admin text later on it may hold anything)
+        if name is None:
+            raise commands.CommandFailed(f"scontrol show nodes printed {line[:120]!r} (expected one node per line, NodeName= first)")
         gres = re.findall(r"(?:^|\s)Gres=(\S*)", line)
         gpus = sum(int(n) for n in _GRES_GPUS.findall(re.sub(r"\([^)]*\)", "", gres[0]))) if len(gres) == 1 else 0
         try:
             rings = parse_outlook(extra_of_node(line))
         except commands.CommandFailed:
             rings = {}
-        found[names[0]] = NodeOutlook(gpus, rings)
+        found[name.group(1)] = NodeOutlook(gpus, rings)
         if len(found) > MAX_RECORDS:
             raise commands.CommandFailed(f"more than {MAX_RECORDS} nodes in one scontrol answer")
     return found
@@ -253,8 +253,8 @@ def parse_node_outlooks(text: str) -> dict[str, NodeOutlook]:
 
 def holding_out_costs_more(jobs: Iterable[WaitingJob], nodes: Iterable[NodeLine], outlooks: dict[str, NodeOutlook],
                            queued: int, now: float, curve: SlowdownCurve) -> list[tuple[str, str]]:
-    """(job id, why) for every waiting placement=require job that should start now on the best node
-    free rather than hold out for a good one (issue 40's cost rule, core/wait_rule.py): the expected
+    """(job id, why) for every waiting placement=require job that should start now, where Slurm puts
+    it, rather than hold out for a good ring (issue 40's cost rule, core/wait_rule.py): the expected
     wait (when its nodes' outlooks expect a good ring free, counting the jobs holding out for the
     same ring before it, in the order given) is no shorter than what starting now would lose (its
     time limit x the slowdown on a ring free now against the fleet's best, scaled for the ``queued``

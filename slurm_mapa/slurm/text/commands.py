@@ -353,12 +353,9 @@ def reading_jobs_at_once(run: RunCommand, squeue: str, scontrol: str, job_ids: S
             return run  # slurmctld knows none of them: each read alone says so
         return answered_once(run, {tuple(show_job_argv(scontrol, job_id)): error for job_id in ids})
     try:
-        data = json.loads(text) if len(text) <= MAX_OUTPUT_BYTES else None
-    except (ValueError, RecursionError):
-        data = None
-    records = data.get("jobs") if isinstance(data, dict) and not data.get("errors") else None
-    if not isinstance(records, list):
-        return run
+        records = job_records(text, "squeue --json")
+    except CommandFailed:
+        return run  # unreadable: each job is read alone
     wanted = set(ids)
     for record in records[:MAX_RECORDS_SHOWN]:
         job_id = str(record.get("job_id")) if isinstance(record, dict) else None

@@ -463,8 +463,11 @@ def test_node_outlooks_are_read_from_scontrol_show_nodes() -> None:
     assert found["pcie1"].gpus == 8 and found["pcie1"].rings["mapa_ring4"] == RingOutlook(12.3, 53.6, None)
     assert found["torus1"] == NodeOutlook(16, {}) and found["site1"] == NodeOutlook(4, {})  # not MAPA's: none
     assert nodes_argv("/usr/bin/scontrol") == ["/usr/bin/scontrol", "--oneliner", "show", "nodes"]
-    with pytest.raises(commands.CommandFailed, match="one NodeName="):
+    with pytest.raises(commands.CommandFailed, match="NodeName= first"):
         parse_node_outlooks("Arch=x86_64 Gres=gpu:8\n")
+    # An admin's reason naming another node or an Extra forges nothing: the line's node keeps none.
+    forged = parse_node_outlooks("NodeName=n1 Gres=gpu:8 Reason=see_NodeName=dgx1 Extra=mapa_ring4=9/9@0 Extra=x\n")
+    assert forged == {"n1": NodeOutlook(8, {})}
 
 
 def test_a_job_holds_out_while_the_expected_wait_is_shorter_than_what_starting_now_loses() -> None:
