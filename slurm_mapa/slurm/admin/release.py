@@ -347,7 +347,9 @@ def cmd_release(args: argparse.Namespace) -> int:
     if args.wait_rule == "cost":
         from ...replay.timemodel import parse_curve
 
-        curve = parse_curve(args.time_curve)
+        curve = parse_curve(args.time_curve or "default")
+    elif args.time_curve is not None:
+        raise InputError("--time-curve prices holding out under --wait-rule cost; give --wait-rule cost too")
     while True:
         try:
             release_once(runner, args.squeue, args.sinfo, args.scontrol, log, curve)
@@ -380,7 +382,7 @@ def add_commands(commands_parser: Any) -> None:
                          "starts at once on the best node free when the expected wait for a good one (the nodes' "
                          "outlooks: [features] outlook = true) is longer than what starting there would lose "
                          "(docs/admin.md, \"Waiting only when it pays\")")
-    release.add_argument("--time-curve", default="default", metavar="BW:SLOWDOWN,...",
+    release.add_argument("--time-curve", default=None, metavar="BW:SLOWDOWN,...",
                          help="with --wait-rule cost: how much slower a sensitive job runs at each effective bandwidth "
                          "(GB/s, as the nodes publish it), e.g. 12.3:3,25:1.8,50:1; default: the paper's curve")
     release.set_defaults(handler=cmd_release)

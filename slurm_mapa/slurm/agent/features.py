@@ -55,6 +55,7 @@ class Publisher:
         self._snapshot: NodeSnapshot | None = None
         self.ends: dict[str, float | None] = {}  # job -> its Slurm end time (None: asked, not known)
         self.foreign_extra = False  # the node's Extra holds text that is not MAPA's: left alone
+        self.ends_problem = ""  # the last failure to read the jobs' end times (said once)
 
     @property
     def published(self) -> tuple[str, ...] | None:
@@ -110,9 +111,12 @@ class Publisher:
             records = job_records(run(show_jobs_argv(config.squeue, unknown)), "squeue --json")
         except CommandFailed as error:
             if "Invalid job id" not in str(error):  # else slurmctld knows none of them: no ends to learn
-                log(f"features of {self.node}: the running jobs' end times are unknown ({error}); the outlook leaves them out")
+                if str(error) != self.ends_problem:  # said once, not at every start and end while it lasts
+                    log(f"features of {self.node}: the running jobs' end times are unknown ({error}); the outlook leaves them out")
+                self.ends_problem = str(error)
                 return
             records = []
+        self.ends_problem = ""
         for job in unknown:
             self.ends.setdefault(job, None)
         for record in records:

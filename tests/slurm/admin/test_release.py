@@ -409,6 +409,8 @@ def test_the_cost_rules_curve_is_checked_before_any_pass(capsys) -> None:
     assert "must increase" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["release", "--wait-rule", "sometimes"])
+    assert main(["release", "--time-curve", "12:3,50:1"]) != 0  # a curve the fixed rule would ignore
+    assert "give --wait-rule cost too" in capsys.readouterr().err
 
 
 def test_a_missing_slurm_command_is_an_error_line_naming_the_option(tmp_path, capsys) -> None:

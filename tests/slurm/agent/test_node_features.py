@@ -264,3 +264,21 @@ def test_without_outlook_nothing_is_asked_and_no_extra_written(tmp_path):
     slurm = FakeSlurmWithEnds({"7": 4_000_000_000})
     assert Publisher("dgx1").publish(config, slurm, [].append)
     assert [c[0] for c in slurm.calls] == ["/usr/bin/scontrol", "/usr/bin/scontrol"] and len(slurm.calls[-1]) == 4
+
+
+def test_unreadable_end_times_are_said_once_and_the_outlook_leaves_those_jobs_out(tmp_path):
+    config = config_for(tmp_path, feature_outlook=True)
+    LedgerFile(config.ledger, 8).write(Ledger({"7": Holding((0, 3, 5, 6), "preserve", 1.0)}))  # no good 4-ring free
+
+    class Down(FakeSlurmWithEnds):
+        def __call__(self, argv):
+            if argv[0] == "/usr/bin/squeue":
+                raise CommandFailed("squeue exited 1: Unable to contact slurm controller")
+            return super().__call__(argv)
+
+    slurm, logs = Down({}), []
+    publisher = Publisher("dgx1")
+    assert publisher.publish(config, slurm, logs.append)
+    assert publisher.publish(config, slurm, logs.append, force=True)
+    assert len(logs) == 1 and "end times are unknown" in logs[0] and "Unable to contact" in logs[0]
+    assert parse_outlook(slurm.calls[-1][4].removeprefix("Extra="))["mapa_ring4"].good_at is None  # no end known
