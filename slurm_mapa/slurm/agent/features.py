@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from ...core.features import PREFIX, best_free, feature_name, feature_names, fleet_best, good_free_at, node_features
+from ...core.features import PREFIX, ModelFor, best_free, feature_name, feature_names, fleet_best, good_free_at, node_features
 from ...errors import MapaError
 from ..text.commands import (CommandFailed, RunCommand, active_features_argv, is_job_id, job_end_time, job_records,
                              parse_active_features, parse_available_features, show_jobs_argv, show_node_argv)
@@ -51,8 +51,6 @@ class Publisher:
         self.last_problem = ""  # said once, not at every start and end
         self._best: dict | None = None
         self._best_key: tuple | None = None
-        self._model = None
-        self._snapshot: NodeSnapshot | None = None
         self.ends: dict[str, float | None] = {}  # job -> its Slurm end time (None: asked, not known)
         self.foreign_extra = False  # the node's Extra holds text that is not MAPA's: left alone
         self.ends_problem = ""  # the last failure to read the jobs' end times (said once)
@@ -62,8 +60,9 @@ class Publisher:
         """MAPA's features as last written (None: nothing yet); the metrics show them."""
         return self.last[0] if self.last is not None else None
 
-    def wanted(self, config: HookConfig) -> tuple[str, ...] | None:
-        """MAPA's features for the node's free GPUs now (None: not configured, or no topology)."""
+    def wanted(self, config: HookConfig) -> tuple[tuple[str, ...], NodeSnapshot, ModelFor] | None:
+        """MAPA's features for the node's free GPUs now, with the node as read and the model that
+        priced them (None: not configured, or no ledger to read)."""
         from ...core.model_files import load_model
         from ...hardware.load import load_topology, model_for_topology
 
@@ -81,14 +80,10 @@ class Publisher:
         if self._best_key != key:  # the fleet's idle best: computed once per configuration
             fleet = [load_topology(spec) for spec in config.feature_fleet] or [graph]
             self._best, self._best_key = fleet_best(fleet + [graph], config.feature_sizes, model), key
-        self._model, self._snapshot = model, snapshot
-        return node_features(graph, snapshot.free, self._best or {}, model, config.feature_threshold)
+        return node_features(graph, snapshot.free, self._best or {}, model, config.feature_threshold), snapshot, model
 
-    def outlook(self, config: HookConfig, now: float) -> dict[str, RingOutlook]:
-        """The ring outlook of the snapshot ``wanted`` read (call it first), with ``self.ends``."""
-        snapshot, model = self._snapshot, self._model
-        if snapshot is None or model is None:
-            return {}
+    def outlook(self, config: HookConfig, snapshot: NodeSnapshot, model: ModelFor, now: float) -> dict[str, RingOutlook]:
+        """The node's ring outlook, with the end times in ``self.ends``."""
         graph, free = snapshot.graph, snapshot.free
         ends = [(end, holding.gpus) for job, holding in snapshot.ledger.holdings.items()
                 if (end := self.ends.get(job)) is not None]
@@ -99,10 +94,8 @@ class Publisher:
                                                  None if at is None else (0.0 if at == 0.0 else max(at, now + 1)))
         return found
 
-    def learn_ends(self, config: HookConfig, run: RunCommand, log: Callable[[str], None], again: bool) -> None:
-        """Ask Slurm the end times of the ledger's jobs not asked about yet (``again``: all of them)."""
-        snapshot = self._snapshot
-        jobs = list(snapshot.ledger.holdings) if snapshot is not None else []
+    def learn_ends(self, config: HookConfig, jobs: list[str], run: RunCommand, log: Callable[[str], None], again: bool) -> None:
+        """Ask Slurm the end times of ``jobs`` (the ledger's) not asked about yet (``again``: all of them)."""
         self.ends = {job: end for job, end in self.ends.items() if job in jobs}
         unknown = [job for job in jobs if (again or job not in self.ends) and is_job_id(job)][:MAX_ENDS_PER_READ]
         if not unknown:
@@ -127,19 +120,20 @@ class Publisher:
     def publish(self, config: HookConfig, run: RunCommand, log: Callable[[str], None], force: bool = False) -> bool:
         """Write the node's features if they changed (or ``force``). True if slurmctld was asked."""
         try:
-            mapa = self.wanted(config)
+            found = self.wanted(config)
         except (MapaError, OSError) as error:
             if str(error) != self.last_problem:
                 log(f"features of {self.node}: cannot tell them ({error}); nothing published")
             self.last_problem = str(error)
             return False
         self.last_problem = ""
-        if mapa is None:
+        if found is None:
             return False
+        mapa, snapshot, model = found
         extra = None
         if config.feature_outlook and not (self.foreign_extra and not force):
-            self.learn_ends(config, run, log, again=force)
-            extra = outlook_text(self.outlook(config, time.time()))
+            self.learn_ends(config, list(snapshot.ledger.holdings), run, log, again=force)
+            extra = outlook_text(self.outlook(config, snapshot, model, time.time()))
         if (mapa, extra) == self.last and not force:
             return False
         try:
