@@ -95,7 +95,9 @@ def test_prometheus_sees_what_the_jobs_got(cluster):
     before = {name: scalar(cluster, promql) for name, promql in (("decided", decided), ("prologs", prologs), ("isolated", isolated),
                                                                   ("not isolated", not_isolated))}
     assert None not in before.values(), before  # every outcome is a series from the agent's start
-    assert scalar(cluster, f'sum(mapa_gpus_held{{node="{node}"}})') == 0  # the node is idle
+    # The node is idle: once Prometheus has scraped it after the last test's jobs ended (a scrape
+    # taken before their Epilogs still shows their GPUs held).
+    eventually("the node idle", lambda: scalar(cluster, f'sum(mapa_gpus_held{{node="{node}"}})') == 0)
     jobs = [cluster.sbatch(HOLDING_JOB.format(gpus=gpus), "-w", node) for gpus in (2, 3)]
     try:
         for jobid in jobs:
