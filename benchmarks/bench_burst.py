@@ -1,12 +1,14 @@
 """Job start under a burst, MAPA on and off side by side, in the mini cluster (scripts/cluster up first).
 
-Usage: python benchmarks/bench_burst.py [--per-node 1,4,8,16] [--rounds 2] [--settings on,off,empty]
+Usage: python benchmarks/bench_burst.py [--per-node 1,4,8,16] [--rounds 2] [--settings on,off,empty,on-nofeatures,on-python]
 
 Each round submits, for each burst size N, N one-GPU jobs to each mock node at once (one shell
 loop of sbatch as alice, round-robin over the nodes, each job pinned with -w; every job carries
 `#MAPA topology=ring sensitive=no`) under each setting, the settings alternating round by round:
 
 * on: the shipped configuration (Prolog, Epilog, TaskProlog wrappers, the SPANK plugin, mapa-agent);
+* on-nofeatures: as on, with mapa.toml's [features] table left out (what publishing node features
+  costs under a burst);
 * on-python: as on, with wrappers that ask mapa-agent through the Python client (`mapa hooks --cc
   none` on a node without --client: what a node without the compiled client runs);
 * off: MAPA disabled as docs/admin.md, "Disabling MAPA", says (the agents stopped, the three hook
@@ -141,14 +143,35 @@ def write_hooks(compiled_client: bool) -> None:
         docker(node, *MAPA_HOOKS, *(["--client", CLIENT] if compiled_client else ["--cc", "none"]))
 
 
-ON = ("on", "on-python")
+ON = ("on", "on-python", "on-nofeatures")
+
+
+def without_table(text: str, table: str) -> str:
+    """A TOML text without ``[table]`` and its keys (up to the next table header)."""
+    kept, skipping = [], False
+    for line in text.splitlines(True):
+        if line.strip().startswith("["):
+            skipping = line.strip() == f"[{table}]"
+        if not skipping:
+            kept.append(line)
+    return "".join(kept)
+
+
+def write_mapa_toml(with_features: bool) -> None:
+    """Every node's mapa.toml: the shipped one, or the shipped one without [features] (no node
+    features, hence no `scontrol show node` and `scontrol update` after starts and ends)."""
+    for node in NODES:
+        text = docker(node, "cat", f"{SHIPPED}/mapa.toml").stdout
+        docker(node, "sh", "-c", "umask 022 && cat > /etc/slurm/mapa.toml.new && mv -f /etc/slurm/mapa.toml.new /etc/slurm/mapa.toml",
+               input=text if with_features else without_table(text, "features"))
 
 
 def switch(setting: str, current: str | None, loops: dict[str, str]) -> None:
     if setting == current:
         return
     if setting in ON:
-        write_hooks(compiled_client=setting == "on")
+        write_hooks(compiled_client=setting != "on-python")
+        write_mapa_toml(with_features=setting != "on-nofeatures")
         if current in ON:
             return  # the same slurm.conf: only the wrappers changed
         configure("on")

@@ -69,6 +69,11 @@ VARIANTS = {
     "require-cost/4": {"node_choice": "require", "wait_rule": "cost", "wait_pricing": scaled_curve(0.25)},
     "require-cost/4+weights": {"node_choice": "require", "wait_rule": "cost", "wait_pricing": scaled_curve(0.25),
                                "node_weights": True},
+    # the price swept (a site's --time-curve with an eighth or half of the paper's slowdowns), with weights
+    "require-cost/8+weights": {"node_choice": "require", "wait_rule": "cost", "wait_pricing": scaled_curve(0.125),
+                               "node_weights": True},
+    "require-cost/2+weights": {"node_choice": "require", "wait_rule": "cost", "wait_pricing": scaled_curve(0.5),
+                               "node_weights": True},
     # The cost rule as `mapa release --wait-rule cost` runs it in Slurm: time limits of 1x or 3x the
     # run times (an assumption: how much users over-ask), ends at the limits, the worst ring free now.
     "require-cost-limits1": {"node_choice": "require", "wait_rule": "cost", "wait_limits": 1.0},

@@ -204,3 +204,34 @@ def good_free_at(graph: HardwareGraph, free: Iterable[int] | int, ends: Iterable
         if has_good(graph, mask, k, fleet_k, model, threshold, shape):
             return end
     return None
+
+
+# Slurm keeps a node's weight in 32 bits and reserves the top values (INFINITE, NO_VAL); MAPA's
+# weights stay far below them, a site's base included.
+MAX_NODE_WEIGHT = 2**31 - 1
+
+
+def node_weight(graph: HardwareGraph, free: Iterable[int] | int, base: int = 0) -> int:
+    """The Slurm node weight of cluster-level Preserve (issue 40): ``base`` + 1 + the preserved
+    bandwidth (the paper's Eq. 3, in the graph's GB/s, rounded down) of the node's free GPUs.
+    Slurm gives a job the lowest-weight nodes that can run it (slurm.conf(5), ``Weight``), so jobs
+    fill the nodes whose free GPUs are worth least to the next ring first: PCIe nodes before NVLink
+    ones, fragmented nodes before whole ones. ``base`` keeps a site's own tiers in order (e.g. 0
+    for one generation, 1000000 for the next). The replay's ``--node-weights`` uses the same number.
+
+    >>> from slurm_mapa.hardware.presets import preset
+    >>> dgx = preset("dgx1-v100")
+    >>> node_weight(dgx, ()), node_weight(dgx, (0, 1)) < node_weight(dgx, (0, 1, 2, 3))
+    (1, True)
+    """
+    mask = _mask(graph, free)
+    bw = graph.bandwidth_matrix()
+    gpus = [g for g in range(graph.size) if mask >> g & 1]
+    return weight_of_preserved(sum(bw[a][b] for i, a in enumerate(gpus) for b in gpus[i + 1:]), base)
+
+
+def weight_of_preserved(preserved: float, base: int = 0) -> int:
+    """:func:`node_weight` from the preserved bandwidth (GB/s) of the free GPUs, as the replay has it."""
+    if isinstance(base, bool) or not isinstance(base, int) or base < 0:
+        raise InputError(f"node weight base must be a whole number >= 0, got {base!r}")
+    return min(MAX_NODE_WEIGHT, base + 1 + int(preserved + _EPS))

@@ -18,7 +18,8 @@ Which node a job starts on is ``Options.node_choice`` (issue 15, see :func:`.nod
   than the time the job would lose on the best node free now (:meth:`.simulate.Simulation.holding_pays`).
 
 Node weights (``Options.node_weights``, issue 40, cluster-level Preserve): each node publishes a
-Slurm weight, the preserved bandwidth (Eq. 3) of its free GPUs, and Slurm takes the lowest weight
+Slurm weight, the preserved bandwidth (Eq. 3) of its free GPUs (:func:`slurm_mapa.core.features.node_weight`,
+what mapa-agent publishes with mapa.toml's ``[features] weights = true``), and Slurm takes the lowest weight
 first (:func:`.node_pick.weighted_pick`): jobs land on the nodes whose free GPUs are worth least to
 rings (the PCIe nodes of a mixed fleet, the fragmented nodes of a busy one), and the whole nodes
 stay whole. Published like the features: as they were at the start of a scheduling pass.

@@ -298,7 +298,7 @@ class Simulation:
         weights = {}
         for i in candidates:
             table = tables[i]
-            weights[i] = int(table[published.get(i, free[i]) if published is not None else free[i]]) + 1 if table is not None else 1
+            weights[i] = mapa_features.weight_of_preserved(table[published.get(i, free[i]) if published is not None else free[i]]) if table is not None else 1
         return weighted_pick(candidates, weights, self.count, needed)
 
     # --- how long a 'require' job holds out (wait rule 'cost') -----------------------------------

@@ -104,6 +104,8 @@ class HookConfig:
     feature_threshold: float = 0.9
     feature_fleet: tuple[str, ...] = ()  # topologies of the fleet's node types (presets or files)
     feature_outlook: bool = False  # publish the ring outlook (text/outlook.py) in the node's Extra
+    feature_weights: bool = False  # publish core.features.node_weight as the node's Slurm Weight
+    feature_weight_base: int = 0  # added to that weight: a site's own tiers of nodes stay in order
     # [affinity]: CPU affinity in the Prolog's decision (core/affinity.py); "prefer" unless the
     # table says otherwise ("ignore": the policy alone, as before issue 14).
     affinity_mode: str = "prefer"
@@ -334,8 +336,10 @@ def _config_from_text(text: str, source: str, validate: bool) -> HookConfig:
 def _features_table(table: Any, source: str, text: str = "") -> dict[str, Any]:
     """``[features]``: sizes = [2, 4, 8], threshold = 0.9, fleet = ["dgx1-v100", ...]."""
     accepted = ("sizes (GPU counts 2-64), threshold (a fraction in (0, 1]), fleet (topologies of the fleet's node types), "
-                "insensitive_jobs (none or noring), outlook (true or false)")
-    _unknown_in_table(table, "features", {"sizes", "threshold", "fleet", "insensitive_jobs", "outlook"}, text, source, accepted)
+                "insensitive_jobs (none or noring), outlook (true or false), weights (true or false), "
+                f"weight_base (a whole number 0-{WEIGHT_BASE_MAX})")
+    _unknown_in_table(table, "features", {"sizes", "threshold", "fleet", "insensitive_jobs", "outlook", "weights", "weight_base"},
+                      text, source, accepted)
     sizes = table.get("sizes", [])
     if not isinstance(sizes, list) or not sizes or not all(isinstance(k, int) and not isinstance(k, bool) and 2 <= k <= 64 for k in sizes):
         raise InputError(f"{source}: [features] sizes must be a list of GPU counts 2-64, e.g. [2, 4, 8]; got {toml_text(sizes)}")
@@ -353,8 +357,20 @@ def _features_table(table: Any, source: str, text: str = "") -> dict[str, Any]:
     if not isinstance(outlook, bool):
         raise InputError(f"{source}: [features] outlook must be true (publish the ring outlook mapa release --wait-rule cost "
                          f"reads, in the node's Extra) or false, got {toml_text(outlook)}")
+    weights = table.get("weights", False)
+    if not isinstance(weights, bool):
+        raise InputError(f"{source}: [features] weights must be true (publish the node's Slurm Weight: its free GPUs' preserved "
+                         f"bandwidth, so jobs fill the nodes worth least to rings first) or false, got {toml_text(weights)}")
+    base = table.get("weight_base", 0)
+    if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base <= WEIGHT_BASE_MAX:
+        raise InputError(f"{source}: [features] weight_base must be a whole number 0-{WEIGHT_BASE_MAX} (added to the "
+                         f"weight MAPA publishes, to keep a site's tiers of nodes in order), got {toml_text(base)}")
     return {"feature_sizes": tuple(sorted(set(sizes))), "feature_threshold": float(threshold), "feature_fleet": tuple(fleet),
-            "feature_insensitive_jobs": insensitive, "feature_outlook": outlook}
+            "feature_insensitive_jobs": insensitive, "feature_outlook": outlook, "feature_weights": weights,
+            "feature_weight_base": base}
+
+
+WEIGHT_BASE_MAX = 2_000_000_000  # with MAPA's part (below 2^27 for 64 GPUs) still under core.features.MAX_NODE_WEIGHT
 
 
 _METRICS_ACCEPTED = ('a table with one key, listen = "HOST:PORT" (an IPv4 address or host name, or [IPv6], and a port '

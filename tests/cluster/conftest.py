@@ -163,19 +163,22 @@ class Cluster:
 
     @contextlib.contextmanager
     def hook_config(self, nodes: Iterable[str], extra: str, edit: Callable[[str], str] = lambda text: text):
-        """mapa.toml on ``nodes`` with ``extra`` appended (after ``edit`` of the shipped text) while
-        the block runs (every hook reads it afresh); the shipped file again afterwards."""
+        """mapa.toml on ``nodes``: the file in force, after ``edit``, with ``extra`` appended, while
+        the block runs (every hook reads it afresh); the file as it was afterwards. Built on the file
+        in force, not the shipped one, so that blocks nest (a module's settings stay under a test's)."""
         nodes = tuple(nodes)
-        for node in nodes:
-            base = self.exec(node, ["cat", "/etc/slurm-mapa/config/mapa.toml"]).stdout
-            edited = edit(base)
-            self.exec(node, ["sh", "-c", "cat > /etc/slurm/mapa.toml.new && mv /etc/slurm/mapa.toml.new /etc/slurm/mapa.toml"],
-                      input=edited + extra)
+        before = {node: self.exec(node, ["cat", "/etc/slurm/mapa.toml"]).stdout for node in nodes}
         try:
+            for node in nodes:
+                self._write_hook_config(node, edit(before[node]) + extra)
             yield
         finally:
             for node in nodes:
-                self.exec(node, ["install", "-m", "644", "/etc/slurm-mapa/config/mapa.toml", "/etc/slurm/mapa.toml"], check=False)
+                self._write_hook_config(node, before[node], check=False)
+
+    def _write_hook_config(self, node: str, text: str, check: bool = True) -> None:
+        self.exec(node, ["sh", "-c", "umask 022 && cat > /etc/slurm/mapa.toml.new && mv /etc/slurm/mapa.toml.new /etc/slurm/mapa.toml"],
+                  input=text, check=check)
 
     def sbatch(self, script_text: str, *args: str, user: str = DEFAULT_USER) -> int:
         """Submit a batch script as ``user`` and return its job id.

@@ -12,6 +12,7 @@ and leave other free sets)."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
@@ -47,20 +48,33 @@ def _wait_on(cluster, node: str, read, predicate, timeout: float, what: str):
         if predicate(seen):
             return seen
         if time.monotonic() > deadline:
-            raise cluster.Error(f"{node}'s {what} after {timeout}s: {sorted(seen) if isinstance(seen, set) else seen}")
+            raise cluster.Error(f"{node}'s {what} after {timeout}s: {sorted(seen) if isinstance(seen, set) else seen}; "
+                                f"the node's MAPA log on features:\n{_features_log(cluster, node)}")
         time.sleep(0.5)
+
+
+def _features_log(cluster, node: str) -> str:
+    """The last lines about its features in the node's MAPA log and in mapa-agent's own errors (the
+    container's output): what a failed wait shows."""
+    hooks = cluster.exec(node, ["grep", "-a", "-i", "features", "/var/log/slurm-mapa.log"], check=False).stdout
+    agent = subprocess.run(["docker", "logs", "--tail", "2000", cluster.container(node)], capture_output=True,
+                           encoding="utf-8", errors="replace", timeout=60)
+    errors = [line for line in (agent.stdout + agent.stderr).splitlines() if "mapa-agent" in line]
+    return "\n".join(hooks.splitlines()[-15:] + errors[-15:]) or "(none)"
 
 
 def _wait_features(cluster, node: str, predicate, timeout: float = 40, what: str = "") -> set[str]:
     return _wait_on(cluster, node, _mapa_features, predicate, timeout, f"MAPA features not {what}")
 
 
-SUBMITTED: list[int] = []  # by this module's tests
+SUBMITTED: dict[str, list[int]] = {}  # by this module's tests, per Slurm release (one worker may run both)
 
 
-def _submit(cluster, directive: str, gpus: int, *args: str) -> int:
-    jobid = cluster.sbatch(SLEEPING_JOB.format(directive=directive), f"--gres=gpu:{gpus}", *args)
-    SUBMITTED.append(jobid)
+def _submit(cluster, directive: str | None, gpus: int, *args: str) -> int:
+    """A sleeping job with ``#MAPA directive`` (None: no directive line)."""
+    script = SLEEPING_JOB.format(directive=directive) if directive is not None else "#!/bin/bash\nsleep 600\n"
+    jobid = cluster.sbatch(script, f"--gres=gpu:{gpus}", *args)
+    SUBMITTED.setdefault(cluster.release, []).append(jobid)
     return jobid
 
 
@@ -172,12 +186,18 @@ def _release_pass(cluster, *args: str) -> str:
     return cluster.exec("slurmctld", ["mapa", "release", *args]).stderr
 
 
+def _in_features(text: str, line: str) -> str:
+    """mapa.toml's text with ``line`` as the first setting of its [features] table."""
+    assert "[features]\n" in text, text
+    return text.replace("[features]\n", f"[features]\n{line}\n", 1)
+
+
 def test_the_cost_rule_starts_a_short_job_now_and_holds_a_long_one(cluster):
     """Issue 40: with `[features] outlook = true` each DGX node's mapa-agent publishes, in the
     node's Extra, when its running jobs' Slurm end times free a good ring; `mapa release
     --wait-rule cost` starts a placement=require job at once when that wait is longer than what
     running now on a worse ring would lose over the job's time limit, and holds it otherwise."""
-    with cluster.hook_config(DGX, "", edit=lambda text: text.replace("[features]\n", "[features]\noutlook = true\n", 1)):
+    with cluster.hook_config(DGX, "", edit=lambda text: _in_features(text, "outlook = true")):
         jobs = _build_scene(cluster)  # both nodes: no good 3-ring free; the scene's jobs have no time limit
         for node in DGX:
             _wait_outlook(cluster, node, lambda o: "mapa_ring3" in o and o["mapa_ring3"].now is not None, what="published")
@@ -198,29 +218,93 @@ def test_the_cost_rule_starts_a_short_job_now_and_holds_a_long_one(cluster):
         assert f"job {short} (placement=require) starts now: a good 3-GPU ring is expected in" in logged, logged
         assert f"job {long}" not in logged, logged
         assert _running_node(cluster, short) in DGX
+        cluster.cancel(short)  # done with; under load the passes below can outlast its 2-minute limit (TIMEOUT)
         time.sleep(3)
         assert cluster.job(long)["state_reason"] == "BeginTime"
         logged = _release_pass(cluster, "--wait-rule", "cost")  # the next pass: still holding out
         assert f"job {long}" not in logged and cluster.job(long)["state_reason"] == "BeginTime", logged
         # The fixed rule (the service's) leaves both to their begin time or a good node.
         assert f"job {long}" not in _release_pass(cluster)
-        cluster.cancel(short, long, *jobs["dgx1"], *jobs["dgx2"])
+        cluster.cancel(long, *jobs["dgx1"], *jobs["dgx2"])
     for node in DGX:
         _wait_features(cluster, node, lambda f: f == {"mapa_ring2", "mapa_ring3", "mapa_ring4"}, what="idle again")
+
+
+GPU_NODES = ("dgx1", "torus1", "summit1", "mi250x1", "dgx2")  # partition gpu: five node types
+
+
+def _weight(cluster, node: str) -> int:
+    return int(cluster.node(node)["weight"])
+
+
+def _held_gpus(cluster, node: str) -> set[int]:
+    """The GPUs the node's ledger holds for jobs."""
+    import json
+
+    ledger = cluster.exec(node, ["cat", "/var/lib/slurm-mapa/ledger.json"], check=False).stdout
+    return {gpu for entry in (json.loads(ledger)["jobs"].values() if ledger.strip() else ()) for gpu in entry["gpus"]}
+
+
+def _wait_weight(cluster, node: str, what: str, idle: bool = False) -> int:
+    """The node's Slurm weight once it is core.features.node_weight of the node's topology file and
+    the GPUs its ledger leaves free (``idle``: once the ledger is empty: the last test's Epilogs done)."""
+    from slurm_mapa.core.features import node_weight
+    from slurm_mapa.hardware.topofile import topology_from_toml_text
+
+    if idle:
+        _wait_on(cluster, node, _held_gpus, lambda held: not held, 60, "ledger not empty")
+    graph = topology_from_toml_text(cluster.exec(node, ["cat", "/etc/slurm/mapa-topology.toml"]).stdout, source=node).graph
+    expected = node_weight(graph, set(range(graph.size)) - _held_gpus(cluster, node))
+    return _wait_on(cluster, node, _weight, lambda weight: weight == expected, 90, f"weight not {expected} ({what})")
+
+
+def test_weights_send_a_job_to_the_node_whose_free_gpus_are_worth_least(cluster):
+    """Issue 40, cluster-level Preserve: with `[features] weights = true` each node's mapa-agent
+    publishes, as the node's Slurm Weight, the summed bandwidth of the links among its free GPUs
+    (core.features.node_weight, checked here against each node's topology file and ledger); Slurm
+    gives a job the lowest-weight node that can run it. On the five node types of partition gpu a
+    job without a directive goes to the node whose idle GPUs are worth least, not to the first
+    node; between the two DGX-1, to the one already in use, and the idle one stays whole. With
+    equal weights Slurm takes the first node, dgx1 (the first test of this module sees it)."""
+    with cluster.hook_config(GPU_NODES, "", edit=lambda text: _in_features(text, "weights = true")):
+        idle = {node: _wait_weight(cluster, node, "idle", idle=True) for node in GPU_NODES}  # at the next reconcile pass (10 s)
+        least = min(GPU_NODES, key=lambda node: (idle[node], GPU_NODES.index(node)))
+        assert least != "dgx1" and idle["dgx1"] == idle["dgx2"], idle
+        plain = _submit(cluster, None, 1, "-p", "gpu")  # no directive
+        assert _running_node(cluster, plain) == least, idle
+        cluster.cancel(plain)
+        busy = _submit(cluster, "topology=ring sensitive=no", 2, "-w", "dgx2")
+        _running_node(cluster, busy)
+        assert _wait_weight(cluster, "dgx2", "2 GPUs busy") < idle["dgx1"]
+        plain = _submit(cluster, None, 1, "-p", "dgx")
+        assert _running_node(cluster, plain) == "dgx2"
+        cluster.cancel(busy, plain)
+        _wait_on(cluster, "dgx2", _weight, lambda weight: weight == idle["dgx2"], 90, "weight not back to idle")
+    # Off again: the agents leave the weight as it is, so slurm.conf's (1, unset) is set back here,
+    # until no agent turn that read the old config writes one after it.
+    deadline = time.monotonic() + 30
+    while True:
+        cluster.run("scontrol", "update", f"NodeName={','.join(GPU_NODES)}", "Weight=1")
+        time.sleep(2)
+        if all(_weight(cluster, node) == 1 for node in GPU_NODES):
+            break
+        assert time.monotonic() < deadline, {node: _weight(cluster, node) for node in GPU_NODES}
 
 
 def test_no_job_was_held_or_failed_for_its_constraints(cluster):
     """Runs after the tests above (file order). Slurm fails a job whose constraint is active on no
     node it may use (state FAILED, reason BadConstraints, at submission) and holds a pending one
     with that reason: none of this module's jobs, all cancelled by their tests, went that way."""
-    assert len(SUBMITTED) >= 10, SUBMITTED
+    submitted = SUBMITTED.get(cluster.release, [])
+    assert len(submitted) >= 10, submitted
     pending = cluster.run("squeue", "-h", "-t", "PD", "-o", "%A %r")
     assert "BadConstraints" not in pending, pending
-    ids = ",".join(map(str, SUBMITTED))
+    ids = ",".join(map(str, submitted))
     deadline = time.monotonic() + 60
     while True:  # sacct hears of the last cancellations within seconds
         states = dict(line.split("|") for line in cluster.run("sacct", "-X", "-n", "-P", "-j", ids, "-o", "JobID,State").splitlines())
-        if len(states) == len(SUBMITTED) and all(state.startswith("CANCELLED") for state in states.values()):
+        if len(states) == len(submitted) and all(state.startswith("CANCELLED") for state in states.values()):
             break
-        assert time.monotonic() < deadline, states
+        assert time.monotonic() < deadline, ({job: state for job, state in states.items() if not state.startswith("CANCELLED")},
+                                             f"{len(states)} of {len(submitted)} jobs in sacct")
         time.sleep(2)

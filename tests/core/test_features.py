@@ -17,6 +17,8 @@ from slurm_mapa.core.features import (
     fleet_best,
     has_good,
     node_features,
+    node_weight,
+    weight_of_preserved,
 )
 from slurm_mapa.core.patterns import make_pattern
 from slurm_mapa.errors import InputError
@@ -144,3 +146,25 @@ def test_good_free_at_on_a_dgx1_whose_good_rings_are_held():
     assert features.good_free_at(DGX, (), [(500.0, (0, 1, 2, 3))], 4, best4, MODEL) == 500.0
     assert features.good_free_at(DGX, (), [], 4, best4, MODEL) is None
     assert features.good_free_at(PCIE, range(8), [], 4, best4, MODEL) is None  # never as good as a DGX-1's
+
+
+@pytest.mark.parametrize("name", ["dgx1-v100", "pcie-8", "torus2d-16"])
+def test_node_weight_is_the_replays_weight_for_every_free_set(name):
+    """The weight mapa-agent publishes (summed over the free GPUs' links) equals the replay's, read
+    from its preserved-bandwidth table built by another recurrence, for every free set; it grows
+    with every GPU freed and a base shifts it whole."""
+    from slurm_mapa.replay.decider import Decider
+
+    graph = preset(name)
+    decider = Decider()
+    table = decider.preserved_table(decider.graph_id(graph))
+    for mask in range(1 << graph.size) if graph.size <= 8 else range(0, 1 << graph.size, 97):
+        weight = node_weight(graph, mask)
+        assert weight == weight_of_preserved(table[mask])
+        assert node_weight(graph, mask, base=1000) == weight + 1000
+        for gpu in range(graph.size):
+            if not mask >> gpu & 1:
+                assert node_weight(graph, mask | 1 << gpu) >= weight
+    assert node_weight(graph, 0) == 1
+    with pytest.raises(InputError):
+        node_weight(graph, 0, base=-1)

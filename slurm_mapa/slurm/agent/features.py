@@ -15,6 +15,11 @@ to free a good one) into the node's ``Extra`` field, in the same update; ``mapa 
 --wait-rule cost`` reads it. The end times come from one ``squeue --json`` call for the ledger's
 jobs whose end this agent does not know yet (each job once; all of them again at a reconcile pass:
 a time limit may have changed). A node whose Extra holds someone else's text keeps it.
+
+With ``weights = true`` the same update sets the node's Slurm ``Weight`` (core.features.node_weight:
+the preserved bandwidth of its free GPUs, plus ``weight_base``), so that Slurm gives every job the
+node whose free GPUs are worth least to rings first. Like the features, slurmctld forgets it at a
+restart or ``scontrol reconfigure`` (slurm.conf's weight again) until the next reconcile pass.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from ...core.features import PREFIX, ModelFor, best_free, feature_name, feature_names, fleet_best, good_free_at, node_features
+from ...core.features import (PREFIX, ModelFor, best_free, feature_name, feature_names, fleet_best, good_free_at, node_features,
+                              node_weight)
 from ...errors import MapaError
 from ..text.commands import (CommandFailed, RunCommand, active_features_argv, is_job_id, job_end_time, job_records,
                              parse_active_features, parse_available_features, show_jobs_argv, show_node_argv)
@@ -47,7 +53,7 @@ class Publisher:
 
     def __init__(self, node: str) -> None:
         self.node = node
-        self.last: tuple[tuple[str, ...], str | None] | None = None  # the features and outlook written last
+        self.last: tuple[tuple[str, ...], str | None, int | None] | None = None  # the features, outlook and weight written last
         self.last_problem = ""  # said once, not at every start and end
         self._best: dict | None = None
         self._best_key: tuple | None = None
@@ -134,7 +140,8 @@ class Publisher:
         if config.feature_outlook and not (self.foreign_extra and not force):
             self.learn_ends(config, list(snapshot.ledger.holdings), run, log, again=force)
             extra = outlook_text(self.outlook(config, snapshot, model, time.time()))
-        if (mapa, extra) == self.last and not force:
+        weight = node_weight(snapshot.graph, snapshot.free, config.feature_weight_base) if config.feature_weights else None
+        if (mapa, extra, weight) == self.last and not force:
             return False
         try:
             shown = run(show_node_argv(config.scontrol, self.node))
@@ -143,16 +150,16 @@ class Publisher:
             if missing:
                 log(f"features of {self.node}: slurm.conf does not list {','.join(missing)} in the node's Features= "
                     f"(needed: {','.join(feature_names(config.feature_sizes))}); nothing published")
-                self.last = (mapa, extra)  # said once per change, not at every start
+                self.last = (mapa, extra, weight)  # said once per change, not at every start
                 return True
             if extra is not None and not self._extra_is_ours(shown, log):
                 extra = None
-            run(active_features_argv(config.scontrol, self.node, merged_features(active, mapa), extra))
+            run(active_features_argv(config.scontrol, self.node, merged_features(active, mapa), extra, weight))
         except (CommandFailed, ValueError) as error:
             log(f"features of {self.node}: could not publish {','.join(mapa)} ({error}); trying again at the next change or pass")
             self.last = None
             return True
-        self.last = (mapa, extra)
+        self.last = (mapa, extra, weight)
         return True
 
     def _extra_is_ours(self, shown: str, log: Callable[[str], None]) -> bool:

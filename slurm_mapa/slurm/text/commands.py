@@ -469,9 +469,11 @@ def _parse_node_features(text: str, field: str) -> tuple[str, ...]:
     return names
 
 
-def active_features_argv(scontrol: str, node: str, features: tuple[str, ...], extra: str | None = None) -> list[str]:
-    """`scontrol update NodeName=NODE ActiveFeatures=a,b [Extra=TEXT]` (ValueError for a name Slurm
-    would not take, or an Extra with blanks, quotes or control characters)."""
+def active_features_argv(scontrol: str, node: str, features: tuple[str, ...], extra: str | None = None,
+                         weight: int | None = None) -> list[str]:
+    """`scontrol update NodeName=NODE ActiveFeatures=a,b [Extra=TEXT] [Weight=N]` (ValueError for a
+    name Slurm would not take, an Extra with blanks, quotes or control characters, or a weight
+    outside 1..2^31-1)."""
     if not all(map(is_feature_name, features)):
         raise ValueError(f"feature names {features!r} (accepted: letters, digits, '_', '.', '-')")
     argv = [scontrol, "update", f"NodeName={node}", f"ActiveFeatures={','.join(features)}"]
@@ -479,4 +481,8 @@ def active_features_argv(scontrol: str, node: str, features: tuple[str, ...], ex
         if not re.fullmatch(r"[A-Za-z0-9_.,:/@=-]{0,4096}", extra):
             raise ValueError(f"node Extra {extra[:80]!r} (accepted: up to 4096 letters, digits and _.,:/@=-)")
         argv.append(f"Extra={extra}")
+    if weight is not None:
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= 2**31 - 1:
+            raise ValueError(f"node weight {weight!r} (accepted: a whole number 1..{2**31 - 1})")
+        argv.append(f"Weight={weight}")
     return argv

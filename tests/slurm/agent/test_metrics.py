@@ -284,7 +284,7 @@ def test_features_written_and_active_are_shown(metered_agent):
     publisher = agent.background.features
 
     def publish(config, run, log, force=False):  # as Publisher.publish after a write slurmctld took
-        publisher.last = (("mapa_ring2", "mapa_noring4"), "mapa_ring2=48.1/58.93@0,mapa_ring4=-/53.6@-")  # with an outlook
+        publisher.last = (("mapa_ring2", "mapa_noring4"), "mapa_ring2=48.1/58.93@0,mapa_ring4=-/53.6@-", 97)  # with an outlook and a weight
         return True
 
     publisher.publish = publish

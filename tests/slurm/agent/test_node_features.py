@@ -282,3 +282,51 @@ def test_unreadable_end_times_are_said_once_and_the_outlook_leaves_those_jobs_ou
     assert publisher.publish(config, slurm, logs.append, force=True)
     assert len(logs) == 1 and "end times are unknown" in logs[0] and "Unable to contact" in logs[0]
     assert parse_outlook(slurm.calls[-1][4].removeprefix("Extra="))["mapa_ring4"].good_at is None  # no end known
+
+
+def test_weights_publish_the_free_gpus_preserved_bandwidth_in_the_same_update(tmp_path):
+    """[features] weights = true (issue 40): the node's Slurm Weight is 1 + the summed bandwidth of
+    the links among its free GPUs (+ weight_base), in the update that sets the features, and only
+    when it changed. Checked against the DGX-1 V100's links as the preset lists them."""
+    from slurm_mapa.hardware.presets import preset
+
+    dgx = preset("dgx1-v100")
+    config = config_for(tmp_path, feature_weights=True)
+    slurm, logs, publisher = FakeScontrol(), [], Publisher("dgx1")
+    assert publisher.publish(config, slurm, logs.append)
+    idle = 1 + int(sum(dgx.bandwidth(a, b) for a in range(8) for b in range(a + 1, 8)))
+    assert slurm.calls[-1] == ["/usr/bin/scontrol", "update", "NodeName=dgx1", "ActiveFeatures=v100,ib,mapa_ring2,mapa_ring4",
+                               f"Weight={idle}"]
+    # A job on 0-3 keeps 4-7 free: the weight falls to their links' sum, the features stay: one update.
+    LedgerFile(config.ledger, 8).write(Ledger({"7": Holding((0, 1, 2, 3), "preserve", 1.0)}))
+    assert publisher.publish(config, slurm, logs.append)
+    half = 1 + int(sum(dgx.bandwidth(a, b) for a in range(4, 8) for b in range(a + 1, 8)))
+    assert slurm.calls[-1][-2:] == ["ActiveFeatures=v100,ib,mapa_ring2,mapa_ring4", f"Weight={half}"] and 1 < half < idle
+    assert not publisher.publish(config, slurm, logs.append)  # unchanged: nothing asked
+    # A site's tier: weight_base is added.
+    tiered = config_for(tmp_path, feature_weights=True, feature_weight_base=1_000_000)
+    assert Publisher("dgx1").publish(tiered, slurm, logs.append)
+    assert slurm.calls[-1][-1] == f"Weight={1_000_000 + half}" and logs == []
+    # Without weights the update names no weight.
+    assert Publisher("dgx1").publish(config_for(tmp_path), slurm, logs.append)
+    assert not any(arg.startswith("Weight=") for arg in slurm.calls[-1])
+
+
+@pytest.mark.parametrize("table,message", [
+    ("weights = 1", "weights must be true"), ("weights = \"yes\"", "weights must be true"),
+    ("weight_base = -1", "weight_base must be a whole number"), ("weight_base = 1.5", "weight_base must be a whole number"),
+    ("weight_base = true", "weight_base must be a whole number"), ("weight_base = 2000000001", "weight_base must be a whole number"),
+])
+def test_a_bad_weights_setting_is_refused_naming_what_is_accepted(table, message):
+    with pytest.raises(InputError, match=message):
+        config_from_text(f"[features]\nsizes = [2]\n{table}\n", "mapa.toml", validate=False)
+    good = config_from_text("[features]\nsizes = [2]\nweights = true\nweight_base = 2000000000\n", "mapa.toml", validate=False)
+    assert (good.feature_weights, good.feature_weight_base) == (True, 2_000_000_000)
+    assert (HookConfig().feature_weights, HookConfig().feature_weight_base) == (False, 0)
+
+
+def test_the_weight_argument_is_checked():
+    assert active_features_argv("/usr/bin/scontrol", "dgx1", ("mapa_ring2",), None, 7)[-1] == "Weight=7"
+    for bad in (0, -1, 2**31, True, 1.5):
+        with pytest.raises(ValueError, match="node weight"):
+            active_features_argv("/usr/bin/scontrol", "dgx1", ("mapa_ring2",), None, bad)
