@@ -18,6 +18,11 @@ MAX_RECORD_AGE_S = 7 * 86400  # a record slurmctld has refused for a week is dro
 MAX_BACKOFF_S = 300.0
 MIN_RECONCILE_GAP_S = 1.0
 GATHER_S = 0.25  # after a start or an end, the records loop waits this long for the next ones
+# After starts and ends, slurmctld is asked to update the node's features at most once per this
+# long: each update takes slurmctld's node write lock, and under a burst of short jobs the updates
+# delayed every job's start by ~0.7 s (median, 40 jobs on 5 nodes; docs/benchmarks.md). The next
+# turn of the records loop (within a second) publishes what changed meanwhile.
+FEATURES_MIN_GAP_S = 1.0
 
 
 class Background:
@@ -41,6 +46,7 @@ class Background:
         self.retry_at: dict[str, float] = {}
         self.failures: dict[str, int] = {}
         self.features = Publisher(node)
+        self.features_asked_at: float | None = None  # when publish_features last asked slurmctld (self.clock)
         from .dcgm import MappingWriter
 
         self.dcgm_writer = MappingWriter()  # says each problem of the mapping directory once, not every second
@@ -62,11 +68,16 @@ class Background:
         return listed
 
     def publish_features(self, config=None) -> bool:
-        """After starts and ends: publish the node's features if they changed."""
+        """After starts and ends: publish the node's features if they changed, at most once per
+        FEATURES_MIN_GAP_S (a later turn publishes what changed meanwhile)."""
+        if self.features_asked_at is not None and self.clock() - self.features_asked_at < FEATURES_MIN_GAP_S:
+            return False
         config = config or self._config()
         published = self.features.publish(config, self.agent.make_runner(config.command_timeout), hook_logger(config.log))
-        if published and self.agent.metrics is not None:
-            self.agent.metrics.feature_published()
+        if published:
+            self.features_asked_at = self.clock()
+            if self.agent.metrics is not None:
+                self.agent.metrics.feature_published()
         return published
 
     def write_dcgm_mapping(self, config=None) -> list[str]:

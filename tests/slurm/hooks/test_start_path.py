@@ -272,3 +272,33 @@ def test_a_multi_node_jobs_prolog_writes_its_record_before_the_job_starts_agent_
     # A one-node job's record still waits for the agent, off the start path.
     run_prolog(env_for("32", "2,3", "mapa:topology=ring sensitive=yes"), config, NoSlurm(), [].append, defer=deferred.append)
     assert len(deferred) == 1 and [path.name for path in config.journal.iterdir()] == ["32"]
+
+
+def test_after_starts_and_ends_the_features_are_published_at_most_once_a_second(tmp_path):
+    """Issue 41: under a burst the node's feature updates (slurmctld's node write lock) delayed
+    every start; after starts and ends the agent asks slurmctld at most once per
+    FEATURES_MIN_GAP_S, and a later turn of the records loop publishes what changed meanwhile.
+    The reconcile pass's publication is not held back."""
+    from slurm_mapa.slurm.agent.background import FEATURES_MIN_GAP_S
+
+    path = write_config(tmp_path, job_submit_lua=True)
+    path.write_text(path.read_text() + "[features]\nsizes = [2, 4]\n")
+    now = [1000.0]
+    asked: list[tuple] = []
+    background = Background(Agent(str(path), [].append, run=lambda timeout: NoSlurm()), "dgx1", clock=lambda: now[0])
+
+    def publish(config, run, log, force=False):  # Publisher.publish: True when slurmctld was asked
+        asked.append((now[0], force))
+        return True
+
+    background.features.publish = publish
+    assert background.publish_features() is True and asked == [(1000.0, False)]
+    now[0] += FEATURES_MIN_GAP_S / 2
+    assert background.publish_features() is False and len(asked) == 1  # held back: a later turn publishes
+    now[0] += FEATURES_MIN_GAP_S / 2
+    assert background.publish_features() is True and asked[-1] == (1000.0 + FEATURES_MIN_GAP_S, False)
+    background.features.publish = lambda config, run, log, force=False: False  # nothing changed: slurmctld not asked
+    now[0] += FEATURES_MIN_GAP_S
+    assert background.publish_features() is False
+    background.features.publish = publish
+    assert background.publish_features() is True  # not held back by a turn that asked nothing
