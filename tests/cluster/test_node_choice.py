@@ -12,6 +12,7 @@ and leave other free sets)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
@@ -239,8 +240,6 @@ def _weight(cluster, node: str) -> int:
 
 def _held_gpus(cluster, node: str) -> set[int]:
     """The GPUs the node's ledger holds for jobs."""
-    import json
-
     ledger = cluster.exec(node, ["cat", "/var/lib/slurm-mapa/ledger.json"], check=False).stdout
     return {gpu for entry in (json.loads(ledger)["jobs"].values() if ledger.strip() else ()) for gpu in entry["gpus"]}
 
@@ -266,29 +265,37 @@ def test_weights_send_a_job_to_the_node_whose_free_gpus_are_worth_least(cluster)
     job without a directive goes to the node whose idle GPUs are worth least, not to the first
     node; between the two DGX-1, to the one already in use, and the idle one stays whole. With
     equal weights Slurm takes the first node, dgx1 (the first test of this module sees it)."""
-    with cluster.hook_config(GPU_NODES, "", edit=lambda text: _in_features(text, "weights = true")):
-        idle = {node: _wait_weight(cluster, node, "idle", idle=True) for node in GPU_NODES}  # at the next reconcile pass (10 s)
-        least = min(GPU_NODES, key=lambda node: (idle[node], GPU_NODES.index(node)))
-        assert least != "dgx1" and idle["dgx1"] == idle["dgx2"], idle
-        plain = _submit(cluster, None, 1, "-p", "gpu")  # no directive
-        assert _running_node(cluster, plain) == least, idle
-        cluster.cancel(plain)
-        busy = _submit(cluster, "topology=ring sensitive=no", 2, "-w", "dgx2")
-        _running_node(cluster, busy)
-        assert _wait_weight(cluster, "dgx2", "2 GPUs busy") < idle["dgx1"]
-        plain = _submit(cluster, None, 1, "-p", "dgx")
-        assert _running_node(cluster, plain) == "dgx2"
-        cluster.cancel(busy, plain)
-        _wait_on(cluster, "dgx2", _weight, lambda weight: weight == idle["dgx2"], 90, "weight not back to idle")
-    # Off again: the agents leave the weight as it is, so slurm.conf's (1, unset) is set back here,
-    # until no agent turn that read the old config writes one after it.
+    try:
+        with cluster.hook_config(GPU_NODES, "", edit=lambda text: _in_features(text, "weights = true")):
+            idle = {node: _wait_weight(cluster, node, "idle", idle=True) for node in GPU_NODES}  # at the next reconcile pass (10 s)
+            least = min(GPU_NODES, key=lambda node: (idle[node], GPU_NODES.index(node)))
+            assert least != "dgx1" and idle["dgx1"] == idle["dgx2"], idle
+            plain = _submit(cluster, None, 1, "-p", "gpu")  # no directive
+            assert _running_node(cluster, plain) == least, idle
+            cluster.cancel(plain)
+            busy = _submit(cluster, "topology=ring sensitive=no", 2, "-w", "dgx2")
+            _running_node(cluster, busy)
+            assert _wait_weight(cluster, "dgx2", "2 GPUs busy") < idle["dgx1"]
+            plain = _submit(cluster, None, 1, "-p", "dgx")
+            assert _running_node(cluster, plain) == "dgx2"
+            cluster.cancel(busy, plain)
+            _wait_on(cluster, "dgx2", _weight, lambda weight: weight == idle["dgx2"], 90, "weight not back to idle")
+    finally:
+        left = _reset_weights(cluster)  # for the tests after this one, whatever happened
+    assert not left, left
+
+
+def _reset_weights(cluster) -> dict[str, int]:
+    """slurm.conf's weight (1: unset) on the gpu nodes again, as an admin would set it back: the
+    agents leave the weight as it is once the setting is off, so it is set until no agent turn that
+    read the old config writes one after it. The nodes whose weight is still not 1 after 30 s."""
     deadline = time.monotonic() + 30
     while True:
         cluster.run("scontrol", "update", f"NodeName={','.join(GPU_NODES)}", "Weight=1")
         time.sleep(2)
-        if all(_weight(cluster, node) == 1 for node in GPU_NODES):
-            break
-        assert time.monotonic() < deadline, {node: _weight(cluster, node) for node in GPU_NODES}
+        left = {node: weight for node in GPU_NODES if (weight := _weight(cluster, node)) != 1}
+        if not left or time.monotonic() > deadline:
+            return left
 
 
 def test_no_job_was_held_or_failed_for_its_constraints(cluster):

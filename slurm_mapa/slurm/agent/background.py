@@ -19,9 +19,9 @@ MAX_BACKOFF_S = 300.0
 MIN_RECONCILE_GAP_S = 1.0
 GATHER_S = 0.25  # after a start or an end, the records loop waits this long for the next ones
 # After starts and ends, slurmctld is asked to update the node's features at most once per this
-# long: each update takes slurmctld's node write lock, and under a burst of short jobs the updates
-# delayed every job's start by ~0.7 s (median, 40 jobs on 5 nodes; docs/benchmarks.md). The next
-# turn of the records loop (within a second) publishes what changed meanwhile.
+# long: each update is a node update in slurmctld, and under a burst of short jobs publishing the
+# features added 0.5-0.7 s to the median start, before the allocation (40 jobs on 5 nodes;
+# docs/benchmarks.md). The next turn of the records loop (within a second) publishes what changed.
 FEATURES_MIN_GAP_S = 1.0
 
 

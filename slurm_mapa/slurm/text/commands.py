@@ -39,6 +39,14 @@ class CommandFailed(RuntimeError):
     """A Slurm command failed, timed out or printed something unreadable."""
 
 
+TIMED_OUT = "timed out after"  # in a CommandFailed's message when the command did not answer in time
+
+
+def timed_out(message: str) -> bool:
+    """Whether a CommandFailed's message says the command did not answer in time (not that it failed)."""
+    return f" {TIMED_OUT} " in message
+
+
 @dataclass(frozen=True)
 class Runner:
     """Runs a command without a shell, bounded in time and output.
@@ -81,7 +89,7 @@ class Runner:
             if problem:
                 _kill_group(process)
                 process.wait()
-                what = f"timed out after {limit:g} s" if problem == "timeout" else f"printed more than {MAX_OUTPUT_BYTES} bytes"
+                what = f"{TIMED_OUT} {limit:g} s" if problem == "timeout" else f"printed more than {MAX_OUTPUT_BYTES} bytes"
                 raise CommandFailed(f"{name} {what}")
         stderr = err.decode("utf-8", "replace").strip()
         if process.returncode != 0:

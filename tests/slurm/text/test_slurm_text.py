@@ -33,6 +33,7 @@ from slurm_mapa.slurm.text.commands import (
     parse_job_ids,
     parse_job_json,
     slurm_gpus_on_only_node,
+    timed_out,
 )
 from slurm_mapa.slurm.text.decision import (
     MAX_ADMIN_COMMENT_CHARS,
@@ -93,9 +94,13 @@ def test_runner_timeout_override_only_lowers_and_kills_what_the_command_started(
         Runner(timeout=5)([hang], timeout=0.3)
     assert time.monotonic() - started < 3
     started = time.monotonic()
-    with pytest.raises(CommandFailed, match="timed out after 0.3 s"):
+    with pytest.raises(CommandFailed, match="timed out after 0.3 s") as raised:
         Runner(timeout=0.3)([hang], timeout=60)  # a budget never extends the configured timeout
     assert time.monotonic() - started < 3
+    assert timed_out(str(raised.value))  # what mapa doctor tells from a failure (a busy slurmctld, not a wrong name)
+    with pytest.raises(CommandFailed) as raised:
+        Runner(timeout=5)([script(tmp_path, "echo 'Node dgx9 not found' >&2\nexit 1\n")])
+    assert not timed_out(str(raised.value))
     with pytest.raises(CommandFailed, match="no time left"):
         Runner(timeout=5)(["/bin/echo"], timeout=0)
     time.sleep(0.2)

@@ -470,7 +470,7 @@ def check_agent(inputs: Inputs, mode: str | None) -> Check:
 
 def check_features(inputs: Inputs, config: HookConfig) -> Check:
     from ....core.features import complement_name, feature_name, feature_names
-    from ...text.commands import CommandFailed, parse_active_features, parse_available_features
+    from ...text.commands import CommandFailed, parse_active_features, parse_available_features, timed_out
 
     unread = _config_unread(inputs, "features")
     if unread is not None:
@@ -481,6 +481,10 @@ def check_features(inputs: Inputs, config: HookConfig) -> Check:
     if inputs.fleet_errors:
         return Check("features", FAIL, "[features] fleet: " + "; ".join(inputs.fleet_errors) + ": mapa-agent publishes nothing",
                      "fix the fleet entries of [features] (presets or readable topology files)")
+    if inputs.show_node is None and timed_out(inputs.show_node_error):
+        return Check("features", WARN, f"`scontrol show node {inputs.node}` did not answer ({inputs.show_node_error}): "
+                                       "slurmctld is busy or slow, the node's features were not checked",
+                     "run mapa doctor again; if it stays, see slurmctld's load (`sdiag`) and log")
     if inputs.show_node is None:
         return Check("features", FAIL, f"`scontrol show node {inputs.node}` failed: {inputs.show_node_error}; mapa-agent "
                                        "cannot publish this node's features either", "give --node NAME as slurm.conf names this node")
