@@ -40,7 +40,7 @@ Decisions are cached per (graph, free set, size, shape, model): a node of n GPUs
 free sets, so an agent republishing after every start and end, or the replay at every pass, pays
 each search once.
 
-Owns the node features; imports .effbw, .hardware, .patterns and .search.
+Owns the node features; imports .effbw, .hardware, .patterns, .placement and .search.
 
 >>> from slurm_mapa.hardware.presets import preset
 >>> from slurm_mapa.core.server_models import default_model
@@ -61,6 +61,7 @@ from ..errors import InputError
 from .effbw import EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import SHAPES, make_pattern
+from .placement import preserved_bandwidth
 from .search import best_placement
 
 # One model for every node type, or a function giving each node type's own.
@@ -225,9 +226,7 @@ def node_weight(graph: HardwareGraph, free: Iterable[int] | int, base: int = 0) 
     (1, True)
     """
     mask = _mask(graph, free)
-    bw = graph.bandwidth_matrix()
-    gpus = [g for g in range(graph.size) if mask >> g & 1]
-    return weight_of_preserved(sum(bw[a][b] for i, a in enumerate(gpus) for b in gpus[i + 1:]), base)
+    return weight_of_preserved(preserved_bandwidth(graph, [g for g in range(graph.size) if mask >> g & 1]), base)
 
 
 def weight_of_preserved(preserved: float, base: int = 0) -> int:

@@ -180,6 +180,12 @@ class Cluster:
         self.exec(node, ["sh", "-c", "umask 022 && cat > /etc/slurm/mapa.toml.new && mv /etc/slurm/mapa.toml.new /etc/slurm/mapa.toml"],
                   input=text, check=check)
 
+    def ledger_jobs(self, node: str) -> dict:
+        """The jobs of MAPA's ledger on ``node`` (job id -> its entry: gpus, policy, since, note);
+        {} while the node has no ledger yet."""
+        out = self.exec(node, ["cat", "/var/lib/slurm-mapa/ledger.json"], check=False).stdout
+        return json.loads(out)["jobs"] if out.strip() else {}
+
     def sbatch(self, script_text: str, *args: str, user: str = DEFAULT_USER) -> int:
         """Submit a batch script as ``user`` and return its job id.
 

@@ -54,9 +54,6 @@ def _admin_comment(cluster, jobid: int) -> str:
     return job.get("admin_comment", "") if job else cluster.sacct(jobid, ("AdminComment",))["AdminComment"]
 
 
-def _ledger(cluster, node: str) -> dict:
-    out = cluster.exec(node, ["cat", "/var/lib/slurm-mapa/ledger.json"], check=False).stdout
-    return json.loads(out)["jobs"] if out.strip() else {}
 
 
 def _recorded_decision(cluster, jobid: int, node: str, timeout: float = 90):
@@ -384,9 +381,9 @@ def test_a_prolog_killed_midway_loses_no_gpu(cluster):
 
 def _assert_ledger_empties(cluster, node: str, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
-    while _ledger(cluster, node) and time.monotonic() < deadline:
+    while cluster.ledger_jobs(node) and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = _ledger(cluster, node)
+    left = cluster.ledger_jobs(node)
     log = cluster.exec(node, ["tail", "-n", "15", "/var/log/slurm-mapa.log"], check=False).stdout
     assert left == {}, f"ledger of {node} still holds {left}; log:\n{log}"
 
@@ -662,11 +659,11 @@ def test_a_killed_prolog_shares_its_gpu_with_one_job_and_the_ledger_keeps_it(clu
     # The MAPA job ends; the killed one still runs on the shared GPU, so the ledger keeps it held.
     _release(cluster, partner)
     deadline = time.monotonic() + 30  # COMPLETED comes before the Epilog is done: wait for it too
-    while partner in _live_usage(cluster, node) or str(partner) in _ledger(cluster, node):
+    while partner in _live_usage(cluster, node) or str(partner) in cluster.ledger_jobs(node):
         if time.monotonic() > deadline:
-            raise cluster.Error(f"job {partner} still live or in the ledger {_ledger(cluster, node)} 30 s after it completed")
+            raise cluster.Error(f"job {partner} still live or in the ledger {cluster.ledger_jobs(node)} 30 s after it completed")
         time.sleep(0.3)
-    ledger = _ledger(cluster, node)
+    ledger = cluster.ledger_jobs(node)
     held = {g for entry in ledger.values() for g in entry["gpus"]}
     assert shared <= held, f"GPUs {sorted(shared)} of running job {killed} are free in the ledger {ledger}"
     # A job asking for every GPU Slurm still has free gets them all, none of them the shared one.

@@ -156,7 +156,7 @@ def test_a_fallback_is_counted_as_one(cluster):
             eventually("the fallback counted", lambda: scalar(cluster, fallbacks) == before + 1)
             # The agent reads the same config at scrape time: it cannot tell the node's state then.
             eventually("the state said unreadable", lambda: scalar(cluster, f'mapa_node_state_ok{{node="{node}"}}') == 0)
-        entry = json.loads(cluster.exec(node, ["cat", "/var/lib/slurm-mapa/ledger.json"]).stdout)["jobs"][str(jobid)]
+        entry = cluster.ledger_jobs(node)[str(jobid)]
         assert entry["policy"] == "fallback" and len(entry["gpus"]) == 2, entry
         eventually("the fallback's GPUs held", lambda: scalar(cluster, held) == 2)
     finally:

@@ -12,7 +12,6 @@ and leave other free sets)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
@@ -240,8 +239,7 @@ def _weight(cluster, node: str) -> int:
 
 def _held_gpus(cluster, node: str) -> set[int]:
     """The GPUs the node's ledger holds for jobs."""
-    ledger = cluster.exec(node, ["cat", "/var/lib/slurm-mapa/ledger.json"], check=False).stdout
-    return {gpu for entry in (json.loads(ledger)["jobs"].values() if ledger.strip() else ()) for gpu in entry["gpus"]}
+    return {gpu for entry in cluster.ledger_jobs(node).values() for gpu in entry["gpus"]}
 
 
 def _wait_weight(cluster, node: str, what: str, idle: bool = False) -> int:
