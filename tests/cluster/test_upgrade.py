@@ -18,7 +18,7 @@ import pytest
 from slurm_mapa.slurm.text.decision import parse_decisions
 from slurm_mapa.slurm.admin.doctor import parse_show_config, slurm_values
 from test_mapa import (AGENT_PROCESS, HOLDING_JOB, JOBS_DIR, _admin_comment, _agent_listening, _assert_ledger_empties,
-                       _ensure_agent, _gpu_list, _gpus, _job_file, _ledger, _log_since, _log_size, _release, _slurm_gpus)
+                       _ensure_agent, _gpu_list, _gpus, _job_file, _log_since, _log_size, _release, _slurm_gpus)
 
 pytestmark = pytest.mark.cluster
 
@@ -132,7 +132,7 @@ def test_upgrading_slurm_mapa_keeps_the_running_jobs_and_a_rollback_restores_the
         # The running job kept its GPUs (its per-job file, the ledger) and its record.
         assert _job_file(cluster, NODE, first) == first_gpus
         assert _admin_comment(cluster, first) == first_record
-        ledger = _ledger(cluster, NODE)
+        ledger = cluster.ledger_jobs(NODE)
         assert {jobid: frozenset(entry["gpus"]) for jobid, entry in ledger.items()} == {
             str(first): first_gpus, str(second): second_gpus}, ledger
 
@@ -330,7 +330,7 @@ def test_with_mapa_disabled_a_job_runs_on_slurms_gpus_and_enabling_it_again_brin
         assert job.get("admin_comment") == DIRECTIVE and job.get("comment") == DIRECTIVE, (job.get("admin_comment"), job.get("comment"))
         assert parse_decisions(job["admin_comment"]) == {}
         # Nothing of MAPA's on the node: no ledger entry, per-job file or mark, no log line.
-        assert str(jobid) not in _ledger(cluster, NODE), _ledger(cluster, NODE)
+        assert str(jobid) not in cluster.ledger_jobs(NODE), cluster.ledger_jobs(NODE)
         files = cluster.exec(NODE, ["ls", "-A", JOBS_DIR], check=False).stdout.split()
         assert not {str(jobid), f".prolog-{jobid}", f".ended-{jobid}"} & set(files), files
         assert f"job {jobid} " not in _log_since(cluster, NODE, log_start)
@@ -359,6 +359,6 @@ def test_with_mapa_disabled_a_job_runs_on_slurms_gpus_and_enabling_it_again_brin
     cluster.wait_state(again, "RUNNING")
     gpus = frozenset(_gpus(cluster, again))
     assert frozenset(parse_decisions(_wait_record(cluster, again, NODE))[NODE].gpus) == gpus
-    assert frozenset(_ledger(cluster, NODE)[str(again)]["gpus"]) == gpus
+    assert frozenset(cluster.ledger_jobs(NODE)[str(again)]["gpus"]) == gpus
     _release(cluster, again)
     _assert_ledger_empties(cluster, NODE)
