@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
 import re
 import statistics
 import subprocess
@@ -56,9 +57,9 @@ def container(name: str) -> str:
     return f"{CLUSTER}-{name}"
 
 
-def docker(name: str, *argv: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def docker(name: str, *argv: str, input: str | None = None, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", "exec", "-i", container(name), *argv], input=input, capture_output=True, text=True,
-                          check=check, timeout=300)
+                          check=check, timeout=timeout)
 
 
 def configure(setting: str) -> None:
@@ -224,12 +225,14 @@ def burst(per_node: int) -> dict:
     out = docker(CONTROLLER, "runuser", "-u", "alice", "--", "sh", "-c", loop).stdout
     submitted = {int(job.split(";")[0]): float(t) for job, t in (line.split() for line in out.splitlines())}
     ids = ",".join(map(str, submitted))
-    deadline = time.monotonic() + 600
-    while docker(CONTROLLER, "squeue", "-h", "-j", ids, "-o", "%i", check=False).stdout.strip():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"jobs {ids} were still queued or running 10 minutes after they were submitted")
-        time.sleep(0.2)
-    done = time.time()
+    # Waited for inside the controller's container: a `docker exec` per poll cost the host's two
+    # cores more CPU than the jobs (dockerd, containerd and runc: about 0.1 s per job of a burst).
+    waiting = (f"end=$(( $(date +%s) + 600 )); while [ -n \"$(squeue -h -j {ids} -o %i)\" ]; do "
+               f"[ $(date +%s) -gt $end ] && exit 1; sleep 0.2; done; date +%s.%N")
+    proc = docker(CONTROLLER, "sh", "-c", waiting, check=False, timeout=660)
+    if proc.returncode != 0:
+        raise SystemExit(f"jobs {ids} were still queued or running 10 minutes after they were submitted")
+    done = float(proc.stdout.split()[-1])
     cpu_after = cpu_seconds()
     cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_after if name in cpu_before}
     starts = {}
@@ -246,6 +249,22 @@ def burst(per_node: int) -> dict:
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def waits(runs: list[dict]) -> list[float]:
+    """Submit -> start of every job of ``runs`` (bursts) that started."""
+    return [r["started"][j] - t for r in runs for j, t in r["submitted"].items() if j in r["started"]]
+
+
+def ratio_interval(on: list[dict], off: list[dict], statistic, draws: int = 2000, seed: int = 1) -> tuple[float, float, float]:
+    """``statistic`` of on's waits over off's, and its 90% bootstrap interval: the bursts of each
+    setting drawn again with replacement (a burst is the unit that shares the machine's moment;
+    the jobs of one burst are not independent of each other)."""
+    rng = random.Random(seed)
+    point = statistic(waits(on)) / statistic(waits(off))
+    ratios = sorted(statistic(waits(rng.choices(on, k=len(on)))) / statistic(waits(rng.choices(off, k=len(off))))
+                    for _ in range(draws))
+    return point, ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
 
 
 def main() -> int:
@@ -287,26 +306,29 @@ def main() -> int:
     print("| jobs per node (all nodes) | setting | jobs started | submit->start median s | p90 s | max s "
           "| alloc->start median s | max s | first submit->all done s | CPU ms per job: nodes, slurmctld |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    summary = {}
     for size in sizes:
         for setting in settings:
             runs = results[(setting, size)]
-            wait = [r["started"][j] - t for r in runs for j, t in r["submitted"].items() if j in r["started"]]
+            wait = waits(runs)
             launch = [r["started"][j] - r["allocated"][j] for r in runs for j in r["submitted"] if j in r["started"] and j in r["allocated"]]
             span = [r["done"] - min(r["submitted"].values()) for r in runs]
             total = sum(len(r["submitted"]) for r in runs)
             node_cpu = 1000 * sum(r["cpu"].get(n, 0.0) for r in runs for n in NODES) / total
             ctld_cpu = 1000 * sum(r["cpu"].get(CONTROLLER, 0.0) for r in runs) / total
-            summary[(setting, size)] = (statistics.median(wait), max(wait))
             print(f"| {size} ({size * len(NODES)}) | {setting} | {len(wait)}/{total} | {statistics.median(wait):.2f} | "
                   f"{quantile(wait, 0.9):.2f} | {max(wait):.2f} | {statistics.median(launch):.2f} | {max(launch):.2f} | "
                   + ", ".join(f"{s:.1f}" for s in span) + f" | {node_cpu:.0f}, {ctld_cpu:.0f} |")
     if "off" in settings and "on" in settings:
-        print("\n| jobs per node | on/off median submit->start | on/off slowest |")
-        print("|---|---|---|")
+        print("\n| jobs per node | on/off median submit->start (90% interval) | on/off slowest (90% interval) "
+              "| on/off median, round by round |")
+        print("|---|---|---|---|")
         for size in sizes:
-            on, off = summary[("on", size)], summary[("off", size)]
-            print(f"| {size} | {on[0] / off[0]:.2f}x | {on[1] / off[1]:.2f}x |")
+            on, off = results[("on", size)], results[("off", size)]
+            median = ratio_interval(on, off, statistics.median)
+            slowest = ratio_interval(on, off, max)
+            paired = [statistics.median(waits([a])) / statistics.median(waits([b])) for a, b in zip(on, off)]
+            print(f"| {size} | {median[0]:.2f}x ({median[1]:.2f}-{median[2]:.2f}) | {slowest[0]:.2f}x ({slowest[1]:.2f}-{slowest[2]:.2f}) | "
+                  + ", ".join(f"{r:.2f}" for r in paired) + " |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump({f"{s}/{n}": runs for (s, n), runs in results.items()}, out, indent=1)

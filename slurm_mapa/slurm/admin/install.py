@@ -47,7 +47,9 @@ _MARK_JOB = r"""mark_job() {
     case "$SLURM_JOB_GPUS" in *[!0-9,]*) return 0 ;; esac
     [ -d "$JOBS_DIR" ] && [ ! -h "$JOBS_DIR" ] && [ -O "$JOBS_DIR" ] || return 0
     read -r _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ start _ < /proc/$$/stat || return 0
-    /bin/rm -f "$JOBS_DIR/.ended-$SLURM_JOB_ID"
+    # A requeued job's earlier Epilog said it ended; rm only then (a program start less per job).
+    ended="$JOBS_DIR/.ended-$SLURM_JOB_ID"
+    if [ -e "$ended" ] || [ -h "$ended" ]; then /bin/rm -f "$ended"; fi
     tmp="$JOBS_DIR/.prolog-$SLURM_JOB_ID.$$.tmp"
     sluid=
     case "$SLURM_JOB_SLUID" in s[0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z][0-9A-HJKMNP-TV-Z]) sluid=" sluid=$SLURM_JOB_SLUID" ;; esac

@@ -655,6 +655,9 @@ def test_the_epilog_wrapper_says_the_job_ended_before_any_python_starts(tmp_path
     assert sorted(p.name for p in jobs.iterdir()) == [".ended-42"]
     subprocess.run(["sh", "-c", f"JOBS_DIR={jobs}\n{_MARK_JOB}"], env={"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "1"}, check=True)
     assert sorted(p.name for p in jobs.iterdir()) == [".prolog-42"]
+    (jobs / ".ended-43").symlink_to(tmp_path / "nowhere")  # not made by the wrapper, but gone all the same
+    subprocess.run(["sh", "-c", f"JOBS_DIR={jobs}\n{_MARK_JOB}"], env={"SLURM_JOB_ID": "43", "SLURM_JOB_GPUS": "1"}, check=True)
+    assert sorted(p.name for p in jobs.iterdir()) == [".prolog-42", ".prolog-43"]
 
 
 def test_prologs_without_the_lock_claim_gpus_and_never_take_the_same(tmp_path):
