@@ -23,8 +23,10 @@ jobs would otherwise pay cold caches that a node in service has warm.
 Per job: submit (the loop's clock just before its sbatch), allocation (slurmctld's "Allocate
 JobId=" or backfill's "Started JobId=" log line, docker's timestamp), start (the job's first
 command, `date +%s.%N`). Per burst: first submit to the moment every job has left squeue (its
-Epilog done). Prints Markdown tables: medians and tails of submit -> start and allocation -> start
-per setting and burst size, and their ratios to off.
+Epilog done; polled inside the controller's container). Prints Markdown tables: medians and tails
+of submit -> start and allocation -> start per setting and burst size, and on's ratios to off with
+a 90% bootstrap interval (the bursts of each setting drawn again) and round by round: the machine's
+noise moves a single burst's median by more than MAPA does.
 """
 
 from __future__ import annotations
