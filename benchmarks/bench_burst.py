@@ -229,7 +229,8 @@ def burst(per_node: int) -> dict:
     ids = ",".join(map(str, submitted))
     # Waited for inside the controller's container: a `docker exec` per poll cost the host's two
     # cores more CPU than the jobs (dockerd, containerd and runc: about 0.1 s per job of a burst).
-    waiting = (f"end=$(( $(date +%s) + 600 )); while [ -n \"$(squeue -h -j {ids} -o %i)\" ]; do "
+    # A squeue that fails (slurmctld busy) is asked again, not taken for an empty queue.
+    waiting = (f"end=$(( $(date +%s) + 600 )); while :; do left=$(squeue -h -j {ids} -o %i) && [ -z \"$left\" ] && break; "
                f"[ $(date +%s) -gt $end ] && exit 1; sleep 0.2; done; date +%s.%N")
     proc = docker(CONTROLLER, "sh", "-c", waiting, check=False, timeout=660)
     if proc.returncode != 0:
