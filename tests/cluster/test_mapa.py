@@ -54,8 +54,6 @@ def _admin_comment(cluster, jobid: int) -> str:
     return job.get("admin_comment", "") if job else cluster.sacct(jobid, ("AdminComment",))["AdminComment"]
 
 
-
-
 def _recorded_decision(cluster, jobid: int, node: str, timeout: float = 90):
     """``node``'s decision in job ``jobid``'s AdminComment. mapa-agent writes it after the job
     starts (docs/admin.md, the journal), so it is waited for, as long as a stalled controller may
