@@ -84,19 +84,20 @@ def _ring_rate(graph, gpus):
     return -result.fun
 
 
-def ranks_by_rings(pattern, free):
-    """MAPA's rule for ranking a sensitive job's ties by ring rate (core.ring_choice), restated."""
+def ranks_by_rings(pattern, free, model=None):
+    """MAPA's rule for ranking a sensitive job's ties by ring rate (core.ring_choice), restated:
+    never under a model whose ties are "first" (the paper's, by name)."""
     from slurm_mapa.core.ring_choice import MAX_TIE_SETS
 
-    return (pattern.shape in RING_SHAPES and 3 <= pattern.size <= 8 and pattern.size <= len(free)
+    return (getattr(model, "ties", "rings") != "first" and pattern.shape in RING_SHAPES and 3 <= pattern.size <= 8 and pattern.size <= len(free)
             and comb(len(free), pattern.size) <= MAX_TIE_SETS)
 
 
-def preserve_objective(pattern, free, sensitive):
+def preserve_objective(pattern, free, sensitive, model=None):
     """The objective MAPA's preserve ranks a job by."""
     if not sensitive or pattern.size < 2:
         return "preserved"
-    return "effective-rings" if ranks_by_rings(pattern, free) else "effective"
+    return "effective-rings" if ranks_by_rings(pattern, free, model) else "effective"
 
 
 def all_keys(graph, free, pattern, model):

@@ -10,6 +10,7 @@ import pytest
 
 from slurm_mapa.slurm.agent.service import Agent
 from slurm_mapa.slurm.isolation.isolator import Isolator
+from slurm_mapa.slurm.isolation.rules import v1_task_lines
 
 # A batch task under task/cgroup (ConstrainCores, ConstrainRAMSpace) and proctrack/cgroup, cgroup
 # v1 on a systemd host: the devices line is slurmd's, as ConstrainDevices=no leaves it.
@@ -24,13 +25,35 @@ V1_BATCH = """\
 """
 
 
+# The v1 hierarchies of a systemd host, each mounted at <cgroupfs>/<its controllers>, as
+# /proc/self/mountinfo lists them (name=systemd is systemd's own, which it delegates to users).
+V1_HIERARCHIES = ("devices", "freezer", "memory", "cpuset", "cpu,cpuacct", "name=systemd")
+
+
+def v1_mountinfo(cgroupfs: Path) -> str:
+    return "".join(f"{36 + n} 31 0:{33 + n} / {cgroupfs}/{name} rw - cgroup cgroup rw,{name}\n"
+                   for n, name in enumerate(V1_HIERARCHIES))
+
+
+def slurmd_made(cgroupfs: Path, cgroup_text: str) -> None:
+    """The v1 cgroups slurmd makes for a task whose /proc/PID/cgroup is ``cgroup_text``: its
+    Slurm step directories in each hierarchy the text names (root's, as the test runs as root)."""
+    for line in v1_task_lines(cgroup_text):
+        (cgroupfs / ",".join(line.controllers) / line.cgroup.path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+
+
 class FakeProc:
-    """A /proc with the processes a test lays out: pid -> (name, ppid, uid, cgroup text, exe)."""
+    """A /proc with the processes a test lays out: pid -> (name, ppid, uid, cgroup text, exe).
+    With ``cgroupfs``, each process's Slurm v1 cgroups are made there as slurmd would have
+    (``slurmd=False``: a test lays out the directories itself)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, cgroupfs: Path | None = None):
         self.root = root
+        self.cgroupfs = cgroupfs
 
-    def add(self, pid, name, ppid, uid, cgroup="", exe="/usr/bin/python3", uids=None):
+    def add(self, pid, name, ppid, uid, cgroup="", exe="/usr/bin/python3", uids=None, slurmd=True):
+        if self.cgroupfs is not None and slurmd:
+            slurmd_made(self.cgroupfs, cgroup)
         d = self.root / str(pid)
         d.mkdir(parents=True, exist_ok=True)
         real, effective, saved = uids or (uid, uid, uid)
@@ -71,9 +94,8 @@ def node(tmp_path):
     (cgroupfs / "devices" / "devices.list").write_text("a *:* rwm\n")  # a host's root cgroup
     (cgroupfs / "unified").mkdir()
     mountinfo = tmp_path / "mountinfo"
-    mountinfo.write_text(f"36 31 0:33 / {cgroupfs}/devices rw - cgroup cgroup rw,devices\n"
-                         f"41 31 0:38 / {cgroupfs}/unified rw - cgroup2 cgroup2 rw\n")
-    proc = FakeProc(tmp_path / "proc")
+    mountinfo.write_text(v1_mountinfo(cgroupfs) + f"45 31 0:48 / {cgroupfs}/unified rw - cgroup2 cgroup2 rw\n")
+    proc = FakeProc(tmp_path / "proc", cgroupfs)
     _as_task(proc, V1_BATCH)  # this test as the TaskProlog's client, the TaskProlog, the task before exec
     proc.add(4000, "slurmstepd", 1, 0, "", exe=STEPD)  # the step's slurmstepd
     attached: list[tuple[Path, bytes]] = []
@@ -88,3 +110,19 @@ def node(tmp_path):
 
     configure("fail-open")
     return agent, proc, cgroupfs, attached, configure, tmp_path
+
+
+def systemd_delegated(cgroupfs: Path, hierarchy: str, uid: int, below: str) -> str:
+    """A subtree systemd delegated to ``uid`` in a v1 ``hierarchy`` (user@UID.service with
+    Delegate=yes: the service's cgroup and everything in it belong to the user), with the user's
+    own cgroups ``below`` it (e.g. slurm/uid_U/job_999/step_batch, named like Slurm's); the
+    /proc/PID/cgroup path of the deepest."""
+    service = f"/user.slice/user-{uid}.slice/user@{uid}.service"
+    top = cgroupfs / hierarchy / service.lstrip("/")
+    (top / below).mkdir(parents=True, exist_ok=True)
+    path = top
+    os.chown(path, uid, uid)
+    for part in Path(below).parts:
+        path = path / part
+        os.chown(path, uid, uid)
+    return f"{service}/{below}"

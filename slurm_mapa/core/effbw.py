@@ -48,6 +48,7 @@ from .ring_packing import max_ring_rate
 _PRODUCT = r"x[0-9]+(?:\*x[0-9]+)*"
 _TERM = re.compile(rf"^(?:(?P<product>{_PRODUCT})|1/\((?P<inverse>{_PRODUCT})\+1\))$")
 MODEL_KINDS = ("regression", "bottleneck")
+MODEL_TIES = ("rings", "first")
 _SELECTOR = re.compile(r"^(?:NV(?P<ge>>=)?(?P<n>[1-9][0-9]?)|NVS(?:>=(?P<sn>[1-9][0-9]?))?|PCIE|PIX|PXB|PHB|NODE|SYS)$")
 
 
@@ -80,6 +81,10 @@ class EffectiveBandwidthModel:
     fitted_edges: tuple[int, int] | None = None  # edge counts (sum of the class counts) it was fitted on
     fitted_links: tuple[tuple[str, float], ...] = ()  # link classes and GB/s it was fitted on ("PCIE": any level)
     basis: str = ""  # where its numbers come from: "fitted", "published" or "derived" ("": not stated)
+    # How Preserve chooses among a sensitive ring job's sets the model prices equal: "rings" (the
+    # set whose links carry the most rings, .ring_choice) or "first" (the first maximum in
+    # candidate order, as the paper's reference implementation chooses: its model by name).
+    ties: str = "rings"
 
     @property
     def derived(self) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InputError, toml_text
-from .effbw import _SELECTOR, _TERM, MODEL_KINDS, EffectiveBandwidthModel, LinkBoundModel, Term
+from .effbw import _SELECTOR, _TERM, MODEL_KINDS, MODEL_TIES, EffectiveBandwidthModel, LinkBoundModel, Term
 from .links import PCIE_LEVELS
 
 
@@ -37,6 +37,7 @@ def model_from_dict(data: Mapping[str, Any], *, source: str = "model") -> Effect
         "fitted_edges": _fitted_range(data.get("fitted_edges"), source, "fitted_edges", "edge counts"),
         "fitted_links": _fitted_links(data.get("fitted_links"), source),
         "basis": _basis(data.get("basis"), source),
+        "ties": _ties(data.get("ties"), source),
     }
     if kind == "bottleneck":
         model = _bottleneck_from_dict(data, classes, source=source)
@@ -110,6 +111,15 @@ def _basis(value: Any, source: str) -> str:
         return ""
     if value not in MODEL_BASES:
         raise InputError(f"{source}: basis must be one of {', '.join(MODEL_BASES)} (how its numbers were obtained), got {toml_text(value)}")
+    return str(value)
+
+
+def _ties(value: Any, source: str) -> str:
+    if value is None:
+        return "rings"
+    if value not in MODEL_TIES:
+        raise InputError(f"{source}: ties must be \"rings\" (among sets priced equal, the one whose links carry the most "
+                         f"rings) or \"first\" (the first found, as the paper's reference implementation), got {toml_text(value)}")
     return str(value)
 
 
@@ -189,6 +199,8 @@ def model_to_toml(model: EffectiveBandwidthModel, *, comments: tuple[str, ...] =
         lines.append(f"kind = {_toml_string(model.kind)}")
     if model.basis:
         lines.append(f"basis = {_toml_string(model.basis)}")
+    if model.ties != "rings":
+        lines.append(f"ties = {_toml_string(model.ties)}")
     if model.fitted_gpus is not None:
         lines.append(f"fitted_gpus = [{model.fitted_gpus[0]}, {model.fitted_gpus[1]}]")
     if model.fitted_edges is not None:

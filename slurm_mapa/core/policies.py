@@ -71,7 +71,7 @@ def preserve(
     found = best_placement(graph, free, request.pattern, objective, model, limit)
     if found is None:
         return NoFit("preserve", request, free)
-    if objective == "effective" and found.gap is None and ranks_by_rings(request.pattern, free):
+    if objective == "effective" and found.gap is None and ranks_by_rings(request.pattern, free, model):
         # Among the sets the model ranks equal, the one whose links carry the most rings (.ring_choice).
         return Allocation(policy="preserve", placement=best_by_rings(graph, free, request.pattern, model, found, limit),
                           objective=RING_OBJECTIVE)

@@ -37,11 +37,12 @@ from .search_limit import SearchLimit
 MAX_TIE_SETS = 256
 
 
-def ranks_by_rings(pattern: Pattern, free: tuple[int, ...]) -> bool:
-    """Whether a sensitive job of ``pattern`` on ``free`` is ranked by ring rate among its ties."""
+def ranks_by_rings(pattern: Pattern, free: tuple[int, ...], model: EffectiveBandwidthModel | None = None) -> bool:
+    """Whether a sensitive job of ``pattern`` on ``free`` is ranked by ring rate among its ties: not
+    under a model whose ``ties`` are "first" (the paper's by name keeps the paper's own choice)."""
     k = pattern.size
-    return (pattern.shape in RING_PACKED_SHAPES and 3 <= k <= MAX_PACKED_GPUS and k <= len(free)
-            and comb(len(free), k) <= MAX_TIE_SETS)
+    return (getattr(model, "ties", "rings") == "rings" and pattern.shape in RING_PACKED_SHAPES and 3 <= k <= MAX_PACKED_GPUS
+            and k <= len(free) and comb(len(free), k) <= MAX_TIE_SETS)
 
 
 def with_ring_rate(graph: HardwareGraph, placement: Placement) -> Placement:

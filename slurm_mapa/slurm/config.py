@@ -18,7 +18,7 @@
     dcgm_job_mapping_dir = "/run/dcgm-job-mapping"   # none by default: which job uses each GPU, for dcgm-exporter
 
     [metrics]                                  # mapa-agent's Prometheus endpoint (agent/metrics.py); off by default
-    listen = "127.0.0.1:9786"                  # HOST:PORT, [IPv6]:PORT, or "" (off)
+    listen = "127.0.0.1:9786"                  # HOST:PORT, [IPv6]:PORT, PORT (on 127.0.0.1), or "" (off)
 
     [preserve_ahead]                           # only for policy = "preserve-ahead"
     sizes = { 1 = 0.2, 2 = 0.2, 3 = 0.2, 4 = 0.2, 5 = 0.2 }   # GPUs -> weight (default: the paper's)
@@ -374,12 +374,13 @@ WEIGHT_BASE_MAX = 2_000_000_000  # with MAPA's part (below 2^27 for 64 GPUs) sti
 
 
 _METRICS_ACCEPTED = ('a table with one key, listen = "HOST:PORT" (an IPv4 address or host name, or [IPv6], and a port '
-                     '1-65535; e.g. "127.0.0.1:9786") or "" (off)')
+                     '1-65535; e.g. "127.0.0.1:9786"), "PORT" (on 127.0.0.1) or "" (off)')
+METRICS_DEFAULT_HOST = "127.0.0.1"  # a bare port listens on loopback only: the endpoint has no authentication
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]")
 
 
 def _metrics_table(table: Any, source: str) -> tuple[str, int] | None:
-    """``[metrics]``: listen = "HOST:PORT" -> (host, port); "" -> None (off)."""
+    """``[metrics]``: listen = "HOST:PORT" -> (host, port); "PORT" -> (127.0.0.1, port); "" -> None (off)."""
     if not isinstance(table, dict) or set(table) - {"listen"}:
         raise InputError(f"{source}: [metrics] takes {_METRICS_ACCEPTED}; got {toml_text(table)[:80]}")
     listen = table.get("listen", "")
@@ -388,10 +389,19 @@ def _metrics_table(table: Any, source: str) -> tuple[str, int] | None:
     if listen == "":
         return None
     host, colon, port = listen.rpartition(":")
-    if not colon or not _HOST.fullmatch(host) or not port.isascii() or not port.isdigit() or len(port) > 5 \
-            or not 1 <= int(port) <= 65535:
-        raise InputError(f"{source}: [metrics] listen {listen[:80]!r} is not HOST:PORT; accepted: {_METRICS_ACCEPTED}")
-    return (host[1:-1] if host.startswith("[") else host), int(port)
+    if not colon:
+        host = METRICS_DEFAULT_HOST
+    number = _port_number(port)
+    if not _HOST.fullmatch(host) or number is None:
+        raise InputError(f"{source}: [metrics] listen {listen[:80]!r} is not HOST:PORT or PORT; accepted: {_METRICS_ACCEPTED}")
+    return (host[1:-1] if host.startswith("[") else host), number
+
+
+def _port_number(text: str) -> int | None:
+    """``text`` as a TCP port 1-65535 (ASCII digits only), or None."""
+    if not text.isascii() or not text.isdigit() or len(text) > 5 or not 1 <= int(text) <= 65535:
+        return None
+    return int(text)
 
 
 # A config is a few lines; bounding the read keeps a huge or endless file from stalling every hook.

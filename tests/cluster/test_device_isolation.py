@@ -177,12 +177,14 @@ def test_the_spank_plugin_isolates_a_task_whose_taskprolog_never_asks(cluster):
     makes the TaskProlog skip its request), every task still opens only its step's GPUs, because
     spank_mapa_isolate.so asked mapa-agent as root before the task dropped to the user."""
     node = "dgx1"
-    cluster.exec(node, ["chmod", "700", "/run/slurm-mapa-isolate"])  # the job's user cannot connect any more
+    # The job's user cannot connect any more (a socket takes write permission to connect); the
+    # agent's task records beside it stay readable, as the TaskProlog trusts only those.
+    cluster.exec(node, ["chmod", "600", "/run/slurm-mapa-isolate/isolate.sock"])
     try:
         jobid = _submit(cluster, 3, "yes", node)
         out = _wait_output(cluster, jobid, "batch smi")
         opens, gpus, cvd, uuids, state = _seen(out, "batch")
-        assert state == "cgroup-v1", out  # what the plugin set, as the TaskProlog got no answer
+        assert state == "cgroup-v1", out  # from the agent's record of the plugin's request, as the TaskProlog got no answer
         assert opens == {gpu: ("ENXIO" if gpu in gpus else "EPERM") for gpu in range(8)}, out
         assert [uuids[int(rank)] for rank in cvd.split(",")] == [fake_uuid("dgx1-v100", gpu) for gpu in gpus], out
         cluster.run("touch", f"{cluster.job_dir}/go-{jobid}")
@@ -197,7 +199,7 @@ def test_the_spank_plugin_isolates_a_task_whose_taskprolog_never_asks(cluster):
         assert step_cvd == "0" and step_uuids[0] == fake_uuid("dgx1-v100", paired)
         cluster.wait_state(jobid, "COMPLETED", timeout=60)
     finally:
-        cluster.exec(node, ["chmod", "755", "/run/slurm-mapa-isolate"], check=False)
+        cluster.exec(node, ["chmod", "666", "/run/slurm-mapa-isolate/isolate.sock"], check=False)
 
 
 # A 4-GPU job whose 2-GPU step (its own step cgroup below the job's) runs across a restart of the
@@ -248,3 +250,85 @@ def test_an_agent_restart_while_a_step_runs_leaves_every_later_step_isolated(clu
     assert {g for g, e in _seen(out, "batch-after")[0].items() if e == "ENXIO"} == set(job_gpus), (out, log)
     assert "failed-open" not in out, (out, log)
     cluster.wait_state(jobid, "COMPLETED", timeout=60)
+
+
+# Security round 5. The attacker's own --task-prolog (run as alice in the task, before exec, after
+# the SPANK plugin and the site's TaskProlog isolated it) moves the task into a cgroup of its own
+# below its step in Slurm's hierarchies (lines the agent once ignored), and into cgroups named like
+# the victim's job in subtrees "systemd delegated" to alice (name=systemd and memory, made by the
+# test as root and owned by alice, as user@2001.service's are on a v1 host); then it asks the
+# isolate socket again, and the task probes what it may open.
+ATTACK_PROLOG = """#!/bin/sh
+task=$PPID
+while IFS=: read -r id controllers path; do
+    case "$path" in */slurm*/uid_*/job_*/step_*) ;; *) continue ;; esac
+    [ "$controllers" = memory ] && continue
+    step=/slurm${path#*/slurm}
+    step=${step%%/task_*}
+    dir=/sys/fs/cgroup/$controllers$step/mine
+    # Slurm 24.11 and earlier hand a v1 step's directory to the job's user; 26.05 keeps it root's.
+    mkdir "$dir" 2>/dev/null || { echo "print attack: slurm's step is not mine: $dir"; continue; }
+    if [ "$controllers" = cpuset ]; then
+        cat "${dir%/mine}/cpuset.cpus" > "$dir/cpuset.cpus"; cat "${dir%/mine}/cpuset.mems" > "$dir/cpuset.mems"
+    fi
+    echo $task > "$dir/cgroup.procs" || echo "print attack: could not move into $dir"
+done < /proc/$task/cgroup
+for forged in {forged}; do echo $task > "$forged/cgroup.procs" || echo "print attack: could not move into $forged"; done
+while IFS= read -r line; do echo "print cgroup $line"; done < /proc/$task/cgroup
+client=$(sed -n 's/^MAPA_CLIENT=//p' /usr/local/sbin/mapa-taskprolog)
+answer=$(SLURM_JOB_ID={victim} /usr/bin/python3 -I -S "$client" isolate /run/slurm-mapa-isolate/isolate.sock < /dev/null 2>&1)
+echo "print answer $(echo $answer)"
+"""
+ATTACK_JOB = """#!/bin/bash
+#SBATCH --gres=gpu:2
+#MAPA topology=ring sensitive=yes
+cat > /shared/jobs/probe-$SLURM_JOB_ID.sh <<'PROBE'
+{probe}
+PROBE
+cat > /shared/jobs/attack-$SLURM_JOB_ID.sh <<'ATTACK'
+{attack}
+ATTACK
+chmod 755 /shared/jobs/attack-$SLURM_JOB_ID.sh
+srun --gres=gpu:2 -n1 --task-prolog=/shared/jobs/attack-$SLURM_JOB_ID.sh bash /shared/jobs/probe-$SLURM_JOB_ID.sh attack
+"""
+
+
+def test_a_users_forged_systemd_cgroups_and_own_step_subcgroups_keep_it_in_its_own_jobs_gpus(cluster):
+    node = "dgx1"
+    victim = cluster.sbatch("#!/bin/bash\n#SBATCH --gres=gpu:2\n#MAPA topology=ring sensitive=yes\nsleep 300\n", "-w", node,
+                            user="bob")
+    cluster.wait_state(victim, "RUNNING", timeout=60)
+    systemd_mount = "/run/mapa-test-systemd"
+    # systemd's own hierarchy, writable (Docker mounts it read-only), with alice's delegated subtree
+    # in it and in the memory hierarchy: what a login session of alice's gives her on such a host.
+    cluster.exec(node, ["sh", "-c", f"mkdir -p {systemd_mount} && (mountpoint -q {systemd_mount} || "
+                                    f"mount -t cgroup -o none,name=systemd cgroup {systemd_mount})"])
+    own = cluster.exec(node, ["sh", "-c", "sed -n 's/^[0-9]*:name=systemd://p' /proc/self/cgroup"]).stdout.strip()
+    service = "user.slice/user-2001.slice/user@2001.service"
+    services = [f"{systemd_mount}{own.rstrip('/')}/{service}", f"/sys/fs/cgroup/memory/{service}"]
+    forged = [f"{top}/slurm/uid_2001/job_{victim}/step_batch" for top in services]
+    attacker = None
+    try:
+        for top, path in zip(services, forged):
+            cluster.exec(node, ["sh", "-c", f"mkdir -p '{path}' && chown -R alice: '{top}'"])
+        attack = ATTACK_PROLOG.replace("{forged}", " ".join(forged)).replace("{victim}", str(victim))
+        attacker = cluster.sbatch(ATTACK_JOB.format(probe=PROBE.strip(), attack=attack.strip()), "-w", node)
+        out = _wait_output(cluster, attacker, "attack smi")
+        assert "attack: could not" not in out, out  # every move was made: the attack really happened
+        assert re.search(rf"^cgroup \d+:name=systemd:.*/user@2001\.service/slurm/uid_2001/job_{victim}/step_batch$", out, re.M), out
+        for hierarchy in ("freezer", "cpuset"):  # below its own step, where Slurm lets the user make cgroups
+            assert (f"slurm's step is not mine: /sys/fs/cgroup/{hierarchy}/" in out
+                    or re.search(rf"^cgroup \d+:{hierarchy}:.*/slurm[^/]*/uid_2001/job_{attacker}/step_0/mine$", out, re.M)), out
+        mine = parse_decisions(cluster.job(attacker).get("admin_comment", ""))[node].gpus
+        theirs = parse_decisions(cluster.job(victim).get("admin_comment", ""))[node].gpus
+        assert mine and theirs and not set(mine) & set(theirs)
+        assert _seen(out, "attack")[0] == {gpu: ("ENXIO" if gpu in mine else "EPERM") for gpu in range(8)}, out
+        cluster.wait_state(attacker, "COMPLETED", timeout=60)
+        assert "isolation=" not in cluster.job(victim).get("admin_comment", "")  # nothing noted into the victim's record
+    finally:
+        cluster.run("scancel", str(victim), *([str(attacker)] if attacker is not None else []))
+        # The cgroups the attack made below the attacker's steps keep Slurm from removing them.
+        cleanup = "".join(f"find {top} -depth -type d -exec rmdir {{}} + ; " for top in services)
+        if attacker is not None:
+            cleanup += f"find /sys/fs/cgroup/*/slurm/uid_2001/job_{attacker} -depth -type d -exec rmdir {{}} + ; "
+        cluster.exec(node, ["sh", "-c", cleanup + f"umount {systemd_mount}; true"], check=False)

@@ -224,7 +224,7 @@ def test_the_rule_matches_brute_force_on_every_free_set(name):
         for free in combinations(range(graph.size), free_size):
             for k in range(1, min(4, free_size) + 1):
                 for sensitive in (True, False):
-                    objective = preserve_objective(make_pattern("ring", k), free, sensitive)
+                    objective = preserve_objective(make_pattern("ring", k), free, sensitive, MODEL)
                     request = Request(make_pattern("ring", k), sensitive)
                     everywhere = brute(free, k)[objective]
                     for job_cpus in JOB_CPUS[name]:

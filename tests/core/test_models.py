@@ -327,3 +327,35 @@ def test_the_replay_table_marks_runs_with_figures_outside_the_fitted_range():
     assert summary["extrapolated"] is True and summary["extrapolated_predictions"] == 1
     assert summary["by_gpus"]["8"]["extrapolated"] is True and summary["by_gpus"]["4"]["extrapolated"] is False
     assert report.summary(plain)["extrapolated"] is False
+
+
+def test_the_paper_model_by_name_keeps_the_papers_choice_among_equals():
+    """Issue 49: by its name the paper's model gives the paper's Preserve, tie-breaking included
+    (the first maximum in candidate order), not the ring-rate tie-break the other models use."""
+    from dataclasses import replace
+
+    from slurm_mapa.core.search import best_placement
+
+    paper = paper_model()
+    others = [bundled_model(name) for name in bundled_model_names() if name != paper.name]
+    assert paper.ties == "first" and all(getattr(model, "ties", "rings") == "rings" for model in others)
+    graph = preset("dgx1-v100")
+    differ = 0
+    for free in ((0, 1, 2, 3, 4, 5), (0, 1, 2, 3, 4, 6), tuple(range(8)), (1, 2, 3, 5, 6, 7)):
+        for k in (3, 4, 5):
+            pattern = make_pattern("ring", k)
+            chosen = select("preserve", graph, free, Request(pattern, True), paper)
+            first = best_placement(graph, free, pattern, "effective", paper)
+            assert chosen.objective == "effective" and chosen.gpus == first.gpus
+            by_rings = select("preserve", graph, free, Request(pattern, True), replace(paper, ties="rings"))
+            differ += by_rings.gpus != first.gpus
+    assert differ  # the two rules do choose differently on these sets
+
+
+def test_a_models_ties_are_read_written_and_checked():
+    text = 'ties = "first"\n[classes]\nx1 = ["PCIE"]\n[terms]\nx1 = 1.0\n'
+    model = load_model_text(text, source="m")
+    assert model.ties == "first" and load_model_text(model_to_toml(model), source="m").ties == "first"
+    assert load_model_text(text.replace('ties = "first"\n', ""), source="m").ties == "rings"
+    with pytest.raises(InputError, match=r'm: ties must be "rings" .* or "first" .* got "random"'):
+        load_model_text(text.replace('"first"', '"random"'), source="m")

@@ -13,11 +13,19 @@
  * a step of no GPUs). The agent isolates the step to MAPA's GPUs for those, and remembers them
  * for the TaskPrologs of the step's tasks. The user cannot skip this hook, so the step's GPUs are
  * enforced whatever the job's environment; a user's own SLURM_STEP_GPUS can at most name GPUs of
- * the same job. The TaskProlog still asks too (as the user) and exports what each task uses; the
- * agent applies each cgroup once. The state the agent answers (cgroup-v1, cgroup-v2, off,
- * failed-open) goes into the task's MAPA_SPANK_ISOLATION, and the GPUs the task may open into
- * MAPA_SPANK_GPUS, which the TaskProlog reads (when its own request gets no answer) and unsets,
- * so that a job submitted from the task does not inherit them.
+ * the same job. The TaskProlog (as the user) exports what each task uses.
+ *
+ * What the TaskProlog trusts: when the agent has isolated the task for this request, it writes,
+ * before answering, a record of the task process in a directory only root can write
+ * (<isolate socket's directory>/tasks/<pid>: job, step, the process's start time, state, GPUs;
+ * slurm/isolation/task_records.py). The TaskProlog, a child of this process, believes that record
+ * only, checked against its own job, step and its parent's start time; then, under isolation_scope
+ * "step", it makes no request of its own. The state the agent answers (cgroup-v1, cgroup-v2, off,
+ * failed-open) still goes into the task's MAPA_SPANK_ISOLATION, and the GPUs the task may open
+ * into MAPA_SPANK_GPUS, but a user can set both in the environment srun and sbatch pass on, so
+ * they decide nothing: the TaskProlog unsets them (a job submitted from the task must not inherit
+ * them) and, when MAPA_SPANK_ISOLATION claims isolation that no record backs, makes its own
+ * request and says so to the agent, which logs it.
  *
  * plugstack.conf:
  *     optional /usr/local/lib/slurm-mapa/spank_mapa_isolate.so [fail-open|fail-closed] [socket=PATH] [timeout_ms=N]

@@ -102,7 +102,7 @@ def explain_job(config: HookConfig, admin_comment: str) -> list[dict[str, Any]]:
             objective = "effective" if request.sensitive and request.gpus > 1 else "preserved"
             if decision.policy == "greedy":
                 objective = "aggregated"
-            elif objective == "effective" and decision.policy == "preserve" and ranks_by_rings(request.pattern, tuple(decision.free)):
+            elif objective == "effective" and decision.policy == "preserve" and ranks_by_rings(request.pattern, tuple(decision.free), model):
                 objective, chosen = RING_OBJECTIVE, with_ring_rate(graph, chosen)  # the ring-rate tie-break (core.ring_choice)
             allocation = Allocation(policy=decision.policy, placement=chosen, objective=objective)
             entry["alternatives"] = [

@@ -175,6 +175,12 @@ class Background:
                 self.agent.sweep_isolation()
             except Exception as error:  # noqa: BLE001 - the next pass tries again
                 self.agent.log_errors(f"mapa-agent: isolation sweep failed: {error}")
+            try:
+                # The SPANK plugin's task records whose process is gone (a job whose Epilog ran
+                # while no agent did, a task killed before its job ended).
+                self.agent.sweep_task_records()
+            except Exception as error:  # noqa: BLE001 - the next pass tries again
+                self.agent.log_errors(f"mapa-agent: removing the records of ended tasks failed: {error}")
             self.stop.wait(MIN_RECONCILE_GAP_S)  # however often tasks ask: one squeue a second at most
             self.reconcile_soon.wait(interval * random.uniform(0.75, 1.25))
 

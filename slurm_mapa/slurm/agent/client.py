@@ -54,8 +54,10 @@ ISOLATE = "isolate"
 PING = "ping"  # root only, no payload: "done ping" from a live agent, nothing run or logged (mapa doctor)
 # The job id is only checked against the task's cgroup; the step's GPUs narrow within the job.
 # MAPA_STEP_ENV=1: sent by the SPANK plugin (root) with the step's SLURM_STEP_GPUS, or without it
-# for a step of no GPUs; believed only from root.
-ISOLATE_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_GPUS", "MAPA_STEP_ENV")
+# for a step of no GPUs; believed only from root. MAPA_SPANK_CLAIM=1: sent by a TaskProlog whose
+# environment says the SPANK plugin isolated the task while no record of the agent's says so
+# (isolation/task_records.py); it decides nothing, the agent logs it.
+ISOLATE_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_GPUS", "MAPA_STEP_ENV", "MAPA_SPANK_CLAIM")
 ISOLATE_TIMEOUT_S = 10.0  # the task waits this long at most, retries included; isolation takes milliseconds
 BUSY = "error busy"
 # Busy is asked again after a pause that doubles from the first to the most (as in the SPANK plugin).

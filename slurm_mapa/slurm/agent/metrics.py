@@ -29,7 +29,9 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, Mapping
+
+from .peer_owner import peer_of_connection
 
 if TYPE_CHECKING:
     from ...core.hardware import HardwareGraph
@@ -283,7 +285,8 @@ class AgentMetrics:
     def serve(self, host: str, port: int) -> Any:
         """Serve the metrics on http://HOST:PORT/metrics from a daemon thread; the server (OSError
         when the address cannot be bound). The server is bounded (MetricsServer): idle or slow
-        connections cannot exhaust the agent's threads or descriptors."""
+        connections cannot exhaust the agent's threads or descriptors, and one user's cannot keep
+        the others' scrapes out."""
         import prometheus_client
 
         if hasattr(prometheus_client, "disable_created_metrics"):
@@ -294,14 +297,19 @@ class AgentMetrics:
 
 
 # The metrics endpoint is reachable by any local user (and whoever the firewall lets in): each
-# connection gets a thread only while fewer than METRICS_MAX_CONNECTIONS are open, and is closed
-# METRICS_CONNECTION_DEADLINE_S after it was accepted whatever it sends (a scrape takes
-# milliseconds). Past the limit a connection is closed at once: a flood costs its sender the
-# metrics, never the agent its descriptors (systemd's default LimitNOFILE is 1,024) or threads.
-METRICS_MAX_CONNECTIONS = 8
+# connection gets a thread only while fewer than METRICS_MAX_CONNECTIONS are open and its peer (a
+# local user, or a remote address) holds fewer than METRICS_MAX_PER_PEER of them, so one user
+# holding connections open cannot keep Prometheus (another peer) out. Past either bound a
+# connection is closed at once: a flood costs its sender the metrics, never the agent its
+# descriptors (systemd's default LimitNOFILE is 1,024) or threads. A connection whose request line
+# has not arrived METRICS_REQUEST_LINE_DEADLINE_S after it was accepted is closed, and every one
+# METRICS_CONNECTION_DEADLINE_S after it was accepted whatever it sends (a scrape takes milliseconds).
+METRICS_MAX_CONNECTIONS = 16
+METRICS_MAX_PER_PEER = 2
+METRICS_REQUEST_LINE_DEADLINE_S = 2.0
 METRICS_CONNECTION_DEADLINE_S = 5.0
 METRICS_MAX_REQUEST_LINE = 1024
-
+METRICS_WATCHDOG_S = 0.25  # serve_forever's poll: the deadlines are enforced at least this often
 
 class _MetricsHandler(http.server.BaseHTTPRequestHandler):
     server: "MetricsServer"
@@ -328,6 +336,8 @@ class _MetricsHandler(http.server.BaseHTTPRequestHandler):
         if len(self.raw_requestline) > METRICS_MAX_REQUEST_LINE:
             self.close_connection = True
             return
+        if self.raw_requestline.endswith(b"\n"):
+            self.server.request_line_read(self.request)
         if not self.raw_requestline or not self.parse_request():
             self.close_connection = True
             return
@@ -341,33 +351,83 @@ class _MetricsHandler(http.server.BaseHTTPRequestHandler):
         pass  # a scrape every 30 s must not fill root's log
 
 
+@dataclass
+class OpenConnection:
+    """A connection being handled, as the watchdog and the bounds see it."""
+
+    accepted: float  # time.monotonic()
+    request: socket.socket
+    peer: Hashable
+    request_line_read: bool = False
+
+
+def overdue(connection: OpenConnection, now: float, request_line_deadline: float, deadline: float) -> bool:
+    """Whether the watchdog closes ``connection``: its request line is late, or its time is up."""
+    age = now - connection.accepted
+    return age > deadline or (not connection.request_line_read and age > request_line_deadline)
+
+
 class MetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    """GET /metrics, with at most ``max_connections`` open and each closed ``deadline`` seconds
-    after it was accepted (a watchdog shuts its socket down, which ends a blocked read)."""
+    """GET /metrics, with at most ``max_connections`` open, at most ``max_per_peer`` of them from
+    one peer (``peer_of(client_address, local_address)``: by default the uid owning a loopback
+    peer's socket, else its address; see :func:`peer_of_connection`), each closed when its request
+    line has not come ``request_line_deadline`` seconds after it was accepted, and ``deadline``
+    seconds after it was accepted whatever it sent (a watchdog shuts its socket down, which ends a
+    blocked read)."""
 
     daemon_threads = True
     allow_reuse_address = True
-    request_queue_size = 16
+    # A backlog a flood's connections pass through quickly (each is closed on arrival): a scrape's
+    # connection waits its turn there rather than being dropped and retried a second later.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], exposition: Callable[[], bytes],
-                 max_connections: int = METRICS_MAX_CONNECTIONS, deadline: float = METRICS_CONNECTION_DEADLINE_S) -> None:
+                 max_connections: int = METRICS_MAX_CONNECTIONS, deadline: float = METRICS_CONNECTION_DEADLINE_S,
+                 max_per_peer: int = METRICS_MAX_PER_PEER, request_line_deadline: float = METRICS_REQUEST_LINE_DEADLINE_S,
+                 peer_of: Callable[[Any, Any], Hashable] = peer_of_connection) -> None:
         host = address[0]
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.exposition = exposition
-        self.max_connections, self.deadline = max_connections, deadline
+        self.max_connections, self.max_per_peer, self.deadline = max_connections, max_per_peer, deadline
+        self.request_line_deadline = min(request_line_deadline, deadline)
+        self.peer_of = peer_of
         self.open_lock = threading.Lock()
-        self.open: dict[int, tuple[float, socket.socket]] = {}
+        self.open: dict[int, OpenConnection] = {}
         self.turned_away = 0
         super().__init__(address, _MetricsHandler)
-        self.timeout = min(1.0, deadline)  # serve_forever's poll: the watchdog runs at least this often
+        self.timeout = min(METRICS_WATCHDOG_S, deadline)
+
+    def peer(self, request: Any, client_address: Any) -> Hashable:
+        """Who ``request`` is from; its raw address when that cannot be said (never raises)."""
+        try:
+            return self.peer_of(client_address, request.getsockname())
+        except Exception:  # noqa: BLE001 - a strange address or table: bounded like any other peer
+            return "address", str(client_address[0] if isinstance(client_address, tuple) and client_address else client_address)
+
+    def full(self, peer: Hashable | None = None) -> bool:
+        """Whether a new connection (from ``peer``) would pass a bound. Called under open_lock."""
+        if len(self.open) >= self.max_connections:
+            return True
+        return peer is not None and sum(1 for c in self.open.values() if c.peer == peer) >= self.max_per_peer
+
+    def turn_away(self, request: Any) -> None:
+        self.turned_away += 1
+        self.shutdown_request(request)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self.open_lock:
-            if len(self.open) >= self.max_connections:
-                self.turned_away += 1
-                self.shutdown_request(request)
-                return
-            self.open[id(request)] = (time.monotonic(), request)
+            full = self.full()
+        if full:  # no lookup for a connection that cannot be taken anyway
+            self.turn_away(request)
+            return
+        peer = self.peer(request, client_address)
+        with self.open_lock:  # (only this thread adds: the bounds still hold)
+            full = self.full(peer)
+            if not full:
+                self.open[id(request)] = OpenConnection(time.monotonic(), request, peer)
+        if full:
+            self.turn_away(request)
+            return
         try:
             request.settimeout(self.deadline)
             super().process_request(request, client_address)
@@ -384,14 +444,24 @@ class MetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
             with self.open_lock:
                 self.open.pop(id(request), None)
 
+    def request_line_read(self, request: Any) -> None:
+        """The handler has the request line: the connection now runs to its whole deadline."""
+        with self.open_lock:
+            connection = self.open.get(id(request))
+            if connection is not None:
+                connection.request_line_read = True
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a client that timed out or went away: nothing for root's stderr
 
+    def serve_forever(self, poll_interval: float = METRICS_WATCHDOG_S) -> None:
+        super().serve_forever(poll_interval)
+
     def service_actions(self) -> None:
-        """Between accepts: shut down connections past their deadline (their threads then end)."""
+        """Between accepts: shut down connections past a deadline (their threads then end)."""
         now = time.monotonic()
         with self.open_lock:
-            late = [request for started, request in self.open.values() if now - started > self.deadline]
+            late = [c.request for c in self.open.values() if overdue(c, now, self.request_line_deadline, self.deadline)]
         for request in late:
             try:
                 request.shutdown(socket.SHUT_RDWR)

@@ -45,6 +45,7 @@ from ..hooks.epilog import epilog_failing_open
 from ..hooks.prolog import prolog_failing_open
 from ..isolation.isolator import Isolator, effective_mode, job_devices_for
 from ..isolation.rules import IsolationError
+from ..isolation.task_records import TaskRecords, parse_gpus, tasks_dir_of
 
 MAX_ENDED_JOBS = 4096  # the Epilogs remembered (has_ended): far more than a records loop lags behind
 
@@ -62,6 +63,7 @@ class Agent:
         node: str | None = None,
         isolator: Isolator | None = None,
         metrics: "AgentMetrics | None" = None,
+        task_records: TaskRecords | None = None,
     ) -> None:
         self.config_path = config_path
         self.node = node or os.uname().nodename.split(".")[0]
@@ -74,6 +76,9 @@ class Agent:
         self.make_runner = metrics.instrument(run) if metrics is not None else run  # tests give a fake Slurm here
         self.background: Background | None = None  # started by main(); tests drive it directly
         self.public_log = LogLimiter()  # failures of the public socket's requests, per uid
+        # Root's word to the TaskProlog that the SPANK plugin's request isolated a task (main()
+        # keeps them beside the isolate socket; None: none written, every TaskProlog asks itself).
+        self.task_records = task_records
         # Jobs whose Epilog this agent ran: slurmctld takes no AdminComment update of a finished job,
         # so a record still waiting for one is not sent (a burst of short jobs; docs/benchmarks.md).
         self._ended: dict[str, None] = {}
@@ -96,6 +101,7 @@ class Agent:
                                 still_wanted=still_wanted, defer=defer, requester_pid=requester_pid)
         else:
             epilog_failing_open(env, config_env, " (in mapa-agent)")
+            self._remove_task_records(job_id)
             if job_id.isdigit() and len(job_id) <= 20:
                 with self._ended_lock:
                     self._ended[job_id] = None
@@ -120,6 +126,11 @@ class Agent:
         log = hook_logger(config.log)
         if problem:
             log(f"isolation: not applied, the config is unusable ({problem})")
+        if uid != 0 and env.get("MAPA_SPANK_CLAIM") == "1":
+            # The task's environment said the SPANK plugin had isolated it, but no record of ours
+            # says so: a user's own MAPA_SPANK_ISOLATION (or an earlier release's plugin).
+            self.public_log.say(("claim", uid), f"isolation: task of process {pid} (uid {uid}) claimed SPANK isolation "
+                                "that the agent did not record", log)
         mode, _ = effective_mode(config, self.node)
         if mode == "off":
             return "done off"
@@ -144,11 +155,39 @@ class Agent:
                     self.isolated.clear()
                 self.isolated.add((outcome.job_id, outcome.step, asker))
                 log(f"isolation: {outcome.state}: {outcome.detail} (asked by {asker})")
+            if uid == 0 and env.get("MAPA_STEP_ENV") == "1":
+                self._record_task(pid, outcome.job_id, outcome.step, outcome.state, outcome.detail, log)
             return f"done {outcome.state} {outcome.detail}"
         answer = self._isolation_failed(mode, self._limited(log, uid) if public else log, reason, pid, uid)
         if job_id is not None:
             self.note_isolation(config, log, job_id, "refused" if answer.startswith("error") else "failed-open", reason)
         return answer
+
+    def _record_task(self, pid: int, job_id: str, step: str, state: str, detail: str, log: Callable[[str], None]) -> None:
+        """Tell the task's TaskProlog, through a file only root can write, that the SPANK plugin's
+        request isolated it (its own request would get the same answer under isolation_scope
+        "step"). The plugin asks from the task process itself, so ``pid`` is the task's. Only this
+        release's plugin (MAPA_STEP_ENV=1) names the step's GPUs; an earlier one's task asks itself."""
+        gpus = parse_gpus(detail)
+        if self.task_records is None or not state.startswith("cgroup-") or gpus is None:
+            return
+        try:
+            self.task_records.write(pid, job_id, step, state, gpus)
+        except (OSError, ValueError, MapaError) as error:  # its TaskProlog then asks for itself
+            self.public_log.say(("task records",), f"isolation: could not record task {pid} of job {job_id} in "
+                                f"{self.task_records.directory} ({error}); its TaskProlog asks the agent itself", log)
+
+    def _remove_task_records(self, job_id: str) -> None:
+        """At the job's end (its Epilog): its tasks' records go."""
+        if self.task_records is not None and job_id.isdigit():
+            try:
+                self.task_records.remove_job(job_id)
+            except Exception as error:  # noqa: BLE001 - the periodic pass removes them once their tasks are gone
+                self.log_errors(f"mapa-agent: could not remove the task records of job {job_id[:20]}: {error}")
+
+    def sweep_task_records(self) -> int:
+        """Remove the records of task processes that are gone (Background's periodic pass)."""
+        return self.task_records.remove_gone() if self.task_records is not None else 0
 
     def note_isolation(self, config: HookConfig, log: Callable[[str], None], job_id: str, state: str, reason: str) -> None:
         """Journal a note for the job's AdminComment (its first failure on this node only: every
@@ -202,28 +241,21 @@ class Agent:
 
     def job_of(self, pid: int, uid: int | None = None) -> str | None:
         """The Slurm job whose task cgroup process ``pid`` (of ``uid``) is in, None if none: the
-        public socket's cheap first check, before a thread or a log line is spent on it. It
-        applies the isolator's checks on the path itself, so that nobody is charged to another
-        job's share: a v1 path of another uid, a v2 job cgroup a user owns (a subtree systemd
-        delegated to them, named like a job's)."""
-        from ..isolation.cgroups import check_v2_job_cgroup_owner, read_proc_cgroup
-        from ..isolation.rules import IsolationError, cgroup_mounts, parse_proc_cgroup
+        public socket's cheap first check, before a thread or a log line is spent on it. It reads
+        the cgroups as the isolator does (cgroups.slurm_cgroup_of: only cgroups slurmd made), so
+        that nobody is charged to another job's share: a v1 path of another uid, a v1 or v2 job
+        cgroup a user owns (a subtree systemd delegated to them, named like a job's)."""
+        from ..isolation.cgroups import read_mounts, read_proc_cgroup, slurm_cgroup_of
+        from ..isolation.rules import IsolationError
 
         try:
-            cgroup = parse_proc_cgroup(read_proc_cgroup(self.isolator.proc, pid))
-        except OSError:
+            cgroup = slurm_cgroup_of(read_proc_cgroup(self.isolator.proc, pid), read_mounts(self.isolator.mountinfo))
+        except (OSError, IsolationError):
             return None
         if cgroup is None:
             return None
         if cgroup.version == 1 and uid not in (None, 0) and cgroup.uid not in (None, uid):
             return None
-        if cgroup.version == 2:
-            try:
-                _, unified = cgroup_mounts(self.isolator.mountinfo.read_text())
-                if unified is not None:
-                    check_v2_job_cgroup_owner(Path(unified), cgroup)
-            except (OSError, IsolationError):
-                return None
         return cgroup.job_id or cgroup.sluid
 
     @staticmethod
@@ -339,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("mapa-agent: must run as root, like the Prolog it replaces", file=sys.stderr)
         return 2
-    agent = Agent(args.config, node=args.node, metrics=start_metrics(args.config, args.node))
+    agent = Agent(args.config, node=args.node, metrics=start_metrics(args.config, args.node),
+                  task_records=TaskRecords(tasks_dir_of(args.isolate_socket)))
     try:
         agent.warm_up(args.node)
     except Exception as error:  # noqa: BLE001 - a cold cache is only slower

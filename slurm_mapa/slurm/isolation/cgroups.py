@@ -13,8 +13,9 @@ from typing import Callable, Sequence
 
 from .. import trusted_files as trusted
 from .bpf import attach_device_program, device_program
-from .rules import (SLURM_V2_PATH, DenyRange, IsolationError, ProcessInfo, SlurmCgroup, cgroup_hierarchies, cgroup_mounts,
-                    parse_proc_cgroup, parse_status, v1_rule_lines)
+from .rules import (SLURM_V2_PATH, CgroupMount, DenyRange, IsolationError, ProcessInfo, SlurmCgroup, V1TaskLine,
+                    cgroup_hierarchies, cgroup_mount_entries, cgroup_mounts, parse_status, v1_mount_of, v1_rule_lines,
+                    v1_task_lines, v1_task_of, v2_task_of)
 
 
 MAX_ANCESTORS = 8  # the client, the TaskProlog's shell (and a few more if a site wraps it), the task
@@ -59,7 +60,7 @@ def _is_slurmstepd(proc: Path, info: ProcessInfo, binary_problem: Callable[[Path
     return info.name == "slurmstepd" and binary_problem(proc / str(info.pid) / "exe") is None
 
 
-def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
+def find_task_process(proc: Path, peer_pid: int, peer_uid: int, mounts: Sequence[CgroupMount],
                       binary_problem: Callable[[Path], str | None] = slurmstepd_binary_problem) -> tuple[ProcessInfo, SlurmCgroup]:
     """The task process a TaskProlog runs for (the nearest ancestor of ``peer_pid`` that is a
     slurmstepd running as ``peer_uid``, child of a slurmstepd running as root) and its Slurm cgroup.
@@ -68,7 +69,7 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
     from it before exec (src/slurmd/slurmstepd/mgr.c:2337-2365, task.c:450-456). No user can make
     a root slurmstepd the parent of a process of theirs, so a fake task (a copied slurmstepd, in a
     cgroup subtree systemd delegated to the user) fails here. IsolationError otherwise: the caller
-    is no TaskProlog, or its task is in no Slurm job cgroup.
+    is no TaskProlog, or its task is in no Slurm job cgroup (slurm_cgroup_of, on ``mounts``).
     """
     pid = peer_pid
     for _ in range(MAX_ANCESTORS):
@@ -102,11 +103,70 @@ def find_task_process(proc: Path, peer_pid: int, peer_uid: int,
         text = read_proc_cgroup(proc, info.pid)
     except OSError as error:
         raise IsolationError(f"cannot read /proc/{info.pid}/cgroup: {error}") from None
-    cgroup = parse_proc_cgroup(text)
+    cgroup = slurm_cgroup_of(text, mounts)
     if cgroup is None:
         raise IsolationError(f"task {info.pid} is in no Slurm job cgroup (Slurm needs proctrack/cgroup or task/cgroup "
                              f"for isolation); /proc/{info.pid}/cgroup: {text.strip()[:300]!r}")
     return info, cgroup
+
+
+def root_owned_up_to(directory: Path, top: Path) -> str | None:
+    """Why ``directory`` or a directory above it up to ``top`` (a mount point) is not root's, or
+    None when all are: slurmd makes a job's cgroups as root, while a subtree systemd delegates to a
+    user (user@UID.service, Delegate=) belongs to that user, who can name cgroups there like
+    Slurm's."""
+    while True:
+        try:
+            owner = os.lstat(directory).st_uid
+        except OSError as error:
+            return f"cannot inspect the cgroup {directory}: {error.strerror}"
+        if owner != 0:
+            return f"the cgroup {directory} belongs to uid {owner}, not root: no Slurm job's cgroup"
+        if directory == top or directory == directory.parent:
+            return None
+        directory = directory.parent
+
+
+def v1_line_problem(line: V1TaskLine, mounts: Sequence[CgroupMount]) -> str | None:
+    """Why a v1 line naming a Slurm task is not one slurmd made, or None: its hierarchy must be
+    mounted here and its ``job_J`` directory, and all above it, root's."""
+    found = v1_mount_of(line.controllers, mounts, line.job_path)
+    if found is None:
+        return f"no mounted {','.join(line.controllers)} hierarchy here shows {line.job_path[:200]!r}"
+    mount, directory = found
+    return root_owned_up_to(Path(directory), Path(mount.point))
+
+
+def slurm_cgroup_of(text: str, mounts: Sequence[CgroupMount]) -> SlurmCgroup | None:
+    """The Slurm task a /proc/PID/cgroup ``text`` puts its process in, read as Slurm defines it, or
+    None when it names none; IsolationError when it names one only through cgroups slurmd did not
+    make. v1: only the hierarchies Slurm's plugin uses, only lines whose job directory and
+    everything above it belong to root (v1_line_problem), the freezer's line deciding (rules.
+    v1_task_of). v2: Slurm's layout, the job's cgroup and everything above it root's."""
+    lines = v1_task_lines(text)
+    if lines:
+        problems = [(line, v1_line_problem(line, mounts)) for line in lines]
+        slurms = [line for line, problem in problems if problem is None]
+        if not slurms:
+            raise IsolationError(f"the Slurm-named v1 cgroups of the process are none of slurmd's: {problems[0][1]}")
+        cgroup = v1_task_of(slurms)
+        if cgroup is None:
+            raise IsolationError("the process is in the v1 cgroups of more than one Slurm task: "
+                                 + ", ".join(sorted({line.cgroup.path[:120] for line in slurms})))
+        return cgroup
+    cgroup = v2_task_of(text)
+    unified = next((mount for mount in mounts if mount.version == 2), None)
+    if cgroup is not None and unified is not None:
+        check_v2_job_cgroup_owner(Path(unified.point), cgroup)
+    return cgroup
+
+
+def read_mounts(mountinfo: Path) -> list[CgroupMount]:
+    """The cgroup mounts of a mountinfo file; IsolationError if it cannot be read."""
+    try:
+        return cgroup_mount_entries(mountinfo.read_bytes()[:_PROC_FILE_LIMIT * 16].decode("utf-8", "replace"))
+    except OSError as error:
+        raise IsolationError(f"cannot read {mountinfo}: {error}") from None
 
 
 def jobs_with_cgroups(mountinfo: Path = Path("/proc/self/mountinfo"), older_than_s: float = 10.0,
@@ -157,20 +217,12 @@ def _v2_job_dir(cgroup2_root: Path, cgroup: SlurmCgroup) -> tuple[re.Match, Path
 
 
 def check_v2_job_cgroup_owner(cgroup2_root: Path, cgroup: SlurmCgroup) -> None:
-    """IsolationError unless the task's ``job_J`` cgroup and every cgroup above it belong to root:
-    Slurm creates them as root, while a subtree systemd delegates to a user (user@UID.service)
-    belongs to that user, who could name cgroups there like Slurm's."""
+    """IsolationError unless the task's ``job_J`` cgroup and every cgroup above it belong to root
+    (root_owned_up_to)."""
     _, directory = _v2_job_dir(cgroup2_root, cgroup)
-    while True:
-        try:
-            owner = os.lstat(directory).st_uid
-        except OSError as error:
-            raise IsolationError(f"cannot inspect the cgroup {directory}: {error.strerror}") from None
-        if owner != 0:
-            raise IsolationError(f"the cgroup {directory} belongs to uid {owner}, not root: no Slurm job's cgroup")
-        if directory == cgroup2_root or directory == directory.parent:
-            return
-        directory = directory.parent
+    problem = root_owned_up_to(directory, cgroup2_root)
+    if problem is not None:
+        raise IsolationError(problem)
 
 
 def _write(path: Path, line: str) -> None:

@@ -42,10 +42,10 @@ from typing import Callable, Mapping
 
 from ...errors import MapaError
 from .bpf import attach_device_program
-from .cgroups import (apply_v1, apply_v2, check_v2_job_cgroup_owner, find_task_process, read_proc_cgroup, read_process,
-                      slurmstepd_binary_problem, v1_directories, v1_minors_allowed_in)
-from .rules import (RENDER_MINORS, IsolationError, ProcessInfo, SlurmCgroup, cgroup_mounts, device_rules, devices_cgroup_path,
-                    gpus_of_step, is_numbered_step, mapa_job_cgroup_level, parse_proc_cgroup)
+from .cgroups import (apply_v1, apply_v2, find_task_process, read_mounts, read_proc_cgroup, read_process,
+                      slurm_cgroup_of, slurmstepd_binary_problem, v1_directories, v1_minors_allowed_in)
+from .rules import (RENDER_MINORS, IsolationError, ProcessInfo, SlurmCgroup, device_rules, devices_cgroup_path, devices_root,
+                    gpus_of_step, is_numbered_step, mapa_job_cgroup_level, mount_points)
 
 
 @dataclass(frozen=True)
@@ -93,15 +93,11 @@ class Isolator:
         says why it could not. ``job_devices``: the job's GPUs and their device numbers, for a job
         id. ``scope``: "step" (every task of a step opens all of the step's GPUs, as CUDA/ROCm IPC
         between ranks needs) or "task" (each task its own, from its TaskProlog's request)."""
-        task, cgroup = find_task_process(self.proc, peer_pid, peer_uid, self.binary_problem)
+        all_mounts = read_mounts(self.mountinfo)
+        task, cgroup = find_task_process(self.proc, peer_pid, peer_uid, all_mounts, self.binary_problem)
         if peer_uid != 0 and cgroup.uid is not None and cgroup.uid != peer_uid:
             raise IsolationError(f"task {task.pid} of uid {peer_uid} is in {cgroup.path!r}, a cgroup of uid {cgroup.uid}'s jobs")
-        try:
-            mounts = cgroup_mounts(self.mountinfo.read_text())
-        except OSError as error:
-            raise IsolationError(f"cannot read {self.mountinfo}: {error}") from None
-        if cgroup.version == 2 and mounts[1] is not None:
-            check_v2_job_cgroup_owner(Path(mounts[1]), cgroup)
+        mounts = mount_points(all_mounts)
         if cgroup.sluid:  # Slurm 26.05: the kernel names the job by its SLUID; the Prolog's mark maps it
             job_id = job_of_sluid(cgroup.sluid)
             if job_id is None:
@@ -109,14 +105,15 @@ class Isolator:
                                      "(its Prolog did not run on this node, or Slurm gave it no SLURM_JOB_SLUID)")
             cgroup = dataclasses.replace(cgroup, job_id=job_id)
         try:
-            return self._isolate_task(task, cgroup, request, job_devices, mounts, scope, from_root=peer_uid == 0)
+            return self._isolate_task(task, cgroup, request, job_devices, mounts, scope, from_root=peer_uid == 0,
+                                      devices_root=devices_root(all_mounts))
         except IsolationError as error:
             error.job_id = cgroup.job_id  # known from here on: the agent records the failure in the job's AdminComment
             raise
 
     def _isolate_task(self, task: ProcessInfo, cgroup: SlurmCgroup, request: Mapping[str, str],
                       job_devices: Callable[[str], JobDevices], mounts: tuple[str | None, str | None],
-                      scope: str, from_root: bool) -> Outcome:
+                      scope: str, from_root: bool, devices_root: str = "/") -> Outcome:
         claimed = request.get("SLURM_JOB_ID")
         if claimed is not None and claimed != cgroup.job_id:
             raise IsolationError(f"the request says job {claimed!r}, but task {task.pid} is in job {cgroup.job_id}'s cgroup")
@@ -157,7 +154,7 @@ class Isolator:
                 if "task" in rules and cgroup.task is None:
                     raise IsolationError(f"task {task.pid}'s v1 cgroups name no task level: no per-task isolation")
                 held = self._v1_narrower_already(Path(mounts[0]), task.pid, cgroup, devices,
-                                                 2 if "task" in rules else 1 if "step" in rules else 0, openable)
+                                                 2 if "task" in rules else 1 if "step" in rules else 0, openable, devices_root)
                 if held is not None:
                     where, kept = held
                     kept_text = ",".join(map(str, kept)) or "none"
@@ -189,11 +186,13 @@ class Isolator:
         how many processes were moved. cgroup v1 only: on v2 nothing tells whether a job's cgroup
         has the program (a re-attach on every pass would pile programs up)."""
         try:
-            devices, _ = cgroup_mounts(self.mountinfo.read_text())
-        except OSError:
+            all_mounts = read_mounts(self.mountinfo)
+        except IsolationError:
             return {}
+        devices, _ = mount_points(all_mounts)
         if devices is None:
             return {}
+        root = devices_root(all_mounts)
         moved: dict[str, int] = {}
         rules_of: dict[str, object] = {}
         try:
@@ -203,12 +202,13 @@ class Isolator:
         for pid in pids:
             try:
                 text = read_proc_cgroup(self.proc, pid)
-                cgroup = parse_proc_cgroup(text)
-                if cgroup is None or cgroup.version != 1 or mapa_job_cgroup_level(devices_cgroup_path(text), cgroup.job_id):
+                cgroup = slurm_cgroup_of(text, all_mounts)
+                if cgroup is None or cgroup.version != 1 or mapa_job_cgroup_level(devices_cgroup_path(text), cgroup.job_id,
+                                                                                   devices_root=root):
                     continue
                 info = read_process(self.proc, pid)
-            except (OSError, ValueError):
-                continue  # gone meanwhile
+            except (OSError, ValueError, IsolationError):
+                continue  # gone meanwhile, or in no cgroup slurmd made: no Slurm task
             if info.uids[0] == 0 or cgroup.uid != info.uids[0]:
                 continue
             if cgroup.job_id not in rules_of:
@@ -229,7 +229,7 @@ class Isolator:
         return moved
 
     def _v1_narrower_already(self, devices_root: Path, pid: int, cgroup: SlurmCgroup, devices: JobDevices,
-                             target_depth: int, asked: tuple[int, ...]) -> tuple[Path, tuple[int, ...]] | None:
+                             target_depth: int, asked: tuple[int, ...], mounted_root: str = "/") -> tuple[Path, tuple[int, ...]] | None:
         """Where task ``pid`` already is, and what it may open there, when that is a MAPA cgroup of
         its own job and step deeper than the request's (0 job, 1 step, 2 task); else None. A task
         is never moved up: a second request from the same task (a user's own --task-prolog after
@@ -238,7 +238,8 @@ class Isolator:
         cgroup, else from what this agent configured there, else (a default-allow cgroup after a
         restart: the kernel does not list it) the request's own set is named, the task staying put."""
         try:
-            level = mapa_job_cgroup_level(devices_cgroup_path(read_proc_cgroup(self.proc, pid)), cgroup.job_id)
+            level = mapa_job_cgroup_level(devices_cgroup_path(read_proc_cgroup(self.proc, pid)), cgroup.job_id,
+                                          devices_root=mounted_root)
         except OSError:
             return None
         if level is None or (level[0] is not None and level[0] != cgroup.step):

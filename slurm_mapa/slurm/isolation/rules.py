@@ -28,13 +28,18 @@ _STEP = r"(?P<step>[0-9]+(?:\+[0-9]+)?|batch|extern|interactive)"
 # The directory above uid_U is Slurm's own: "slurm", or "slurm_<node>" with MULTIPLE_SLURMD
 # (xcgroup.c's prepend); on v2 the job's parent is slurmstepd's scope, "slurmstepd.scope" or
 # "<node>_slurmstepd.scope" (cgroup_v2.c). A directory of another name is no Slurm job's.
-_V1_PATH = re.compile(r"(?P<base>(?P<above>(?:.*/)?)slurm(?:_[^/]+)?/uid_(?P<uid>[0-9]+)/job_(?P<job>[0-9]+)/step_" + _STEP
-                      + r")(?:/task_(?P<task>[0-9]+))?")
+_V1_PATH = re.compile(r"(?P<above>(?:.*?/)?)(?P<base>slurm(?:_[^/]+)?/uid_(?P<uid>[0-9]+)/job_(?P<job>[0-9]+)/step_" + _STEP
+                      + r")(?:/task_(?P<task>[0-9]+))?(?P<below>/.*)?")
 # Above Slurm's top directory there is only the host's own layout (a container's /docker/<id>,
 # nothing on a bare host). Slurm hands a v1 step's directory to the job's user, who may create
-# cgroups in it named like Slurm's (…/step_0/slurm/uid_V/job_999/step_batch) and move their own
-# task there: a path with any Slurm level above its Slurm top directory is nobody's task path.
+# cgroups in it (…/step_0/slurm/uid_V/job_999/step_batch) and move their own task there: the
+# outermost Slurm path names the job, and what lies below a step is still that step's.
 _SLURM_LEVEL = re.compile(r"(?:^|/)(?:slurm(?:_[^/]+)?|uid_[0-9]+|job_[0-9]+|step_[^/]*|task_[^/]*)(?:/|$)")
+# The v1 hierarchies Slurm's cgroup plugin uses (src/plugins/cgroup/v1/cgroup_v1.c, g_cg_name:
+# freezer for proctrack/cgroup, cpuset, memory and devices for task/cgroup, cpuacct for
+# jobacct_gather/cgroup). Never a named hierarchy (systemd's name=systemd), which systemd hands
+# to each logged-in user under user@UID.service (Delegate=yes), nor pids, blkio and the rest.
+SLURM_V1_CONTROLLERS = frozenset({"freezer", "cpuset", "memory", "devices", "cpuacct"})
 # v2, also <scope>/job_J/step_S/slurm: slurmstepd's own cgroup, where a forked task still is when
 # the SPANK plugin asks (before the parent places it, mgr.c:2414-2439).
 # From Slurm 26.05 the v2 job directory is the job's SLUID (cgroup_v2.c; cgroup.conf
@@ -65,36 +70,82 @@ class SlurmCgroup:
     uid: int | None = None  # v1: the job's user, from Slurm's uid_U level (v2 paths name none)
 
 
-def parse_proc_cgroup(text: str) -> SlurmCgroup | None:
-    """The Slurm job and step of a /proc/PID/cgroup text, or None if no line is a Slurm task's.
+@dataclass(frozen=True)
+class V1TaskLine:
+    """One /proc/PID/cgroup line of a Slurm v1 hierarchy that names a Slurm task path: the
+    hierarchy's controllers, the task it names, and the path of its ``job_J`` directory (which
+    slurmd creates as root; the step below it belongs to the job's user)."""
 
-    v1 lines (``N:controllers:/slurm/uid_U/job_J/step_S/task_T``) win over the v2 line: on a
-    hybrid host Slurm uses v1 and the ``0::`` line is systemd's. v1 lines that disagree on the
-    job or step give None (a process of one job is in one job's cgroups).
-    """
-    v1: list[SlurmCgroup] = []
-    v2: SlurmCgroup | None = None
+    controllers: tuple[str, ...]
+    cgroup: SlurmCgroup
+    job_path: str
+
+
+def _cgroup_lines(text: str) -> list[tuple[str, tuple[str, ...], str]]:
+    """(hierarchy id, controllers, path) of each well-formed /proc/PID/cgroup line."""
+    lines = []
     for line in text.splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, sep, path = rest.partition(":")
-        if not sep or not hierarchy.isdigit():
-            continue
-        if hierarchy == "0" and controllers == "":
-            match = SLURM_V2_PATH.fullmatch(path)
-            if match:
-                v2 = SlurmCgroup(2, match["job"] or "", match["step"], match["task"], path, match["sluid"] or "")
+        if sep and hierarchy.isdigit():
+            lines.append((hierarchy, tuple(controllers.split(",")) if controllers else (), path))
+    return lines
+
+
+def v1_task_lines(text: str) -> list[V1TaskLine]:
+    """The lines of a /proc/PID/cgroup text that put the process in a Slurm task's v1 cgroups, in
+    the hierarchies Slurm's plugin uses only (SLURM_V1_CONTROLLERS). A path below a step (a cgroup
+    the job's user made in the step directory Slurm handed them) is that step's; a path with a
+    Slurm level above its outermost Slurm directory is nobody's. Which of these lines slurmd
+    really made is for the caller to check (cgroups.slurm_cgroup_of: job_J owned by root)."""
+    found = []
+    for hierarchy, controllers, path in _cgroup_lines(text):
+        if hierarchy == "0" or not set(controllers) & SLURM_V1_CONTROLLERS:
             continue
         match = _V1_PATH.fullmatch(path)
-        if match:
-            if _SLURM_LEVEL.search(match["above"]):
-                return None  # a cgroup a user made inside their own job's: see _SLURM_LEVEL
-            v1.append(SlurmCgroup(1, match["job"], match["step"], match["task"], match["base"], uid=int(match["uid"])))
-    if v1:
-        if len({(c.job_id, c.step, c.uid) for c in v1}) != 1:
-            return None
-        with_task = [c for c in v1 if c.task is not None]
-        return with_task[0] if with_task else v1[0]
-    return v2
+        if match is None or _SLURM_LEVEL.search(match["above"]) or ".." in path.split("/"):
+            continue
+        step_path = match["above"] + match["base"]
+        cgroup = SlurmCgroup(1, match["job"], match["step"], match["task"], step_path, uid=int(match["uid"]))
+        found.append(V1TaskLine(controllers, cgroup, step_path.rsplit("/step_", 1)[0]))
+    return found
+
+
+def v1_task_of(lines: Sequence[V1TaskLine]) -> SlurmCgroup | None:
+    """The one Slurm task the v1 ``lines`` (each checked as Slurm's) put a process in, or None.
+    Slurm's own word on which job a process belongs to is its process tracking: the freezer
+    hierarchy's line (proctrack/cgroup) wins where there is one; without it the lines must agree."""
+    if not lines:
+        return None
+    tracked = [line.cgroup for line in lines if "freezer" in line.controllers]
+    if len({(c.job_id, c.step, c.uid) for c in tracked}) > 1:
+        return None
+    chosen = tracked[0] if tracked else lines[0].cgroup
+    same = [line.cgroup for line in lines if (line.cgroup.job_id, line.cgroup.step, line.cgroup.uid)
+            == (chosen.job_id, chosen.step, chosen.uid)]
+    if not tracked and len(same) != len(lines):
+        return None
+    with_task = [c for c in same if c.task is not None]
+    return with_task[0] if with_task else chosen
+
+
+def v2_task_of(text: str) -> SlurmCgroup | None:
+    """The Slurm task the ``0::`` line of a /proc/PID/cgroup text names, or None."""
+    for hierarchy, controllers, path in _cgroup_lines(text):
+        if hierarchy == "0" and not controllers:
+            match = SLURM_V2_PATH.fullmatch(path)
+            if match:
+                return SlurmCgroup(2, match["job"] or "", match["step"], match["task"], path, match["sluid"] or "")
+    return None
+
+
+def parse_proc_cgroup(text: str) -> SlurmCgroup | None:
+    """The Slurm job and step of a /proc/PID/cgroup text, or None if no line is a Slurm task's,
+    from the text alone (what the kernel wrote; whether slurmd made those cgroups is
+    cgroups.slurm_cgroup_of's question). v1 lines win over the v2 line: on a hybrid host Slurm
+    uses v1 and the ``0::`` line is systemd's."""
+    lines = v1_task_lines(text)
+    return v1_task_of(lines) if lines else v2_task_of(text)
 
 
 def devices_cgroup_path(text: str) -> str | None:
@@ -107,11 +158,29 @@ def devices_cgroup_path(text: str) -> str | None:
     return None
 
 
-def mapa_job_cgroup_level(devices_path: str | None, job_id: str, base: str = "mapa") -> tuple[str | None, str | None] | None:
+def mapa_job_cgroup_level(devices_path: str | None, job_id: str, base: str = "mapa",
+                          devices_root: str = "/") -> tuple[str | None, str | None] | None:
     """Where a v1 devices path sits among job ``job_id``'s MAPA cgroups: (step, task), each None
-    above its level ((None, None): the job's own), or None when it is in none of them."""
-    match = re.search(rf"/{re.escape(base)}/job_{re.escape(job_id)}(?:/step_([^/]+)(?:/task_([0-9]+))?)?(?:/|$)", devices_path or "")
+    above its level ((None, None): the job's own), or None when it is in none of them. Only the
+    agent's own directories count, right under the devices hierarchy's mounted root
+    (``devices_root``, a container's /docker/<id>): a directory of the same name in a subtree a
+    user was delegated is not one."""
+    relative = path_below(devices_path or "", devices_root)
+    match = re.fullmatch(rf"/{re.escape(base)}/job_{re.escape(job_id)}(?:/step_([^/]+)(?:/task_([0-9]+))?)?", relative or "")
     return (match[1], match[2]) if match else None
+
+
+def path_below(path: str, root: str) -> str | None:
+    """``path`` (a /proc/PID/cgroup path) relative to a mount's ``root`` within its hierarchy, as an
+    absolute path under the mount point; None if it lies outside (or has a ".." component)."""
+    if ".." in path.split("/") or not path.startswith("/"):
+        return None
+    if root in ("", "/"):
+        return path
+    root = root.rstrip("/")
+    if path == root:
+        return "/"
+    return path[len(root):] if path.startswith(root + "/") else None
 
 
 @dataclass(frozen=True)
@@ -136,25 +205,67 @@ def parse_status(pid: int, text: str) -> ProcessInfo:
         raise ValueError(f"/proc/{pid}/status lacks Name, PPid or Uid") from None
 
 
-def cgroup_hierarchies(mountinfo: str) -> list[tuple[int, str, tuple[str, ...]]]:
-    """(version, mount point, v1 controllers) of every cgroup hierarchy in a mountinfo text (v1:
-    one per mount)."""
+@dataclass(frozen=True)
+class CgroupMount:
+    """A cgroup file system mounted here, from /proc/self/mountinfo."""
+
+    version: int  # 1 or 2
+    point: str  # where it is mounted
+    root: str  # the directory of the hierarchy mounted there ("/", or a container's /docker/<id>)
+    options: tuple[str, ...]  # v1: its super options (controllers, name=..., rw)
+
+
+def _unescape_mountinfo(field: str) -> str:
+    """mountinfo writes a space, tab, newline or backslash in a path as a backslash and 3 octal digits."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match[1], 8)), field)
+
+
+def cgroup_mount_entries(mountinfo: str) -> list[CgroupMount]:
+    """Every cgroup (v1) and cgroup2 mount of a mountinfo text, in its order."""
     found = []
     for line in mountinfo.splitlines():
         before, sep, after = line.partition(" - ")
         fields, tail = before.split(), after.split()
         if sep and len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
             version = 1 if tail[0] == "cgroup" else 2
-            found.append((version, fields[4], tuple(tail[2].split(",")) if version == 1 else ()))
+            found.append(CgroupMount(version, _unescape_mountinfo(fields[4]), _unescape_mountinfo(fields[3]),
+                                     tuple(tail[2].split(",")) if version == 1 else ()))
     return found
+
+
+def cgroup_hierarchies(mountinfo: str) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(version, mount point, v1 controllers) of every cgroup hierarchy in a mountinfo text (v1:
+    one per mount)."""
+    return [(mount.version, mount.point, mount.options) for mount in cgroup_mount_entries(mountinfo)]
+
+
+def v1_mount_of(controllers: Sequence[str], mounts: Sequence[CgroupMount], path: str) -> tuple[CgroupMount, str] | None:
+    """The v1 mount of the hierarchy a /proc/PID/cgroup line's ``controllers`` name that shows
+    ``path``, and the path's directory there; None if none does."""
+    for mount in mounts:
+        if mount.version == 1 and controllers and set(controllers) <= set(mount.options):
+            relative = path_below(path, mount.root)
+            if relative is not None:
+                return mount, mount.point.rstrip("/") + relative
+    return None
 
 
 def cgroup_mounts(mountinfo: str) -> tuple[str | None, str | None]:
     """(the v1 devices hierarchy's mount point, the cgroup2 mount point) of a mountinfo text."""
-    hierarchies = cgroup_hierarchies(mountinfo)
-    devices = next((root for version, root, controllers in hierarchies if version == 1 and "devices" in controllers), None)
-    unified = next((root for version, root, _ in hierarchies if version == 2), None)
+    return mount_points(cgroup_mount_entries(mountinfo))
+
+
+def mount_points(mounts: Sequence[CgroupMount]) -> tuple[str | None, str | None]:
+    """(the v1 devices hierarchy's mount point, the cgroup2 mount point), None where not mounted."""
+    devices = next((mount.point for mount in mounts if mount.version == 1 and "devices" in mount.options), None)
+    unified = next((mount.point for mount in mounts if mount.version == 2), None)
     return devices, unified
+
+
+def devices_root(mounts: Sequence[CgroupMount]) -> str:
+    """The directory of the v1 devices hierarchy mounted here ("/" on a host, /docker/<id> in a
+    container): /proc/PID/cgroup paths of that hierarchy start with it."""
+    return next((mount.root for mount in mounts if mount.version == 1 and "devices" in mount.options), "/")
 
 
 def slurm_gpu_list(text: str | None) -> tuple[int, ...] | None:

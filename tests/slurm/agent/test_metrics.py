@@ -369,14 +369,18 @@ def test_start_metrics_reads_the_config_and_says_why_not(tmp_path, capsys, monke
     ('[metrics]\nlisten = "0.0.0.0:9786"', ("0.0.0.0", 9786)),
     ('[metrics]\nlisten = "[::1]:9786"', ("::1", 9786)),
     ('[metrics]\nlisten = "dgx1.example.org:80"', ("dgx1.example.org", 80)),
+    ('[metrics]\nlisten = "9786"', ("127.0.0.1", 9786)),  # a bare port: loopback
 ])
 def test_the_metrics_key(text, expected):
     assert config_from_text(text).metrics_listen == expected
 
 
 @pytest.mark.parametrize("text, message", [
-    ('[metrics]\nlisten = "9786"', "is not HOST:PORT"),
     ('[metrics]\nlisten = ":9786"', "is not HOST:PORT"),
+    ('[metrics]\nlisten = "0"', "is not HOST:PORT or PORT"),
+    ('[metrics]\nlisten = "65536"', "is not HOST:PORT or PORT"),
+    ('[metrics]\nlisten = "９７８６"', "is not HOST:PORT or PORT"),
+    ('[metrics]\nlisten = "port"', "is not HOST:PORT or PORT"),
     ('[metrics]\nlisten = "host:0"', "is not HOST:PORT"),
     ('[metrics]\nlisten = "host:65536"', "is not HOST:PORT"),
     ('[metrics]\nlisten = "a host:80"', "is not HOST:PORT"),
@@ -491,5 +495,335 @@ def test_the_metrics_endpoint_answers_only_get_of_metrics():
             connection.sendall(b"G" * 5000 + b"\r\n\r\n")  # a request line no scrape sends
             assert b"200" not in connection.recv(1000)
     finally:
+        server.shutdown()
+        server.server_close()
+
+
+# --- one peer cannot keep the others' scrapes out ---------------------------------------------------
+
+# /proc/net/tcp and tcp6 as the kernel writes them on a little-endian host: a listening socket, a
+# loopback connection's two ends (uid 1000's client 127.0.0.1:51234 -> 127.0.0.1:9810, root's
+# accepted end), a TIME_WAIT leftover of the same pair, and in tcp6 a dual-stack client
+# (::ffff:127.0.0.1:40000, uid 1001) and an IPv6 one ([::1]:40001, uid 1002) of a server on [::]:9810.
+PROC_NET_TCP_TEXT = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:2652 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 12345 1 0000000000000000 100 0 0 10 0
+   1: 0100007F:C822 0100007F:2652 06 00000000:00000000 03:00000F9E 00000000     0        0 0 3 0000000000000000
+   2: 0100007F:C822 0100007F:2652 01 00000000:00000000 00:00000000 00000000  1000        0 23456 1 0000000000000000 20 4 30 10 -1
+   3: 0100007F:2652 0100007F:C822 01 00000000:00000000 00:00000000 00000000     0        0 23457 1 0000000000000000 20 4 31 10 -1
+"""
+PROC_NET_TCP6_TEXT = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000000000000:2652 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 34567 1 0000000000000000 100 0 0 10 0
+   1: 0000000000000000FFFF00000100007F:9C40 0000000000000000FFFF00000100007F:2652 01 00000000:00000000 00:00000000 00000000  1001        0 34568 1 0000000000000000 20 4 30 10 -1
+   2: 00000000000000000000000001000000:9C41 00000000000000000000000001000000:2652 01 00000000:00000000 00:00000000 00000000  1002        0 34569 1 0000000000000000 20 4 30 10 -1
+"""
+
+
+def test_proc_net_tcp_addresses_are_read_in_the_hosts_byte_order():
+    from ipaddress import ip_address
+    from slurm_mapa.slurm.agent.peer_owner import proc_net_address, proc_net_tcp_line
+
+    assert proc_net_address("0100007F:2652", "little") == (ip_address("127.0.0.1"), 9810)
+    assert proc_net_address("7F000001:2652", "big") == (ip_address("127.0.0.1"), 9810)
+    assert proc_net_address("0500000A:0050", "little") == (ip_address("10.0.0.5"), 80)
+    assert proc_net_address("00000000000000000000000001000000:2652", "little") == (ip_address("::1"), 9810)
+    assert proc_net_address("000080FE00000000FF0A5A5A3412DBFE:0016", "little") == (ip_address("fe80::5a5a:aff:fedb:1234"), 22)
+    assert proc_net_address("0000000000000000FFFF00000100007F:9C40", "little") == (ip_address("127.0.0.1"), 40000)  # mapped
+    for bad in ("0100007F", "0100007F:2652:1", "100007F:2652", "0100007G:2652", "0100007F:10000", ""):
+        with pytest.raises(ValueError):
+            proc_net_address(bad, "little")
+    header, listening, *_ = PROC_NET_TCP_TEXT.splitlines()
+    assert proc_net_tcp_line(header, "little") is None
+    entry = proc_net_tcp_line(listening, "little")
+    assert entry is not None and entry.local == (ip_address("127.0.0.1"), 9810) and entry.state == 0x0A and entry.uid == 0
+    for junk in ("", "   0:", "   0: 0100007F:2652 00000000:0000 0A 0:0 0:0 0 notauid 0 1", "\x00" * 200,
+                 "   0: zz:zz 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0"):
+        assert proc_net_tcp_line(junk, "little") is None
+
+
+def test_the_socket_owner_is_the_line_of_the_peers_address_and_ours():
+    from ipaddress import ip_address
+    from slurm_mapa.slurm.agent.peer_owner import socket_owner_uid
+
+    loopback, v6 = ip_address("127.0.0.1"), ip_address("::1")
+    tcp, tcp6 = PROC_NET_TCP_TEXT.splitlines(), PROC_NET_TCP6_TEXT.splitlines()
+    # The client end (not the TIME_WAIT leftover of the same pair, nor our accepted end).
+    assert socket_owner_uid(tcp, (loopback, 51234), (loopback, 9810), "little") == 1000
+    assert socket_owner_uid(tcp, (loopback, 9810), (loopback, 51234), "little") == 0  # our own end
+    assert socket_owner_uid(tcp, (loopback, 51234), (loopback, 9811), "little") is None  # another server's peer
+    assert socket_owner_uid(tcp, (loopback, 51235), (loopback, 9810), "little") is None
+    # A dual-stack client shows as ::ffff:127.0.0.1, in tcp6.
+    assert socket_owner_uid(tcp6, (loopback, 40000), (loopback, 9810), "little") == 1001
+    assert socket_owner_uid(tcp6, (ip_address("::ffff:127.0.0.1"), 40000), (loopback, 9810), "little") == 1001
+    assert socket_owner_uid(tcp6, (v6, 40001), (v6, 9810), "little") == 1002
+    assert socket_owner_uid([], (loopback, 51234), (loopback, 9810), "little") is None
+    # Read as a big-endian host would, the same text names other addresses: no match.
+    assert socket_owner_uid(tcp, (loopback, 51234), (loopback, 9810), "big") is None
+
+
+# The kernel's answer to an exact sock_diag lookup (little-endian host): the nlmsghdr (72+16 bytes,
+# SOCK_DIAG_BY_FAMILY, sequence 1), then inet_diag_msg: AF_INET, ESTABLISHED, timer, retrans, the
+# socket id (127.0.0.1:51234 -> 127.0.0.1:9810, interface, cookie), expires, rqueue, wqueue, uid
+# 1000, inode 23456.
+SOCK_DIAG_REPLY = bytes.fromhex(
+    "58000000" "1400" "0200" "01000000" "39300000"
+    "02" "01" "00" "00"
+    "c822" "2652" "7f000001" + "00" * 12 + "7f000001" + "00" * 12 + "00000000" "a0b1c2d3" "e4f50617"
+    "00000000" "00000000" "00000000" "e8030000" "a05b0000")
+SOCK_DIAG_ENOENT = bytes.fromhex("24000000" "0200" "0000" "01000000" "39300000" "feffffff") + bytes(16)
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="the literal messages are a little-endian host's")
+def test_the_sock_diag_lookup_asks_for_one_socket_and_reads_its_owner():
+    from ipaddress import ip_address
+    from slurm_mapa.slurm.agent.peer_owner import sock_diag_request, sock_diag_uid
+
+    loopback = ip_address("127.0.0.1")
+    assert sock_diag_request((loopback, 51234), (loopback, 9810)) == bytes.fromhex(
+        "48000000" "1400" "0100" "01000000" "00000000"  # 72 bytes, SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST (no dump)
+        "02" "06" "00" "00" "ffffffff"  # AF_INET, TCP, no extensions, every state
+        "c822" "2652" "7f000001" + "00" * 12 + "7f000001" + "00" * 12 + "00000000" "ffffffff" "ffffffff")
+    mapped = sock_diag_request((ip_address("::ffff:127.0.0.1"), 51234), (ip_address("::ffff:127.0.0.1"), 9810))
+    assert mapped == sock_diag_request((loopback, 51234), (loopback, 9810))  # asked as IPv4: dual-stack sockets are found too
+    v6 = sock_diag_request((ip_address("::1"), 40001), (ip_address("::1"), 9810), sequence=7)
+    assert v6[4:6] == bytes.fromhex("1400") and v6[8:12] == bytes.fromhex("07000000") and v6[16] == socket.AF_INET6
+    assert v6[28:44] == ip_address("::1").packed and v6[44:60] == ip_address("::1").packed
+    assert sock_diag_uid(SOCK_DIAG_REPLY) == 1000
+    assert sock_diag_uid(SOCK_DIAG_REPLY, sequence=2) is None  # not the answer to our question
+    assert sock_diag_uid(SOCK_DIAG_REPLY[:17] + b"\x06" + SOCK_DIAG_REPLY[18:]) is None  # TIME_WAIT: no owner
+    assert sock_diag_uid(SOCK_DIAG_ENOENT) is None
+    for junk in (b"", SOCK_DIAG_REPLY[:80], bytes(200), b"\xff" * 200):
+        assert sock_diag_uid(junk) is None
+
+
+def test_the_owner_of_a_real_loopback_connection_is_found():
+    """Both lookups (the kernel's, and /proc/net/tcp(6) where it cannot be used) find the uid of
+    a loopback connection made here, over IPv4, IPv6 and a dual-stack server."""
+    from slurm_mapa.slurm.agent.peer_owner import ip_of, peer_of_connection, socket_owner_by_sock_diag, socket_owner_in_proc
+
+    def connected_pair(family, host, connect_to=None):
+        listener = socket.socket(family)
+        listener.bind((host, 0))
+        listener.listen(1)
+        client = socket.create_connection((connect_to or host, listener.getsockname()[1]), timeout=5)
+        accepted, client_address = listener.accept()
+        listener.close()
+        return client, accepted, client_address
+
+    pairs = [connected_pair(socket.AF_INET, "127.0.0.1")]
+    if socket.has_ipv6:
+        try:
+            pairs.append(connected_pair(socket.AF_INET6, "::1"))
+            pairs.append(connected_pair(socket.AF_INET6, "::", "127.0.0.1"))  # dual stack: ::ffff:127.0.0.1
+        except OSError:
+            pass  # no IPv6 loopback here
+    try:
+        for client, accepted, client_address in pairs:
+            peer = (ip_of(client_address[0]), client_address[1])
+            ours = (ip_of(accepted.getsockname()[0]), accepted.getsockname()[1])
+            assert peer_of_connection(client_address, accepted.getsockname()) == ("uid", os.getuid()), client_address
+            assert socket_owner_in_proc(peer, ours) == os.getuid(), client_address
+            try:
+                assert socket_owner_by_sock_diag(peer, ours) == os.getuid(), client_address
+                assert socket_owner_by_sock_diag(peer, (ours[0], ours[1] ^ 1)) is None  # no such connection
+            except OSError:
+                pass  # no sock_diag here: /proc is read
+            # Not found within the read's bound, or no table to read: no owner, so the peer is its address.
+            assert socket_owner_in_proc(peer, ours, max_bytes=0) is None
+            assert socket_owner_in_proc(peer, ours, tables=("/nonexistent/tcp", "/nonexistent/tcp6")) is None
+            assert peer_of_connection(client_address, accepted.getsockname(), owner=lambda local, remote: None) == \
+                ("address", str(peer[0]))
+    finally:
+        for client, accepted, _ in pairs:
+            client.close()
+            accepted.close()
+    asked = []
+    assert peer_of_connection(("10.0.0.5", 40000), ("10.0.0.1", 9786), owner=lambda *a: asked.append(a)) == \
+        ("address", "10.0.0.5")  # not loopback: no lookup
+    assert peer_of_connection(("::ffff:10.0.0.5", 40000, 0, 0), ("::ffff:10.0.0.1", 9786, 0, 0)) == ("address", "10.0.0.5")
+    assert asked == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+def test_the_owner_of_another_users_connection_is_that_user():
+    """The uid found is the connecting socket's owner, not ours (the test runs as root)."""
+    import subprocess
+    from slurm_mapa.slurm.agent.peer_owner import ip_of, peer_of_connection, socket_owner_by_sock_diag, socket_owner_in_proc
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        code = ("import encodings.idna, os, socket, sys\nos.setgid(65534); os.setuid(65534)\n"
+                f"s = socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=5)\n"
+                "print('connected', flush=True); sys.stdin.readline()\n")
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "connected"
+            accepted, client_address = listener.accept()
+            with accepted:
+                assert peer_of_connection(client_address, accepted.getsockname()) == ("uid", 65534)
+                peer, ours = (ip_of(client_address[0]), client_address[1]), (ip_of("127.0.0.1"), accepted.getsockname()[1])
+                assert socket_owner_in_proc(peer, ours) == 65534
+                assert socket_owner_by_sock_diag(peer, ours) == 65534
+        finally:
+            child.stdin.close()
+            child.wait(timeout=10)
+
+
+def scrape_status(port: int, timeout: float = 10.0) -> tuple[int, bytes] | str:
+    """A scrape's (status, body), or why it failed."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as answer:
+            return answer.status, answer.read()
+    except OSError as error:
+        return repr(error)
+
+
+def test_one_peer_holding_idle_connections_cannot_keep_another_peers_scrapes_out():
+    """The security report: a local user holding the metrics port's connections open (reconnecting
+    as they are closed) blinded monitoring. Now that user (here the connections made from the ports
+    the attacker bound) holds at most its share, and every scrape from another peer is answered."""
+    from slurm_mapa.slurm.agent.metrics import MetricsServer
+
+    attacker_ports: set[int] = set()
+    server = MetricsServer(("127.0.0.1", 0), lambda: b"up 1\n", max_connections=8, max_per_peer=2,
+                           request_line_deadline=1.0, deadline=5.0,
+                           peer_of=lambda client, local: "attacker" if client[1] in attacker_ports else ("address", client[0]))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def connect_as_attacker() -> socket.socket:
+        connection = socket.socket()
+        connection.bind(("127.0.0.1", 0))
+        attacker_ports.add(connection.getsockname()[1])  # labelled before the server can see it
+        connection.settimeout(5)
+        connection.connect(("127.0.0.1", port))
+        connection.send(b"G")  # a request that never ends
+        return connection
+
+    def attack() -> None:  # keeps opening idle connections, replacing those the server closes
+        while not stop.is_set() and len(held) < 400:
+            try:
+                held.append(connect_as_attacker())
+            except OSError:
+                pass
+            time.sleep(0.005)
+
+    try:
+        first = [connect_as_attacker() for _ in range(30)]
+        held.extend(first)
+        # Beyond its share the attacker's connections are closed at once, not at the idle deadline.
+        started = time.monotonic()
+        for connection in first[2:]:
+            try:
+                assert connection.recv(10) == b""
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - started < 0.9
+        with server.open_lock:
+            assert [c.peer for c in server.open.values()] == ["attacker", "attacker"]
+        assert server.turned_away == 28
+        attacker = threading.Thread(target=attack, daemon=True)
+        attacker.start()
+        answers = []
+        for _ in range(15):  # spread over more than one idle deadline, while the attacker reconnects
+            answers.append(scrape_status(port))
+            with server.open_lock:
+                assert sum(1 for c in server.open.values() if c.peer == "attacker") <= 2
+            time.sleep(0.2)
+        assert answers == [(200, b"up 1\n")] * 15, answers
+        stop.set()
+        attacker.join(timeout=10)
+        assert server.turned_away > 100  # the attacker really was refused beyond its share all along
+    finally:
+        stop.set()
+        for connection in held:
+            connection.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_connection_without_its_request_line_is_closed_soon_and_a_slow_scrape_is_not():
+    from slurm_mapa.slurm.agent.metrics import MetricsServer
+
+    server = MetricsServer(("127.0.0.1", 0), lambda: b"up 1\n", request_line_deadline=0.5, deadline=3.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as idle, \
+                socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+            started = time.monotonic()
+            idle.send(b"GET /metr")  # a request line that does not end
+            slow.sendall(b"GET /metrics HTTP/1.0\r\n")  # the line, then the headers' end later
+            assert idle.recv(100) == b""
+            assert 0.4 < time.monotonic() - started < 2.0
+            slow.settimeout(1.0)
+            with pytest.raises(socket.timeout):  # still open past the request line's deadline
+                slow.recv(100)
+            slow.sendall(b"\r\n")
+            slow.settimeout(5)
+            answer = b""
+            while chunk := slow.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.0 200") and answer.endswith(b"up 1\n")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_failing_peer_lookup_keys_the_connection_by_its_address():
+    """Bad input never raises out of the server thread: a peer that cannot be told is its address."""
+    from slurm_mapa.slurm.agent.metrics import MetricsServer
+
+    def broken(client, local):
+        raise ValueError("a table the lookup cannot read")
+
+    server = MetricsServer(("127.0.0.1", 0), lambda: b"up 1\n", peer_of=broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert scrape_status(server.server_address[1]) == (200, b"up 1\n")
+        assert server.peer(socket.socket(), ("127.0.0.1", 1)) == ("address", "127.0.0.1")
+        assert server.peer(socket.socket(), None) == ("address", "None")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+def test_another_users_idle_connections_leave_scrapes_answered_with_the_real_lookup():
+    """The report's case end to end, with the default peer lookup (/proc/net/tcp): uid 65534 keeps
+    40 idle connections open, reconnecting as they close; every scrape from this uid is answered."""
+    import subprocess
+    from slurm_mapa.slurm.agent.metrics import MetricsServer
+
+    server = MetricsServer(("127.0.0.1", 0), lambda: b"up 1\n", request_line_deadline=1.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    code = ("import encodings.idna, os, socket, sys, time\nos.setgid(65534); os.setuid(65534)\nheld = []\n"
+            "while True:\n"
+            "    held = [s for s in held if s.fileno() >= 0][-200:]\n"
+            "    for _ in range(40):\n"
+            "        s = socket.socket(); s.settimeout(1)\n"
+            "        try:\n"
+            f"            s.connect(('127.0.0.1', {server.server_address[1]})); s.send(b'G'); held.append(s)\n"
+            "        except OSError:\n"
+            "            s.close()\n"
+            "    print(len(held), flush=True); time.sleep(0.1)\n")
+    flood = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert int(flood.stdout.readline()) >= 30
+        answers = []
+        for _ in range(10):  # over more than one idle deadline
+            answers.append(scrape_status(server.server_address[1]))
+            with server.open_lock:
+                assert sum(1 for c in server.open.values() if c.peer == ("uid", 65534)) <= 2
+            time.sleep(0.2)
+        assert answers == [(200, b"up 1\n")] * 10, answers
+        assert server.turned_away >= 38
+    finally:
+        flood.kill()
+        flood.wait(timeout=10)
         server.shutdown()
         server.server_close()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from repo_paths import REPO
-from fake_node import STEPD, USER, V1_BATCH, FakeProc, _as_task, fake_binary_problem, node  # noqa: F401 - node: the fixture
+from fake_node import STEPD, USER, V1_BATCH, FakeProc, _as_task, fake_binary_problem, node, systemd_delegated  # noqa: F401 - node: the fixture
 
 from slurm_mapa.errors import InputError
 from slurm_mapa.slurm.agent import client as agent_client
@@ -71,23 +71,46 @@ def test_slurm_cgroup_paths_of_both_versions_name_the_job_and_step(text, expecte
         "0::/user.slice/user-1000.slice/session-3.scope\n",  # a login shell
         "0::/system.slice/slurmstepd.scope/job_12/step_0/slurm/x\n",
         "0::/system.slice/slurmstepd.scope/job_12/step_0/user/task_0/../../../x\n",
-        "11:freezer:/slurm/uid_1000/job_12/step_0\n10:memory:/slurm/uid_1000/job_13/step_0/task_0\n",  # disagree
+        # Two hierarchies that disagree, neither of them the freezer's (proctrack's, which decides)
+        "10:memory:/slurm/uid_1000/job_12/step_0\n7:cpuset:/slurm/uid_1000/job_13/step_0/task_0\n",
+        "10:memory:/slurm/uid_1000/job_12/step_0\n7:cpuset:/slurm/uid_1001/job_12/step_0/task_0\n",
         "11:freezer:/slurm/job_12/step_0\n",  # no uid level: not Slurm's v1 layout
         "11:freezer:/slurm/uid_1000/job_12/step_x/task_0\n",
-        # A user's own cgroups, made inside their step's v1 directory (which Slurm hands to them)
-        # and named like another job's: nobody's task path (issue 36).
-        "11:freezer:/slurm/uid_1000/job_12/step_0/slurm/uid_1001/job_999/step_batch\n"
-        "10:memory:/slurm/uid_1000/job_12/step_0/slurm/uid_1001/job_999/step_batch\n",
-        "11:freezer:/slurm/uid_1000/job_12/step_0/task_0/slurm/uid_1000/job_999/step_batch/task_0\n",
-        "11:freezer:/docker/abc/slurm/uid_1000/job_12/step_batch/x/slurm/uid_1000/job_9/step_0\n",
-        # Two hierarchies that disagree on the user
-        "11:freezer:/slurm/uid_1000/job_12/step_0\n10:memory:/slurm/uid_1001/job_12/step_0/task_0\n",
+        "11:freezer:/x/job_3/slurm/uid_1000/job_12/step_0\n",  # a Slurm level above Slurm's top directory
+        # Hierarchies Slurm's plugin never uses: systemd's own (delegated to each logged-in
+        # user under user@UID.service) and pids (security round 5)
+        "1:name=systemd:/user.slice/user-1000.slice/user@1000.service/slurm/uid_1000/job_999/step_batch\n",
+        "5:pids:/slurm/uid_1000/job_12/step_0\n",
         "garbage\n\n:::\n",
         "",
     ],
 )
 def test_texts_that_are_no_slurm_task_give_none(text):
     assert parse_proc_cgroup(text) is None
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        # A user's own cgroups, made inside their step's v1 directory (which Slurm hands to them)
+        # and named like another job's: the outermost Slurm path is the job (security round 5).
+        ("11:freezer:/slurm/uid_1000/job_12/step_0/slurm/uid_1001/job_999/step_batch\n"
+         "10:memory:/slurm/uid_1000/job_12/step_0/slurm/uid_1001/job_999/step_batch\n", ("12", "0", None, 1000)),
+        ("11:freezer:/slurm/uid_1000/job_12/step_0/task_0/slurm/uid_1000/job_999/step_batch/task_0\n", ("12", "0", "0", 1000)),
+        ("11:freezer:/docker/abc/slurm/uid_1000/job_12/step_batch/x/slurm/uid_1000/job_9/step_0\n", ("12", "batch", None, 1000)),
+        ("11:freezer:/slurm/uid_1000/job_12/step_batch/mine\n", ("12", "batch", None, 1000)),
+        # The freezer (proctrack/cgroup: the job Slurm kills the process with) decides
+        ("11:freezer:/slurm/uid_1000/job_12/step_0\n10:memory:/slurm/uid_1000/job_13/step_0/task_0\n", ("12", "0", None, 1000)),
+        ("11:freezer:/slurm/uid_1000/job_12/step_0\n10:memory:/slurm/uid_1000/job_12/step_0/task_2\n", ("12", "0", "2", 1000)),
+        # systemd's forged line is not read; the task's own lines are
+        ("11:freezer:/slurm/uid_1000/job_12/step_batch/x\n"
+         "1:name=systemd:/user.slice/user-1000.slice/user@1000.service/slurm/uid_1000/job_999/step_batch\n",
+         ("12", "batch", None, 1000)),
+    ],
+)
+def test_a_path_below_a_step_is_that_steps_and_the_freezer_decides(text, expected):
+    cgroup = parse_proc_cgroup(text)
+    assert (cgroup.job_id, cgroup.step, cgroup.task, cgroup.uid) == expected
 
 
 def test_status_and_mountinfo_parsers():
@@ -613,14 +636,45 @@ class CannedAgent(Agent):
         return self.answer
 
 
-def run_taskprolog(tmp_path, isolation, answer, socket_there=True, job_file="MAPA_GPUS=6,2,3\n", scope="step", agent=None, **env):
-    """The TaskProlog `mapa hooks` writes, with an agent that answers ``answer``."""
+TASK_START = "8765432"  # the fake task process's start time (field 22 of its /proc/PID/stat)
+
+
+def task_record(step="batch", gpus="2,3,6", job="55", start=TASK_START, state="cgroup-v1"):
+    """The record mapa-agent writes for a task the SPANK plugin's request isolated (task_records.py)."""
+    return f"MAPA1 job={job} step={step} start={start} state={state} gpus={gpus}\n"
+
+
+def lay_out_task(tmp_path, record, step):
+    """A fake /proc for the TaskProlog: its parent (this test process, $PPID) is a task process
+    started at TASK_START, in step ``step``'s cgroups; and the agent's ``record`` of it, or none."""
+    proc = tmp_path / "proc"
+    (proc / str(os.getpid())).mkdir(parents=True, exist_ok=True)
+    fields = ["S", "1", *["0"] * 17, TASK_START, "0"]  # fields 3 to 23: field 22 is the start time
+    (proc / str(os.getpid()) / "stat").write_text(f"{os.getpid()} (slurm stepd) x) {' '.join(fields)}\n")
+    (proc / "self").mkdir(exist_ok=True)
+    (proc / "self" / "cgroup").write_text(f"11:freezer:/slurm/uid_1000/job_55/step_{step}\n"
+                                          f"10:memory:/slurm/uid_1000/job_55/step_{step}/task_0\n")
+    records = tmp_path / "iso" / "tasks"
+    records.mkdir(parents=True, exist_ok=True)
+    if record is None:
+        (records / str(os.getpid())).unlink(missing_ok=True)
+    else:
+        (records / str(os.getpid())).write_text(record)
+    return proc
+
+
+def run_taskprolog(tmp_path, isolation, answer, socket_there=True, job_file="MAPA_GPUS=6,2,3\n", scope="step", agent=None,
+                   record=None, **env):
+    """The TaskProlog `mapa hooks` writes, with an agent that answers ``answer``, run by this test
+    process as its task process (``record``: the agent's record of that task, see lay_out_task)."""
     (tmp_path / "jobs").mkdir(exist_ok=True)
     if job_file is not None:
         (tmp_path / "jobs" / "55").write_text(job_file)
     sock = tmp_path / "iso" / "isolate.sock"
+    proc = lay_out_task(tmp_path, record, env.get("SLURM_STEP_ID", "batch"))
     script = taskprolog_text(str(tmp_path / "jobs"), "nvidia", isolation, sys.executable, str(REPO), scope)
     script = script.replace("ISOLATE_SOCKET=/run/slurm-mapa-isolate/isolate.sock\n", f"ISOLATE_SOCKET={sock}\n")
+    script = script.replace("PROC=/proc\n", f"PROC={proc}\n")
     (tmp_path / "taskprolog").write_text(script)
     server = None
     if socket_there:
@@ -651,19 +705,22 @@ def test_taskprolog_asks_for_isolation_and_exports_its_state(tmp_path):
 
 
 def test_taskprolog_after_the_spank_plugin_isolated_the_task(tmp_path):
-    """MAPA_SPANK_ISOLATION (set by spank_mapa_isolate.so for the task, as root): the task can open
-    the job's GPUs; with no answer of its own the TaskProlog numbers the selected GPUs among the
-    job's, and it unsets the variable so that no job submitted from the task inherits it."""
-    alone = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1")
+    """The agent's record of the task (written as root when the SPANK plugin's request isolated
+    it): with no answer of its own the TaskProlog numbers the selected GPUs among those the record
+    names, and it unsets the plugin's variables so that no job submitted from the task inherits them."""
+    alone = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, record=task_record(),
+                           MAPA_SPANK_ISOLATION="cgroup-v1", MAPA_SPANK_GPUS="2,3,6")
     ranked = ["export CUDA_VISIBLE_DEVICES=2,0,1", "export GPU_DEVICE_ORDINAL=2,0,1", *CUDA_LINES[2:]]
-    assert alone.stdout.splitlines() == ["export MAPA_ISOLATION=cgroup-v1", "unset MAPA_SPANK_ISOLATION", *ranked]
-    # A step of one GPU, by a plugin of an earlier release (no MAPA_SPANK_GPUS): the job file pairs
-    # nothing (an earlier release's too), so the step has the job's GPUs, ranked among them.
+    assert alone.stdout.splitlines() == ["unset MAPA_SPANK_ISOLATION", "unset MAPA_SPANK_GPUS", "export MAPA_ISOLATION=cgroup-v1",
+                                         "export MAPA_ISOLATED_GPUS=2,3,6", *ranked]
+    # A plugin of an earlier release (no MAPA_SPANK_GPUS) leaves no record: the variable alone
+    # is no proof, so with no answer of its own the task runs as unisolated (fail-open).
     step = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1", SLURM_STEP_GPUS="0",
                           SLURM_STEP_ID="1")
-    assert "export CUDA_VISIBLE_DEVICES=2,0,1" in step.stdout.splitlines()
-    # This release's plugin names what the step may open (MAPA_SPANK_GPUS): the task's GPUs ranked among those.
-    paired = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1", MAPA_SPANK_GPUS="3,6",
+    assert "export MAPA_ISOLATION=failed-open" in step.stdout.splitlines() and "cgroup-v1" not in step.stdout
+    # The record names what the step may open: the task's GPUs ranked among those.
+    paired = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, record=task_record("1", "3,6"),
+                            MAPA_SPANK_ISOLATION="cgroup-v1", MAPA_SPANK_GPUS="3,6",
                             SLURM_STEP_GPUS="2", SLURM_STEP_ID="1", job_file="MAPA_GPUS=6,2,3\nSLURM_GPUS=0,1,2\nPAIRED_GPUS=2,3,6\n")
     assert "export CUDA_VISIBLE_DEVICES=1" in paired.stdout.splitlines() and "export SLURM_STEP_GPUS=6" in paired.stdout
     assert "unset MAPA_SPANK_GPUS" in paired.stdout.splitlines()
@@ -671,9 +728,10 @@ def test_taskprolog_after_the_spank_plugin_isolated_the_task(tmp_path):
     own = run_taskprolog(tmp_path, "fail-open", "done cgroup-v1 gpus=6 job 55 step 1 ...", MAPA_SPANK_ISOLATION="cgroup-v1",
                          SLURM_STEP_GPUS="2", SLURM_STEP_ID="1", job_file="MAPA_GPUS=6,2,3\nSLURM_GPUS=0,1,2\nPAIRED_GPUS=2,3,6\n")
     assert "export CUDA_VISIBLE_DEVICES=0" in own.stdout.splitlines()
-    # Off or failed open at the plugin: nothing is assumed, and the variable goes all the same.
+    # Off or failed open at the plugin: nothing is assumed (the variable decides nothing: without
+    # an answer the task is unisolated), and the variable goes all the same.
     off = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="off")
-    assert off.stdout.splitlines() == ["unset MAPA_SPANK_ISOLATION", *CUDA_LINES]
+    assert off.stdout.splitlines() == ["unset MAPA_SPANK_ISOLATION", "export MAPA_ISOLATION=failed-open", *CUDA_LINES]
 
 
 def test_taskprolog_asks_nothing_more_when_the_spank_plugin_isolated_the_step(tmp_path):
@@ -684,15 +742,17 @@ def test_taskprolog_asks_nothing_more_when_the_spank_plugin_isolated_the_step(tm
     job_file = "MAPA_GPUS=6,2,3\nSLURM_GPUS=0,1,2\nPAIRED_GPUS=2,3,6\n"
     spank = {"MAPA_SPANK_ISOLATION": "cgroup-v1", "MAPA_SPANK_GPUS": "3,6", "SLURM_STEP_GPUS": "2", "SLURM_STEP_ID": "1"}
     agent = CannedAgent("done cgroup-v1 gpus=6 job 55 step 1 ...")
-    step = run_taskprolog(tmp_path, "fail-open", None, job_file=job_file, agent=agent, **spank)
+    step = run_taskprolog(tmp_path, "fail-open", None, job_file=job_file, agent=agent, record=task_record("1", "3,6"), **spank)
     assert agent.asked == 0, step.stdout
     assert step.returncode == 0 and {"export MAPA_ISOLATION=cgroup-v1", "export MAPA_ISOLATED_GPUS=3,6",
                                      "export CUDA_VISIBLE_DEVICES=1", "export SLURM_STEP_GPUS=6"} <= set(step.stdout.splitlines())
-    task = run_taskprolog(tmp_path, "fail-open", None, job_file=job_file, scope="task", agent=agent, **spank)
+    task = run_taskprolog(tmp_path, "fail-open", None, job_file=job_file, scope="task", agent=agent, record=task_record("1", "3,6"),
+                          **spank)
     assert agent.asked == 1, task.stdout
     assert {"export MAPA_ISOLATED_GPUS=6", "export CUDA_VISIBLE_DEVICES=0"} <= set(task.stdout.splitlines())
-    # The plugin's answer said off, or named no GPUs (an earlier release): the TaskProlog asks.
-    for plugin in ({"MAPA_SPANK_ISOLATION": "off"}, {"MAPA_SPANK_ISOLATION": "cgroup-v1"}):
+    # The plugin's answer said off, or named no GPUs (an earlier release), or no record of the
+    # agent's backs what the variables say: the TaskProlog asks.
+    for plugin in ({"MAPA_SPANK_ISOLATION": "off"}, {"MAPA_SPANK_ISOLATION": "cgroup-v1"}, spank):
         before = agent.asked
         run_taskprolog(tmp_path, "fail-open", None, job_file=job_file, agent=agent, **plugin)
         assert agent.asked == before + 1, plugin
@@ -1020,18 +1080,24 @@ def _flooder(sock_path, uid, count, hold, payload=None):
     return child, int(child.stdout.readline())
 
 
-@pytest.mark.parametrize("with_a_job", [False, True])
+@pytest.mark.parametrize("with_a_job", [False, True, "forged"])
 def test_a_users_flood_of_the_isolate_socket_leaves_other_tasks_answered(reachable_isolation_server, with_a_job):
     """Security round 3 (high): 128 connections held open by one user once took every handler, so
     each TaskProlog's request went unanswered (fail-open: every task on the node ran unisolated).
-    Now a caller that is no task costs no thread, and a user with a job gets at most its share."""
+    Now a caller that is no task costs no thread, and a user with a job gets at most its share.
+    Round 5 ("forged"): a user with no job, in cgroups named like job 12's in the subtrees systemd
+    delegated to them (name=systemd, memory), was counted against job 12's share."""
     if os.getuid() != 0:
         pytest.fail("the flooding user is made with setuid: run the suite as root, as CI does")
     server, path, (agent, proc, cgroupfs, _, _, tmp_path) = reachable_isolation_server
     threads_before = threading.active_count()  # other tests in this worker may have left some
     child, child_pid = _flooder(path, 4242, 400, hold=True)
     try:
-        if with_a_job:  # the flooder is a process of one of its own jobs
+        if with_a_job == "forged":
+            forged = "slurm/uid_4242/job_12/step_batch"
+            proc.add(child_pid, "python3", 1, 4242, f"10:memory:{systemd_delegated(cgroupfs, 'memory', 4242, forged)}\n"
+                     f"1:name=systemd:{systemd_delegated(cgroupfs, 'name=systemd', 4242, forged)}\n", slurmd=False)
+        elif with_a_job:  # the flooder is a process of one of its own jobs
             proc.add(child_pid, "python3", 1, 4242, V1_BATCH.replace("uid_1000/job_12", "uid_4242/job_77"))
         child.stdin.write("go\n")
         child.stdin.flush()
@@ -1047,7 +1113,7 @@ def test_a_users_flood_of_the_isolate_socket_leaves_other_tasks_answered(reachab
     finally:
         child.stdin.close()
         child.wait(timeout=30)
-    if not with_a_job:  # each of its connections was closed at once, with no thread spent on it
+    if with_a_job is not True:  # each of its connections was closed at once, with no thread spent on it
         deadline = time.monotonic() + 10
         while server.turned_away < int(made) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -1191,10 +1257,10 @@ def test_taskprolog_gives_a_task_whose_list_names_no_gpu_of_its_step_the_steps(t
     "0" of a step Slurm gave 2 and 3 names no GPU of the step; the task gets its step's GPUs."""
     job = "MAPA_GPUS=6,2,3,1\nSLURM_GPUS=0,1,2,3\nPAIRED_GPUS=2,3,6,1\n"
     shared = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1",
-                            MAPA_SPANK_GPUS="1,6", SLURM_STEP_GPUS="0", SLURM_STEP_ID="2", job_file=job)
+                            MAPA_SPANK_GPUS="1,6", SLURM_STEP_GPUS="0", SLURM_STEP_ID="2", job_file=job, record=task_record("2", "1,6"))
     assert "export SLURM_STEP_GPUS=1,6" in shared.stdout.splitlines() and "export CUDA_VISIBLE_DEVICES=0,1" in shared.stdout
     bound = run_taskprolog(tmp_path, "fail-open", None, socket_there=False, MAPA_SPANK_ISOLATION="cgroup-v1",
-                           MAPA_SPANK_GPUS="1,6", SLURM_STEP_GPUS="3", SLURM_STEP_ID="2", job_file=job)
+                           MAPA_SPANK_GPUS="1,6", SLURM_STEP_GPUS="3", SLURM_STEP_ID="2", job_file=job, record=task_record("2", "1,6"))
     assert "export SLURM_STEP_GPUS=1" in bound.stdout.splitlines() and "export CUDA_VISIBLE_DEVICES=0" in bound.stdout
 
 
@@ -1241,17 +1307,18 @@ def test_an_agent_restart_keeps_a_steps_task_in_its_steps_gpus(node):
     assert "a" not in lines(job / "devices.deny") + lines(job / "step_3" / "devices.deny")
 
 
-def test_a_task_in_cgroups_its_user_made_inside_their_step_is_refused(node):
+def test_a_task_in_cgroups_its_user_made_inside_their_step_is_its_own_jobs(node):
     """Slurm hands a v1 step's directory to the job's user, who can make .../slurm/uid_V/job_J/...
-    inside it and move their task there: the agent must not take that for job J's task."""
+    inside it and move their task there: the agent must not take that for job J's task. What lies
+    below a step is that step's (security round 5: refusing it let the task run unisolated)."""
     agent, proc, cgroupfs, _, _, tmp_path = node
     (tmp_path / "jobs" / "999").write_text("MAPA_GPUS=0,1\n")
     nested = V1_BATCH.replace("/slurm/uid_1000/job_12/step_batch", "/slurm/uid_1000/job_12/step_batch/slurm/uid_1001/job_999/step_batch")
     _as_task(proc, nested)
     answer = agent.isolate(os.getpid(), USER, {})
-    assert answer.startswith("done failed-open") and "no Slurm job cgroup" in answer, answer
+    assert answer.startswith("done cgroup-v1 gpus=4,5 job 12 step batch"), answer
     assert not (cgroupfs / "devices" / "mapa" / "job_999").exists()
-    assert agent.job_of(5000) is None  # the public socket turns it away before any work
+    assert agent.job_of(5000) == "12"  # counted against its own job's share
     # Another user's uid_ level, not nested: refused too.
     other = V1_BATCH.replace("uid_1000", "uid_1001")
     _as_task(proc, other)
