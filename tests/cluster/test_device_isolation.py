@@ -266,7 +266,7 @@ while IFS=: read -r id controllers path; do
     step=/slurm${path#*/slurm}
     step=${step%%/task_*}
     dir=/sys/fs/cgroup/$controllers$step/mine
-    # Slurm 24.11 and earlier hand a v1 step's directory to the job's user; 26.05 keeps it root's.
+    # Debian's Slurm 24.11.5 and 26.05.5 keep a v1 step's directory root's: the move is refused there.
     mkdir "$dir" 2>/dev/null || { echo "print attack: slurm's step is not mine: $dir"; continue; }
     if [ "$controllers" = cpuset ]; then
         cat "${dir%/mine}/cpuset.cpus" > "$dir/cpuset.cpus"; cat "${dir%/mine}/cpuset.mems" > "$dir/cpuset.mems"
@@ -316,7 +316,7 @@ def test_a_users_forged_systemd_cgroups_and_own_step_subcgroups_keep_it_in_its_o
         out = _wait_output(cluster, attacker, "attack smi")
         assert "attack: could not" not in out, out  # every move was made: the attack really happened
         assert re.search(rf"^cgroup \d+:name=systemd:.*/user@2001\.service/slurm/uid_2001/job_{victim}/step_batch$", out, re.M), out
-        for hierarchy in ("freezer", "cpuset"):  # below its own step, where Slurm lets the user make cgroups
+        for hierarchy in ("freezer", "cpuset"):  # below its own step, where a Slurm lets the user make cgroups
             assert (f"slurm's step is not mine: /sys/fs/cgroup/{hierarchy}/" in out
                     or re.search(rf"^cgroup \d+:{hierarchy}:.*/slurm[^/]*/uid_2001/job_{attacker}/step_0/mine$", out, re.M)), out
         mine = parse_decisions(cluster.job(attacker).get("admin_comment", ""))[node].gpus

@@ -359,3 +359,21 @@ def test_a_models_ties_are_read_written_and_checked():
     assert load_model_text(text.replace('ties = "first"\n', ""), source="m").ties == "rings"
     with pytest.raises(InputError, match=r'm: ties must be "rings" .* or "first" .* got "random"'):
         load_model_text(text.replace('"first"', '"random"'), source="m")
+
+
+def test_the_measured_reference_names_its_source_for_every_point():
+    """slurm_mapa/data/measured/collectives.toml (issue 49): public measurements of collectives on
+    GPU subsets, each read from the source it cites, with the line it came from."""
+    import tomllib
+
+    data = tomllib.loads((REPO / "slurm_mapa" / "data" / "measured" / "collectives.toml").read_text())
+    points = data["point"]
+    assert len(points) >= 10
+    for point in points:
+        assert point["source"].startswith("https://") and point["quote"].strip(), point
+        assert point["busbw_gbs"] > 0 and point["bytes"] > 0 and point["n_gpus"] >= 2, point
+        assert not point["gpus"] or len(point["gpus"]) == point["n_gpus"], point
+        assert point["numbering"] in ("preset", "source") and (point["preset"] == "" or point["preset"] in PRESETS), point
+        value = point["busbw_gbs"]
+        written = {f"{value}", f"{value:.2f}", f"{value:.1f}"} | ({str(int(value))} if value == int(value) else set())
+        assert any(text in point["quote"] for text in written), point  # the number is in the line it was read from

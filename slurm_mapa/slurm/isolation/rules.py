@@ -31,7 +31,8 @@ _STEP = r"(?P<step>[0-9]+(?:\+[0-9]+)?|batch|extern|interactive)"
 _V1_PATH = re.compile(r"(?P<above>(?:.*?/)?)(?P<base>slurm(?:_[^/]+)?/uid_(?P<uid>[0-9]+)/job_(?P<job>[0-9]+)/step_" + _STEP
                       + r")(?:/task_(?P<task>[0-9]+))?(?P<below>/.*)?")
 # Above Slurm's top directory there is only the host's own layout (a container's /docker/<id>,
-# nothing on a bare host). Slurm hands a v1 step's directory to the job's user, who may create
+# nothing on a bare host). Where a v1 step's directory is the job's user's (a release or site that
+# chowns it; Debian's 24.11.5 and 26.05.5 keep it root's), the user may create
 # cgroups in it (…/step_0/slurm/uid_V/job_999/step_batch) and move their own task there: the
 # outermost Slurm path names the job, and what lies below a step is still that step's.
 _SLURM_LEVEL = re.compile(r"(?:^|/)(?:slurm(?:_[^/]+)?|uid_[0-9]+|job_[0-9]+|step_[^/]*|task_[^/]*)(?:/|$)")

@@ -92,7 +92,7 @@ def test_texts_that_are_no_slurm_task_give_none(text):
 @pytest.mark.parametrize(
     "text, expected",
     [
-        # A user's own cgroups, made inside their step's v1 directory (which Slurm hands to them)
+        # A user's own cgroups, made inside their step's v1 directory (where it is theirs)
         # and named like another job's: the outermost Slurm path is the job (security round 5).
         ("11:freezer:/slurm/uid_1000/job_12/step_0/slurm/uid_1001/job_999/step_batch\n"
          "10:memory:/slurm/uid_1000/job_12/step_0/slurm/uid_1001/job_999/step_batch\n", ("12", "0", None, 1000)),
@@ -1308,7 +1308,7 @@ def test_an_agent_restart_keeps_a_steps_task_in_its_steps_gpus(node):
 
 
 def test_a_task_in_cgroups_its_user_made_inside_their_step_is_its_own_jobs(node):
-    """Slurm hands a v1 step's directory to the job's user, who can make .../slurm/uid_V/job_J/...
+    """Where a v1 step's directory is the job's user's, they can make .../slurm/uid_V/job_J/...
     inside it and move their task there: the agent must not take that for job J's task. What lies
     below a step is that step's (security round 5: refusing it let the task run unisolated)."""
     agent, proc, cgroupfs, _, _, tmp_path = node
