@@ -106,14 +106,14 @@ class Isolator:
             cgroup = dataclasses.replace(cgroup, job_id=job_id)
         try:
             return self._isolate_task(task, cgroup, request, job_devices, mounts, scope, from_root=peer_uid == 0,
-                                      devices_root=devices_root(all_mounts))
+                                      mounted_root=devices_root(all_mounts))
         except IsolationError as error:
             error.job_id = cgroup.job_id  # known from here on: the agent records the failure in the job's AdminComment
             raise
 
     def _isolate_task(self, task: ProcessInfo, cgroup: SlurmCgroup, request: Mapping[str, str],
                       job_devices: Callable[[str], JobDevices], mounts: tuple[str | None, str | None],
-                      scope: str, from_root: bool, devices_root: str = "/") -> Outcome:
+                      scope: str, from_root: bool, mounted_root: str = "/") -> Outcome:
         claimed = request.get("SLURM_JOB_ID")
         if claimed is not None and claimed != cgroup.job_id:
             raise IsolationError(f"the request says job {claimed!r}, but task {task.pid} is in job {cgroup.job_id}'s cgroup")
@@ -154,7 +154,7 @@ class Isolator:
                 if "task" in rules and cgroup.task is None:
                     raise IsolationError(f"task {task.pid}'s v1 cgroups name no task level: no per-task isolation")
                 held = self._v1_narrower_already(Path(mounts[0]), task.pid, cgroup, devices,
-                                                 2 if "task" in rules else 1 if "step" in rules else 0, openable, devices_root)
+                                                 2 if "task" in rules else 1 if "step" in rules else 0, openable, mounted_root)
                 if held is not None:
                     where, kept = held
                     kept_text = ",".join(map(str, kept)) or "none"
