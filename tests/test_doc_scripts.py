@@ -44,6 +44,7 @@ NEEDS = re.compile(r"needs? (?:the |a |its )?(?:mini cluster|Docker|Slurm|GPU|ro
 # Script commands that are not run here although nothing marks them, and why.
 NOT_RUN = {
     "scripts/test": "it runs the whole test suite, this file included (and installs the test extras)",
+    "scripts/ring-rate-tables": "it rewrites the shipped ring-rate tables; tests/core/test_ring_rate_tables.py runs its --check",
 }
 
 
@@ -226,6 +227,7 @@ SMALL: dict[tuple[str, str], dict[str, str | None]] = {
     ("bench_replay_scale.py", "memory"): {"--sizes": "2000"},
     ("bench_replay_scale.py", "rate"): {"--long": "1000", "--topologies": "dgx1-v100", "+--jobs": "300"},
     ("bench_replay_scale.py", "big"): {"--jobs": "2000", "--nodes": "16"},
+    ("bench_ring_rates.py", ""): {"--fresh": "1", "--jobs": "300", "+--fresh": "1", "+--jobs": "300", "+--topologies": "torus2d-16"},
 }
 OUTPUTS = {"--json", "--out", "--png", "-o", "--output", "--output-dir"}
 
@@ -271,7 +273,8 @@ def test_the_benchmarks_run_here_are_many():
 
 @pytest.mark.parametrize("command", RUN, ids=str)
 def test_a_documented_benchmark_runs(command, tmp_path):
-    if ("--before" in command.text or "bench_replay_scale.py" in command.text) and not _HISTORY:
+    if ("--before" in command.text or "bench_replay_scale.py" in command.text or "bench_ring_rates.py" in command.text) \
+            and not _HISTORY:
         pytest.skip("compares with an old revision: needs the repository's history (a full clone)")
     if _words(command)[1:2] in (["plot"], ["figures"]) and importlib.util.find_spec("matplotlib") is None:
         pytest.skip("draws with matplotlib, the plot extra (scripts/test installs it)")

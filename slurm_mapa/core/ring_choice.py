@@ -21,7 +21,7 @@ time limit runs out before every set was looked at.
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import combinations
+from itertools import combinations, groupby
 from math import comb, inf
 from typing import Callable
 
@@ -59,18 +59,30 @@ def best_by_rings(graph: HardwareGraph, free: tuple[int, ...], pattern: Pattern,
     never a choice that depends on how far the refinement got."""
     deadline = _deadline(limit)
     target = round(best.effective_bandwidth or 0.0, DIGITS)
-    chosen: tuple | None = None
+    # Every set's ring rate (looked up), then the sets by rate, highest first: no set reaches more
+    # than ``target``, so the first rate with a set that reaches it is the best key's rate, and only
+    # the sets of that rate and above need a search (usually one or two, not every set).
+    rated = []
     for subset in combinations(sorted(free), pattern.size):
         if deadline is not None and deadline[0]() > deadline[1]:
-            # gap 0.0: the model's value is proven optimal, the ring-rate tie-break is not.
             return replace(with_ring_rate(graph, best), gap=0.0)
-        inside = best_placement(graph, subset, pattern, "effective", model)
-        if inside is None or round(inside.effective_bandwidth or 0.0, DIGITS) != target:
-            continue
         rate = max_ring_rate(graph, subset) or 0.0
-        key = (round(rate, DIGITS), round(inside.aggregated_bandwidth, DIGITS))
-        if chosen is None or key > chosen[0] or (key == chosen[0] and inside.gpus < chosen[1]):
-            chosen = (key, inside.gpus, rate)
+        rated.append((-round(rate, DIGITS), subset, rate))
+    rated.sort(key=lambda item: item[0])  # stable: ascending sets within one rate
+    chosen: tuple | None = None
+    for _, same_rate in groupby(rated, key=lambda item: item[0]):
+        for _, subset, rate in same_rate:
+            if deadline is not None and deadline[0]() > deadline[1]:
+                # gap 0.0: the model's value is proven optimal, the ring-rate tie-break is not.
+                return replace(with_ring_rate(graph, best), gap=0.0)
+            inside = best_placement(graph, subset, pattern, "effective", model)
+            if inside is None or round(inside.effective_bandwidth or 0.0, DIGITS) != target:
+                continue
+            key = round(inside.aggregated_bandwidth, DIGITS)
+            if chosen is None or key > chosen[0] or (key == chosen[0] and inside.gpus < chosen[1]):
+                chosen = (key, inside.gpus, rate)
+        if chosen is not None:
+            break
     if chosen is None:  # cannot happen: best's own set reaches the target
         return with_ring_rate(graph, best)
     placement = score_placement(graph, free, pattern, chosen[1], model)

@@ -17,7 +17,8 @@ and the bound is twice the optimum (each cycle runs both ways); two GPUs: one li
 the bound is the pair's bandwidth. Rings are packed over fast links only (NVLink, xGMI, NVSwitch)
 when the set has a ring over them, as NCCL searches for its rings at the fastest path type first;
 otherwise over every path, PCIe included. It is a linear programme of (k-1)!/2 columns (2,520 for eight
-GPUs), solved exactly here by the simplex method (Bland's rule: it never cycles).
+GPUs), solved exactly here by the simplex method (Bland's rule: it never cycles), once per
+topology: decisions look the rate up (:mod:`.ring_rate_tables`).
 
 A plain per-GPU bound (the sum of a GPU's link bandwidths to the rest of the set) says the same
 for richly linked sets but over-rates sparse ones: three GPUs joined by one double and two single
@@ -31,6 +32,7 @@ from functools import lru_cache
 from typing import Any
 
 from .links import path_bandwidth
+from .ring_rate_tables import canonical_set, shipped_table
 
 # Sets above this size get the per-GPU bound instead (the programme grows as (k-1)!).
 MAX_PACKED_GPUS = 8
@@ -54,7 +56,29 @@ def max_ring_rate(graph: Any, gpus: tuple[int, ...]) -> float | None:
     """Twice the largest total rate of rings through exactly ``gpus`` (GB/s, one direction per
     link; PCIe paths by :func:`.links.path_bandwidth`, each GPU's PCIe link at the graph's widest
     PCIe level); None for fewer than 3 GPUs or more than MAX_PACKED_GPUS. The value depends on the
-    set only (the order of ``gpus`` does not change it)."""
+    set only (the order of ``gpus`` does not change it).
+
+    Looked up, never solved inside a decision where a table ships (:mod:`.ring_rate_tables`: the
+    presets of up to 8 GPUs and any graph with their links); elsewhere solved once per orbit of
+    the set under the graph's automorphisms and kept for the process."""
+    gpus = tuple(sorted(gpus))
+    k = len(gpus)
+    if k < 3 or k > MAX_PACKED_GPUS:
+        return None
+    table = shipped_table(graph)
+    if table is not None:
+        return table[sum(1 << g for g in gpus)]
+    return _solved_once(graph, canonical_set(graph, gpus))
+
+
+@lru_cache(maxsize=65536)
+def _solved_once(graph: Any, gpus: tuple[int, ...]) -> float | None:
+    return solve_ring_rate(graph, gpus)
+
+
+def solve_ring_rate(graph: Any, gpus: tuple[int, ...]) -> float | None:
+    """:func:`max_ring_rate` solved: the linear programme over the set's Hamiltonian cycles (what
+    the shipped tables hold, and what graphs without one compute)."""
     gpus = tuple(sorted(gpus))
     k = len(gpus)
     if k < 3 or k > MAX_PACKED_GPUS:
