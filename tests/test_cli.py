@@ -86,3 +86,28 @@ def test_model_takes_a_bundled_name(capsys):
     paper = json.loads(out)
     assert code == 0 and paper["model"] == "mapa-paper-dgx1" and abs(paper["effective_bandwidth"] - 58.925036) < 1e-6
     assert paper["gpus"] == own["gpus"] == [0, 1] and paper["extrapolated"] is True  # xGMI: not the paper's links
+
+
+def test_hooks_refuse_a_node_whose_topology_file_does_not_exist(tmp_path, capsys):
+    """Issue 52: the node's [nodes] entry names a file that is not there (or a misspelled preset):
+    every job on it would get Slurm's GPUs, so nothing is written, one line says why, exit 2."""
+    from slurm_mapa.hardware.presets import preset
+    from slurm_mapa.hardware.topofile import graph_to_toml
+
+    topology = tmp_path / "topo" / "gpu-node.toml"
+    config = tmp_path / "mapa.toml"
+    config.write_text(f'jobs_dir = "{tmp_path}/jobs"\n[nodes]\n"gpu[0-9]*" = "{topology}"\n"dgx*" = "dgx1-v10"\n')
+    code, out, err = run(capsys, "hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "gpu7", "--cc", "none")
+    assert (code, out) == (2, "") and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f'mapa: error: --config {config}: [nodes] entry "gpu[0-9]*" = "{topology}" (node gpu7): topology '
+                          f"file {topology} does not exist; every job on gpu7 would get Slurm's GPUs (its record says "
+                          "no-topology); accepted: a preset (dgx1-v100, "), err
+    assert err.rstrip().endswith(f"or a topology file on this node, e.g. from `mapa topo discover -o {topology}`")
+    assert not (tmp_path / "sbin").exists()
+    code, _, err = run(capsys, "hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "dgx3", "--cc", "none")
+    assert code == 2 and err.count("\n") == 1 and "topology 'dgx1-v10' (did you mean 'dgx1-v100'?)" in err
+    assert not (tmp_path / "sbin").exists()
+    topology.parent.mkdir()
+    topology.write_text(graph_to_toml(preset("dgx1-v100")))
+    code, _, err = run(capsys, "hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "gpu7", "--cc", "none")
+    assert code == 0 and (tmp_path / "sbin" / "mapa-prolog-wrapper").exists() and "error" not in err

@@ -33,7 +33,8 @@ from .jobfile import write_jobfile
 from .headline import POLICY_SUMMARIES, fold_prose, policy_lines
 from .run import CsvSink, _replay, prose_width
 from .simulate import ALL_POLICIES, INSENSITIVE_CHOICES, NODE_CHOICES, WAIT_RULES, Options
-from .sources import FORMATS, PROG, Source, _check_has_jobs, _counting, _detect, _open_path, _parse_generate, _take
+from .sources import (DEFAULT_GENERATED_JOBS, FORMATS, MAX_GENERATED_JOBS, PROG, Source, _check_has_jobs, _counting, _detect,
+                      _open_path, _parse_generate, _take)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,6 +121,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    if not 1 <= args.jobs <= MAX_GENERATED_JOBS:  # as --generate KIND:JOBS: a workload of no job is refused
+        raise InputError(f"--jobs {args.jobs}: {args.jobs} is not a job count; accepted: a whole number from 1 to "
+                         f"{MAX_GENERATED_JOBS:,} (default {DEFAULT_GENERATED_JOBS}), e.g. --jobs 300")
     patterns = tuple(p.strip() for p in args.patterns.split(",") if p.strip())
     jobs = generate(args.kind, args.jobs, seed=args.seed, patterns=patterns, load=args.load,
                     min_gpus=args.min_gpus, max_gpus=args.max_gpus)
@@ -231,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
     gen = sub.add_parser("generate", help="write a generated workload as a MAPA job file")
     gen.add_argument("kind", choices=GENERATORS)
-    gen.add_argument("--jobs", type=int, default=300)
+    gen.add_argument("--jobs", type=int, default=DEFAULT_GENERATED_JOBS,
+                     help=f"how many jobs, 1 to {MAX_GENERATED_JOBS:,} (default %(default)s)")
     gen.add_argument("--seed", type=int, default=1)
     gen.add_argument("--patterns", default="ring", help="comma-separated patterns drawn uniformly (default ring)")
     gen.add_argument("--load", type=float, default=1.0)

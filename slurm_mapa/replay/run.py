@@ -141,6 +141,7 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
     results = _run_all(source, nodes, policies, options, csv_path=args.csv,
                        progress=bool(progress and source.fmt not in ("json", "philly")), node_choices=node_choices,
                        csv_sink=csv_sink)
+    _check_some_job_fits(results, source, nodes, label)
     share = getattr(args, "sensitive_share", None)
     warnings = [n for n in cluster_notes if n.startswith("warning:")]
     out: dict = {
@@ -223,6 +224,26 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
     else:
         _emit(args, out, parts)
     return 0
+
+
+def _check_some_job_fits(results: Sequence[RunResult], source: Source, nodes: Sequence[Node], label: str) -> None:
+    """InputError when no job of the input fits any node of the cluster: every policy would replay
+    none, and a table of zeros compares nothing (docs/replay.md). Which jobs fit is the same under
+    every policy (the simulator drops a job no node could ever hold: RunResult.dropped)."""
+    if not results or any(r.jobs or r.stuck for r in results) or not results[0].dropped:
+        return
+    widest = max(source.jobs(ReadStats()), key=lambda job: (job.gpus, job.nodes), default=None)  # read again: only here
+    largest = max(nodes, key=lambda node: node.graph.size)
+    job_text = "?" if widest is None else (f"{widest.gpus} GPUs" + (f" on each of {widest.nodes} nodes" if widest.nodes > 1 else ""))
+    pinned = results[0].dropped.get("larger than its recorded node", 0)
+    pinned_text = (f" ({pinned} larger than the node the log recorded them on: --no-pin replays them on any node)"
+                   if pinned else "")
+    raise InputError(
+        f"no job of {label} fits any node, so no policy would replay one: the largest job asks for {job_text}, the "
+        f"{f'largest of the {len(nodes)} nodes' if len(nodes) > 1 else 'only node'} ({largest.name}, {largest.graph.name}) "
+        f"has {largest.graph.size} GPUs{pinned_text}; accepted: a cluster whose nodes hold the "
+        "jobs (--topology, --cluster, --nodes, or [nodes] and [cluster] in --config) and each multi-node job's node count "
+        "(NNodes in the sacct fields, or node=N in AllocTRES)")
 
 
 def _progress(policy: str, enabled: bool) -> Callable[[int], None] | None:

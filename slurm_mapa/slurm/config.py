@@ -252,7 +252,7 @@ def _config_from_text(text: str, source: str, validate: bool) -> HookConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
-        raise InputError(f"{source}: not valid TOML: {error}") from None
+        raise InputError(f"{source}: not valid TOML: {error}; {_ACCEPTED_FILE}") from None
     nul = _nul_in(data)
     if nul:
         raise InputError(f"{source}: {nul} contains a NUL character (\\u0000), which no path or name may hold")

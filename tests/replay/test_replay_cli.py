@@ -214,3 +214,36 @@ def test_the_by_size_table_shows_medians_marks_the_best_policy_and_names_mapa(tm
     cells = {(round(t.get_position()[0]), round(t.get_position()[1])): (t.get_text(), t.get_fontweight()) for t in ax.texts}
     assert cells == {(0, 0): ("20.0", "normal"), (1, 0): ("5.0", "bold"), (0, 1): ("50.0", "bold"), (1, 1): ("4.0", "normal")}
     assert [label.get_text() for label in ax.get_yticklabels()] == ["baseline", "preserve (MAPA)"]
+
+
+def test_a_replay_in_which_no_job_fits_any_node_is_refused(capsys, tmp_path):
+    """Issue 52: every policy would replay nothing (a table of zeros); one line names the largest
+    job and the largest node instead, exit 2."""
+    jobs = tmp_path / "big.jobs"
+    assert main(["generate", "paper", "--jobs", "5", "--min-gpus", "9", "--max-gpus", "12", "-o", str(jobs)]) == 0
+    widest = max(int(line.split(",")[0]) for line in jobs.read_text().splitlines())
+    for extra, nodes_text in (([], "the only node (node1, dgx1-v100) has 8 GPUs"),
+                              (["--nodes", "3", "--json"], "the largest of the 3 nodes (node1, dgx1-v100) has 8 GPUs")):
+        assert main(["run", str(jobs), "--topology", "dgx1-v100", *extra]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+        assert captured.err.startswith(f"mapa-replay: error: no job of {jobs} fits any node, so no policy would replay one: "
+                                       f"the largest job asks for {widest} GPUs, {nodes_text}; accepted: a cluster whose "
+                                       "nodes hold the jobs (--topology, --cluster, "), captured.err
+    # One job that fits is a replay (the others are counted as not replayed).
+    with jobs.open("a") as handle:
+        handle.write("2,ring,70,5,1,alexnet.sh\n")
+    assert main(["run", str(jobs), "--topology", "dgx1-v100", "--policies", "preserve"]) == 0
+    assert "not replayed: 5 larger than every node" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("count", ["0", "-5", "10000001"])
+def test_generate_refuses_a_job_count_as_run_generate_does(capsys, tmp_path, count):
+    out = tmp_path / "w.jobs"
+    assert main(["generate", "paper", "--jobs", count, "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()
+    assert captured.err == (f"mapa-replay: error: --jobs {count}: {count} is not a job count; accepted: a whole number "
+                            "from 1 to 10,000,000 (default 300), e.g. --jobs 300\n")
+    assert main(["run", "--generate", f"paper:{count}"]) == 2
+    assert "is not a job count; accepted: " in capsys.readouterr().err

@@ -12,6 +12,7 @@ directory that anyone but root could change (the checks of :mod:`slurm_mapa.slur
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -216,6 +217,35 @@ def check_config(config: str) -> HookConfig:
     return load_admin_config(config)
 
 
+def check_node_topology(config: "HookConfig", node: str, config_path: str) -> None:
+    """InputError when the [nodes] entry matching ``node`` names a topology the Prolog could not
+    load (a file that does not exist, or one it cannot read or parse, or a misspelled preset):
+    every job on the node would get Slurm's GPUs (its record says no-topology), so `mapa hooks`
+    refuses before writing anything, as it does for a bad config. No entry: a WARNING later."""
+    from fnmatch import fnmatchcase
+
+    from ...errors import MapaError
+    from ...hardware.load import load_topology_file
+    from ...hardware.presets import PRESETS
+
+    entry = next(((pattern, spec) for pattern, spec in config.nodes if fnmatchcase(node, pattern)), None)
+    if entry is None or entry[1] in PRESETS:
+        return
+    pattern, spec = entry
+    where = f"--config {config_path}: [nodes] entry {json.dumps(pattern)} = {json.dumps(spec)} (node {node})"
+    consequence = f"every job on {node} would get Slurm's GPUs (its record says no-topology)"
+    accepted = (f"accepted: a preset ({', '.join(PRESETS)}) or a topology file on this node, e.g. from "
+                f"`mapa topo discover -o {spec if ('/' in spec or spec.endswith('.toml')) else 'FILE'}`")
+    if ("/" in spec or spec.endswith(".toml")) and not os.path.lexists(spec):
+        raise InputError(f"{where}: topology file {spec} does not exist; {consequence}; {accepted}")
+    try:
+        load_topology_file(spec)
+    except (OSError, MapaError) as error:
+        reason = " ".join(str(error).split())  # one line
+        said = "accepted" in reason or "neither a preset" in reason  # what is accepted, said already
+        raise InputError(f"{where}: {reason}; {consequence}" + ("" if said else f"; {accepted}")) from None
+
+
 def package_warning(package_dir: Path) -> str | None:
     """A warning line when root would import slurm-mapa from a directory others can change."""
     try:
@@ -292,6 +322,8 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     python = args.python or sys.executable
     check_interpreter(python)
     config = check_config(args.config)
+    node = args.node or os.uname().nodename.split(".")[0]
+    check_node_topology(config, node, args.config)
     warning = package_warning(PACKAGE_DIR)
     if warning:
         print(warning, file=sys.stderr)
@@ -319,7 +351,6 @@ def cmd_hooks(args: argparse.Namespace) -> int:
 
     # "auto" comes to a mode on this node (the TaskProlog holds it and the scope: run `mapa hooks`
     # again after changing isolation, isolation_scope or the node's topology file).
-    node = args.node or os.uname().nodename.split(".")[0]
     isolation, why = effective_mode(config, node)
     print(f"isolation: {isolation} ({why})", file=sys.stderr)
     texts["mapa-taskprolog"] = taskprolog_text(jobs_dir, args.gpu_vendor, isolation, python, str(PACKAGE_DIR.parent),

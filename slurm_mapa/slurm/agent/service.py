@@ -48,6 +48,20 @@ from ..isolation.rules import IsolationError
 from ..isolation.task_records import TaskRecords, parse_gpus, tasks_dir_of
 
 MAX_ENDED_JOBS = 4096  # the Epilogs remembered (has_ended): far more than a records loop lags behind
+CONFIG_WARNING_INTERVAL_S = 60.0  # a config gone bad while the agent runs: said at most this often
+
+
+def config_refusal(config_path: str) -> str | None:
+    """Why the config at ``config_path`` is one the hooks cannot use (they would fall back to
+    Slurm's GPUs for every job), as `mapa hooks` says it: one line naming the file, what is wrong
+    (the key, for a key) and what is accepted; None for a usable config."""
+    from ..config import load_admin_config
+
+    try:
+        load_admin_config(config_path, option="--config")
+    except MapaError as error:
+        return str(error)
+    return None
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -76,6 +90,7 @@ class Agent:
         self.make_runner = metrics.instrument(run) if metrics is not None else run  # tests give a fake Slurm here
         self.background: Background | None = None  # started by main(); tests drive it directly
         self.public_log = LogLimiter()  # failures of the public socket's requests, per uid
+        self.config_log = LogLimiter(burst=1, interval=CONFIG_WARNING_INTERVAL_S)  # a config gone bad (check_config)
         # Root's word to the TaskProlog that the SPANK plugin's request isolated a task (main()
         # keeps them beside the isolate socket; None: none written, every TaskProlog asks itself).
         self.task_records = task_records
@@ -93,6 +108,7 @@ class Agent:
         requester_pid: int | None = None,
     ) -> None:
         config_env = {"MAPA_CONFIG": self.config_path}  # read again for each job: an edit applies at once
+        self.check_config()
         job_id = env.get("SLURM_JOB_ID", "")
         if kind == "prolog":
             with self._ended_lock:
@@ -107,6 +123,23 @@ class Agent:
                     self._ended[job_id] = None
                     while len(self._ended) > MAX_ENDED_JOBS:
                         del self._ended[next(iter(self._ended))]
+
+    def check_config(self) -> None:
+        """Say on stderr (the agent's journal), at most once a minute, that the config went bad
+        while the agent runs: the line main() refuses to start with. The hooks fail open on it as
+        before (every job gets Slurm's GPUs, its record says bad-config). Never raises."""
+        try:
+            _, problem = load_hook_config({"MAPA_CONFIG": self.config_path})  # a usable one: reused for a second
+            if not problem:
+                return
+            held = self.config_log.line("config", "")  # "", or " (N more like it not logged)"; None: said this minute
+            if held is None:
+                return
+            why = config_refusal(self.config_path) or problem.removeprefix("bad-config: ")
+            self.log_errors(f"mapa-agent: error: {why}; every job on this node gets Slurm's GPUs until it is fixed "
+                            f"(said at most once a minute{'; ' + held.strip(' ()') if held else ''})")
+        except Exception as error:  # noqa: BLE001 - a warning must not disturb a request
+            self.log_errors(f"mapa-agent: could not check {self.config_path}: {error!r}")
 
     def has_ended(self, job_id: str) -> bool:
         """Whether this agent ran the job's Epilog (since its last Prolog here)."""
@@ -370,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o022)  # whatever started us: nothing the hooks create may be writable by others
     if os.geteuid() != 0:
         print("mapa-agent: must run as root, like the Prolog it replaces", file=sys.stderr)
+        return 2
+    # A config the hooks cannot use (missing, not UTF-8, bad TOML, a misspelled key, ...) would have
+    # every job on this node fall back to Slurm's GPUs: refuse to start (systemd shows the unit failed).
+    refusal = config_refusal(args.config)
+    if refusal is not None:
+        print(f"mapa-agent: error: {refusal}", file=sys.stderr, flush=True)
         return 2
     agent = Agent(args.config, node=args.node, metrics=start_metrics(args.config, args.node),
                   task_records=TaskRecords(tasks_dir_of(args.isolate_socket)))

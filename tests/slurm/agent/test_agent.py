@@ -182,6 +182,79 @@ def test_a_prolog_whose_client_went_away_keeps_only_its_provisional_choice(tmp_p
     assert not {0, 1} & set(decision.gpus)
 
 
+# --- a config the hooks cannot use: refused at the start, said while running (issue 52) ----------
+
+from slurm_mapa.slurm.agent import service  # noqa: E402
+
+UNUSABLE_CONFIGS = {  # name -> (the file's bytes, None for no file; what the error line says)
+    "missing": (None, "no such file; accepted: a UTF-8 TOML file of the keys in docs/admin.md, section 4"),
+    "not UTF-8": (b'policy = "preserve"\n\xff\xfe\x00garbage\n', "byte 0xff at offset 20 is not UTF-8; accepted: UTF-8 text"),
+    "unknown key": (b'polcy = "preserve"\n', "unknown key 'polcy' (line 1: 'polcy = \"preserve\"') (did you mean 'policy'?) "
+                                            "(accepted: admin_comment_rate, "),
+    "TOML syntax": (b'policy = "preserve\n', "not valid TOML: Illegal character '\\n' (at line 1, column 19); accepted: a UTF-8 "
+                                           "TOML file of the keys in docs/admin.md, section 4"),
+}
+
+
+def _unusable_config(tmp_path: Path, case: str) -> Path:
+    path = tmp_path / "conf" / "mapa.toml"
+    path.parent.mkdir(exist_ok=True)
+    content = UNUSABLE_CONFIGS[case][0]
+    if content is not None:
+        path.write_bytes(content)
+        os.chmod(path, 0o644)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(UNUSABLE_CONFIGS))
+def test_mapa_agent_refuses_to_start_on_a_config_the_hooks_cannot_use(tmp_path, capsys, monkeypatch, case):
+    """Every job on the node would fall back to Slurm's GPUs: one line naming the file, what is
+    wrong (the key, for a key) and what is accepted, exit status 2 (systemd shows the unit failed)."""
+    config = _unusable_config(tmp_path, case)
+
+    def must_not_listen(*args, **kwargs):
+        raise AssertionError("mapa-agent started listening on an unusable config")
+
+    monkeypatch.setattr(service, "serve", must_not_listen)
+    argv = ["--config", str(config), "--socket", str(tmp_path / "a" / "agent.sock"),
+            "--isolate-socket", str(tmp_path / "i" / "isolate.sock"), "--node", "dgx1"]
+    assert service.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.startswith(f"mapa-agent: error: --config {config}: ") and captured.err.count("\n") == 1, captured.err
+    assert UNUSABLE_CONFIGS[case][1] in captured.err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "i").exists()
+
+
+def test_a_config_gone_bad_under_a_running_agent_is_said_once_a_minute_and_the_hooks_fail_open(tmp_path):
+    config = tmp_path / "mapa.toml"
+    good = f'ledger = "{tmp_path}/ledger.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\nhealth = "off"\n'
+    config.write_text(good)
+    errors: list[str] = []
+    now = [1000.0]
+    agent = Agent(str(config), errors.append, run=lambda timeout: FakeSlurm())
+    agent.config_log.clock = lambda: now[0]
+    agent.run_hook("epilog", {"SLURM_JOB_ID": "5"}, lambda: True)
+    assert errors == []
+    config.write_text(good + 'polcy = "preserve"\n')  # an admin's typo, while the agent runs
+    for _ in range(3):
+        agent.run_hook("epilog", {"SLURM_JOB_ID": "6"}, lambda: True)  # each request still answered, failing open
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"mapa-agent: error: --config {config}: unknown key 'polcy' (line 5: 'polcy = \"preserve\"') "
+                                "(did you mean 'policy'?) (accepted: admin_comment_rate, ")
+    assert "every job on this node gets Slurm's GPUs until it is fixed (said at most once a minute)" in errors[0]
+    now[0] += 59
+    agent.run_hook("prolog", env_for("7", "0"), lambda: True)
+    assert len(errors) == 1
+    now[0] += 2
+    agent.run_hook("epilog", {"SLURM_JOB_ID": "7"}, lambda: True)
+    assert len(errors) == 2 and errors[1].endswith("(said at most once a minute; 3 more like it not logged)"), errors[1]
+    config.write_text(good)  # mended: nothing more is said
+    now[0] += 120
+    agent.run_hook("epilog", {"SLURM_JOB_ID": "8"}, lambda: True)
+    assert len(errors) == 2
+
+
 # --- mapa hooks: the wrappers Slurm runs ---------------------------------------------------------
 
 from slurm_mapa.slurm.admin.install import slurm_conf_lines, wrapper_text  # noqa: E402
