@@ -45,9 +45,10 @@ from ..node_state import ClaimTaken, Holding, Ledger, Mark, NodeState, mark_for
 from ..text.commands import CommandFailed, Log, RunCommand, Runner, batch_script_argv
 from ..text.decision import Decision, affinity_token
 from .admin_comment import flush_entry, journal_decision
-from .budget import COMMIT_RESERVE_S, Budget, run_for_at_most, search_within, within_budget
+from .budget import COMMIT_RESERVE_S, Budget, search_within, within_budget
 from .job_context import PrologContext, context_from_env
 from .node_graph import load_graph
+from .gpu_health import gpu_health_probe, healthy_gpus_check, held_gpus_check, note_held
 from ..isolation.cgroups import jobs_with_cgroups
 from .reconcile import MAX_ADOPTED_PER_PASS, adopt_jobs, reconcile_if_due
 
@@ -83,16 +84,19 @@ def read_directive(ctx: PrologContext, config: HookConfig, run: RunCommand, log:
     return parse_directive(config.default_directive), "default"
 
 
-def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...], held: Sequence[int] = ()) -> tuple[int, ...]:
+def fallback_gpus(slurm_gpus: tuple[int, ...], free: tuple[int, ...], held: Sequence[int] = (),
+                  held_out: frozenset[int] = frozenset()) -> tuple[int, ...]:
     """Slurm's own indices when no job holds them, else the lowest free ones.
 
     When fewer are free than the job needs (only when jobs really do share GPUs), all the free
     ones and then Slurm's own, then the GPUs held by the fewest jobs (``held``: one entry per
-    holding job), so the sharing stays as small as it can be.
+    holding job), so the sharing stays as small as it can be. GPUs ``held_out`` of new jobs
+    (``mapa gpu hold``) come after every other free one, so one is given only when too few others are free.
     """
     wanted = len(slurm_gpus)
-    if set(slurm_gpus) <= set(free):
+    if set(slurm_gpus) <= set(free) - held_out:
         return slurm_gpus
+    free = tuple(g for g in free if g not in held_out) + tuple(g for g in free if g in held_out)
     if len(free) >= wanted:
         return free[:wanted]
     chosen = list(free)
@@ -115,11 +119,12 @@ def choose(
     problem: str,
     unhealthy: frozenset[int] = frozenset(),
     search_seconds: float | None = None,
+    held_out: frozenset[int] = frozenset(),
 ) -> Decision:
-    """The pure decision: the policy's choice on the free healthy GPUs, or the fail-open fallback.
-    ``search_seconds``: how long its searches may take together (core.search.SearchLimit); past it
-    the best found is taken and the record says how far from the optimum it can be (``gap=``)."""
-    free = ledger.free(size, unhealthy)
+    """The pure decision: the policy's choice on the free healthy GPUs not ``held_out``, or the fail-open fallback
+    (which takes held-out GPUs last). ``search_seconds``: how long its searches may take together
+    (core.search.SearchLimit); past it the best found is taken and the record says how far from the optimum it can be (``gap=``)."""
+    free = ledger.free(size, unhealthy | held_out)
     running = ledger.running_groups()
     if graph is not None and not problem:
         try:
@@ -161,17 +166,18 @@ def choose(
             problem = "ledger-has-too-few-free-gpus"
         except (MapaError, OSError) as error:
             problem = "bad-directive-or-model: " + str(error)
-    return fallback_decision(ctx, ledger, size, problem, free, running)
+    return fallback_decision(ctx, ledger, size, problem, ledger.free(size, unhealthy), running, held_out)
 
 
 def fallback_decision(
-    ctx: PrologContext, ledger: Ledger, size: int, problem: str, free: tuple[int, ...] | None = None, running=None
+    ctx: PrologContext, ledger: Ledger, size: int, problem: str, free: tuple[int, ...] | None = None, running=None,
+    held_out: frozenset[int] = frozenset(),
 ) -> Decision:
     free = ledger.free(size) if free is None else free
     running = ledger.running_groups() if running is None else running
     held = [g for holding in ledger.holdings.values() for g in holding.gpus]
     token = problem.split(":")[0].strip().replace(" ", "-") or "unknown"
-    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free, held), "fallback", fallback=token, free=free, running=running,
+    return Decision(ctx.node, fallback_gpus(ctx.slurm_gpus, free, held, held_out), "fallback", fallback=token, free=free, running=running,
                     slurm_gpus=ctx.slurm_gpus)
 
 
@@ -214,7 +220,7 @@ CLAIM_RETRY_S = 0.01
 
 def record_provisional(
     ctx: PrologContext, config: HookConfig, size: int, budget: Budget, log: Log, mark: Mark | None = None,
-    unknown: list[str] | None = None,
+    unknown: list[str] | None = None, held_out: frozenset[int] = frozenset(),
 ) -> tuple[int, ...] | None:
     """Step 2: a safe choice made from local files only, recorded before anything slow happens.
     None when a newer run of the job's Prolog owns the job (NodeState.owns). ``unknown``: see
@@ -234,7 +240,7 @@ def record_provisional(
                     unknown.clear()
                 ledger, ended, _ = state.current(ledger_file, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus,
                                                   unknown=unknown, seen_jobs=seen)
-                decision = fallback_decision(ctx, ledger, size, "provisional")
+                decision = fallback_decision(ctx, ledger, size, "provisional", held_out=held_out)
                 try:
                     state.commit(ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log,
                            ctx.slurm_gpus)
@@ -263,7 +269,11 @@ def record_provisional(
             ledger, _, _ = state.current(ledger_file, size, ctx.job_id, log, slurm_gave=ctx.slurm_gpus)
             free = tuple(g for g in ledger.free(size) if g not in gpus)
             own = tuple(g for g in ctx.slurm_gpus if g in free)
-            gpus += state.claim(ctx.job_id, own + spread(ctx.job_id, set(free) - set(own)), wanted - len(gpus))
+            order = own + spread(ctx.job_id, set(free) - set(own))
+            # Held GPUs (mapa gpu hold) only once the wait is over: an unheld one may come free meanwhile.
+            order = tuple(g for g in order if g not in held_out) + (tuple(g for g in order if g in held_out)
+                                                                     if time.monotonic() > claim_deadline else ())
+            gpus += state.claim(ctx.job_id, order, wanted - len(gpus))
             if len(gpus) == wanted or time.monotonic() > claim_deadline:
                 break
             time.sleep(CLAIM_RETRY_S)
@@ -272,7 +282,7 @@ def record_provisional(
             # (their jobs ended after the lock got stuck: only a lock holder removes their files)
             # come first; only then GPUs live jobs hold, as few jobs as possible.
             unclaimable = tuple(g for g in ledger.free(size) if g not in gpus)
-            gpus = fallback_gpus(ctx.slurm_gpus, gpus + unclaimable, [g for h in ledger.holdings.values() for g in h.gpus])
+            gpus = fallback_gpus(ctx.slurm_gpus, gpus + unclaimable, [g for h in ledger.holdings.values() for g in h.gpus], held_out)
             shared = sorted(set(gpus) & ledger.held())
             log(f"job {ctx.job_id}: too few GPUs came free to claim without the lock in {time.monotonic() - claim_started:.1f} s; "
                 f"it takes GPUs {','.join(map(str, gpus))}"
@@ -325,7 +335,8 @@ def run_prolog(
         ctx.job_cpus = read_job_cpus(requester_pid or os.getpid(), ctx.job_id, sluid=ctx.sluid)
     graph, size, problem = read_node(ctx, config, config_problem)
     unknown: list[str] = []
-    provisional = record_provisional(ctx, config, size, budget, log, mark, unknown)
+    held_out = held_gpus_check(ctx, state, log)
+    provisional = record_provisional(ctx, config, size, budget, log, mark, unknown, held_out)
     if provisional is None:
         log(f"job {ctx.job_id}: a newer run of its Prolog took the job over; this one writes nothing")
         return None
@@ -341,8 +352,9 @@ def run_prolog(
         problem = problem or f"bad-directive: {error}"
         directive, source = parse_directive(""), "none"
     decision = decide_and_commit(ctx, config, state, log, problem, graph, size, directive, source, provisional, unhealthy,
-                                 still_wanted, budget, mark)
+                                 still_wanted, budget, mark, held_out)
     if decision is not None:
+        decision = note_held(ctx, decision, held_out, log)
         record_decision(ctx, config, state, bounded, log, directive, source, problem, decision, size, defer, budget)
     return decision
 
@@ -371,23 +383,6 @@ def read_node(ctx: PrologContext, config: HookConfig, problem: str) -> tuple["Ha
     return graph, size, problem
 
 
-def healthy_gpus_check(
-    ctx: PrologContext, config: HookConfig, log: Log, unhealthy_gpus: Callable[[], dict[int, tuple[str, ...]]] | None,
-    budget: Budget,
-) -> frozenset[int]:
-    """The GPUs the driver's library says to leave out (none when there is no probe or it fails)."""
-    if unhealthy_gpus is None:
-        return frozenset()
-    try:
-        problems = run_for_at_most(budget.for_step(config.command_timeout), unhealthy_gpus)
-    except Exception as error:  # noqa: BLE001 - a health probe must never stop the job
-        log(f"job {ctx.job_id}: GPU health check failed ({error}); using every GPU")
-        return frozenset()
-    for gpu, reasons in sorted(problems.items()):
-        log(f"job {ctx.job_id}: leaving out GPU {gpu}: {'; '.join(reasons)}")
-    return frozenset(problems)
-
-
 def decide_and_commit(
     ctx: PrologContext,
     config: HookConfig,
@@ -403,6 +398,7 @@ def decide_and_commit(
     still_wanted: Callable[[], bool] | None,
     budget: Budget,
     mark: Mark,
+    held_out: frozenset[int] = frozenset(),
 ) -> Decision | None:
     """Phases 3 and 4: search on a snapshot of the free GPUs outside the lock, then commit the
     choice under the lock if the free GPUs did not change meanwhile (else search again while the
@@ -419,7 +415,7 @@ def decide_and_commit(
         try:
             proposal = search_within(budget.for_step(budget.left()),
                                      lambda: choose(ctx, config, graph, directive, snapshot, size, problem, unhealthy,
-                                                    search_seconds(budget)))
+                                                    search_seconds(budget), held_out))
         except TimeoutError as error:
             proposal = None
             log(f"job {ctx.job_id}: {error}; keeping the provisional choice")
@@ -436,7 +432,7 @@ def decide_and_commit(
                     decision = proposal
                 elif proposal is None or budget.for_step(budget.left()) < 0.2 or claim_races >= MAX_CLAIM_RACES:
                     keep = provisional if not set(provisional) & fresh.held() else None
-                    decision = fallback_decision(ctx, fresh, size, problem or "prolog-budget-spent")
+                    decision = fallback_decision(ctx, fresh, size, problem or "prolog-budget-spent", held_out=held_out)
                     if keep is not None:
                         decision = dataclasses.replace(decision, gpus=keep)
                 else:
@@ -526,7 +522,9 @@ def record_after_error(env: Mapping[str, str], config: HookConfig, log: Log) -> 
         if not ctx.slurm_gpus or NodeState.of(config).has_job_file(ctx.job_id):
             return
         size = size_without_topology(ctx, config)
-        gpus = record_provisional(ctx, config, size, Budget(config.prolog_budget / 4 + COMMIT_RESERVE_S), log)
+        state = NodeState.of(config)
+        gpus = record_provisional(ctx, config, size, Budget(config.prolog_budget / 4 + COMMIT_RESERVE_S), log,
+                                  held_out=held_gpus_check(ctx, state, log))
         log(f"job {ctx.job_id}: after the error it runs on GPUs {','.join(map(str, gpus))}, which no other job holds if any were free")
     except Exception as error:  # noqa: BLE001 - nothing more can be done safely; the job runs on Slurm's GPUs
         log(f"prolog: could not record a safe choice after the error ({error}); the job runs on Slurm's GPUs")
@@ -549,35 +547,3 @@ def seconds_since_wrapper_start(env: Mapping[str, str], uptime: Path = Path("/pr
 def prolog_main() -> int:
     prolog_failing_open(os.environ, os.environ, spent_before=seconds_since_wrapper_start(os.environ))
     return 0
-
-
-def _pid_in_a_job(pid: int) -> bool:
-    """Whether a process runs inside a Slurm job (its environment names one)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            return b"SLURM_JOB_ID=" in handle.read(1 << 16)
-    except OSError:
-        return True  # gone, or not ours to read: do not blame the GPU
-
-
-def gpu_health_probe(config: HookConfig, kfd: Path = Path("/dev/kfd")) -> Callable[[], dict[int, tuple[str, ...]]] | None:
-    """The GPUs to leave out as the driver's library sees them (NVML; AMD SMI on nodes with the
-    amdgpu driver's /dev/kfd), when the config asks for it and the library is there."""
-    if config.health == "off":
-        return None
-    if kfd.exists():
-        from ...hardware.amd import health_probe
-
-        return health_probe(_pid_in_a_job)
-    try:
-        import pynvml  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError:
-        return None
-
-    def probe() -> dict[int, tuple[str, ...]]:
-        from ...hardware.nvml import health, load_pynvml, nvml_session
-
-        with nvml_session(load_pynvml()) as nvml:
-            return health(nvml, job_pids=_pid_in_a_job).problems
-
-    return probe

@@ -10,7 +10,9 @@ The files (their formats are in the modules that write them):
   marker;
 * the ledger (``ledger``, on /var/lib; ``ledger.py``): an index of which job holds which GPUs,
   changed only under its lock, with the time of the last reconcile pass beside it;
-* the journal (``journal``; ``journal.py``): the AdminComment records not yet written.
+* the journal (``journal``; ``journal.py``): the AdminComment records not yet written;
+* the held GPUs (``held-gpus.json`` beside the ledger; ``held_gpus.py``): GPUs kept out of every
+  new job (``mapa gpu hold``), changed only under the ledger's lock.
 
 Invariants, which tests/slurm/node_state/test_safety.py (randomised kills at every step, stuck locks),
 tests/slurm/node_state/test_claim_races.py, tests/core/test_invariant.py and benchmarks/bench_soak.py prove:
@@ -41,7 +43,8 @@ from typing import Callable, Iterable
 from ... import errors
 from .. import trusted_files
 from ..text.commands import is_job_id
-from . import job_files, journal
+from . import held_gpus, job_files, journal
+from .held_gpus import MAX_REASON_CHARS, GpuHold, HeldCorrupt, reason_problem
 from .job_files import (MARK_MAX_BYTES, JobMapping, JobRecords, Mark, device_count, ended_path, highest_known_gpu,
                         is_sluid, mark_for, mark_text)
 from .journal import NOTE_SUFFIX, Entry
@@ -50,7 +53,8 @@ from .ledger import Holding, Ledger, LedgerCorrupt, LedgerFile, ledger_from_json
 __all__ = [
     "NodeState", "ClaimTaken", "Holding", "Ledger", "LedgerCorrupt", "LedgerFile", "JobMapping", "JobRecords", "Mark", "Entry",
     "NOTE_SUFFIX", "MARK_MAX_BYTES", "mark_for", "mark_text", "ended_path", "is_sluid", "reconcile", "ledger_from_json",
-    "ledger_to_json", "device_count", "highest_known_gpu",
+    "ledger_to_json", "device_count", "highest_known_gpu", "GpuHold", "HeldCorrupt", "MAX_REASON_CHARS",
+    "reason_problem",
 ]
 
 Log = Callable[[str], None]
@@ -182,6 +186,28 @@ class NodeState:
         job_files.write_job_file(self.jobs_dir, job_id, holding.gpus, slurm_gpus, paired)
         ledger_file.write(new)
         job_files.release_claims(self.jobs_dir, job_id, keep=holding.gpus)  # those of an earlier choice
+
+    # --- held GPUs (issue 50) -------------------------------------------------------------------
+
+    def held_path(self) -> Path:
+        return held_gpus.held_path(self.ledger_path)
+
+    def held_gpus(self) -> dict[int, GpuHold]:
+        """The GPUs held out of new jobs (none without the file); HeldCorrupt if it cannot be trusted."""
+        return held_gpus.read_held(self.held_path())
+
+    def set_hold(self, gpu: int, hold: GpuHold | None, lock_wait: float = 10.0) -> GpuHold | None:
+        """Hold ``gpu`` (``hold``) or release it (None), under the ledger's lock; the hold it had
+        before (None: it was not held). HeldCorrupt if the file cannot be read (it is not replaced:
+        the caller says what to do); TimeoutError if the lock cannot be had."""
+        with self.ledger(1 << 10).locked(timeout=lock_wait):
+            holds = self.held_gpus()
+            before = holds.pop(gpu, None)
+            if hold is not None:
+                holds[gpu] = hold
+            if hold is not None or before is not None:
+                held_gpus.write_held(self.held_path(), holds)
+            return before
 
     # --- reconciling --------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ on, ``slurm=`` (the GPUs Slurm picked, whose CPUs the job's cores are taken to b
 isolate the job's devices on the node (docs/isolation.md), it adds ``isolation=failed-open`` (the
 job ran without) or ``isolation=refused`` (fail-closed: its task failed) and ``why=<reason>``.
 ``model=NAME`` names the effective-bandwidth model that priced ``eff=``, and ``extrapolated=yes``
-says that ``eff=`` lies outside that model's fitted range; records written before these keys
+says that ``eff=`` lies outside that model's fitted range; ``held=3`` names GPUs an admin held out
+of new jobs (``mapa gpu hold``) that the job still had to be given, too few others being free; records written before these keys
 existed have neither (model unknown, not marked) and parse as before.
 The directive grammar ends a body at `#`, so the record's text up to the first `#` parses as the
 directive. sacct keeps it; mapa-replay and mapa explain read it.
@@ -59,7 +60,7 @@ MAX_ADMIN_COMMENT_CHARS = 16384
 # most MAX_ADMIN_COMMENT_CHARS. Bounds the work on any text, however many `mapa:` words it has.
 MAX_RECORD_SCAN_CHARS = 65536
 DECISION_KEYS = ("policy", "free", "running", "slurm", "cpus", "affinity", "eff", "agg", "pres", "model", "extrapolated", "fallback",
-                 "isolation", "why")
+                 "held", "isolation", "why")
 MAX_MODEL_TOKEN_CHARS = 64
 _MODEL_TOKEN = re.compile(r"[A-Za-z0-9._+-]{1,64}")  # what model_token writes
 ISOLATION_STATES = ("failed-open", "refused")  # what a node's record says when device isolation was not applied
@@ -90,6 +91,7 @@ class Decision:
     model: str = ""  # the effective-bandwidth model that priced `effective` (model_token); "": not recorded
     extrapolated: bool = False  # `effective` lies outside that model's fitted range
     gap: float | None = None  # the search ran out of time: the optimum is at most this much better (None: proven)
+    held: tuple[int, ...] = ()  # GPUs held out of new jobs (`mapa gpu hold`) that the job had to be given: too few others were free
 
     def text(self) -> str:
         parts = [f"{self.node}={','.join(map(str, self.gpus))}", f"policy={self.policy}"]
@@ -114,6 +116,8 @@ class Decision:
             parts.append(f"gap={self.gap:.3f}")
         if self.fallback:
             parts.append(f"fallback={self.fallback}")
+        if self.held:
+            parts.append(f"held={','.join(map(str, self.held))}")
         if self.isolation:
             parts.append(f"isolation={self.isolation}")
         if self.why:
@@ -270,12 +274,16 @@ def _decision_in(segment: str) -> Decision | None:
         job_cpus = ""
     isolation = fields.get("isolation", "")
     model = fields.get("model", "")
+    try:
+        held = parse_gpu_indices(fields.get("held", ""))
+    except ValueError:
+        held = ()
     return Decision(
         node, gpus, fields.get("policy", ""), number("eff"), number("agg"), number("pres"), fields.get("fallback", ""), free,
         tuple(group for group in running if group), slurm_gpus, affinity if parse_affinity(affinity) else "", job_cpus,
         isolation if isolation in ISOLATION_STATES else "", fields.get("why", "")[:MAX_WHY_CHARS],
         model if _MODEL_TOKEN.fullmatch(model) else "", fields.get("extrapolated") == "yes",
-        gap if (gap := number("gap")) is not None and gap >= 0 else None,
+        gap if (gap := number("gap")) is not None and gap >= 0 else None, held,
     )
 
 
