@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_hook_commands(commands)
     from .slurm.admin.doctor import add_commands as add_doctor_commands
     add_doctor_commands(commands)
+    from .slurm.admin.gpu_hold import add_commands as add_gpu_commands
+    add_gpu_commands(commands)
     from .slurm.admin.release import add_commands as add_release_commands
     add_release_commands(commands)
     from .slurm.admin.contrib import add_commands as add_contrib_commands

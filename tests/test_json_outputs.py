@@ -49,6 +49,7 @@ CASES = {
     ("mapa", "topo", "show"): lambda tmp: ["topo", "show", "mi250x"],
     ("mapa", "select"): lambda tmp: ["select", "--topology", "dgx-a100", "--gpus", "8", "--directive", "sensitive=yes"],
     ("mapa", "status"): lambda tmp: ["status", "node1", "--config", _status_config(tmp)],
+    ("mapa", "gpu", "list"): lambda tmp: ["gpu", "list", "--node", "node1", "--config", _status_config(tmp)],
     ("mapa", "doctor"): lambda tmp: ["doctor", "--config", str(tmp / "missing.toml"), "--node", "node1"],
     ("mapa", "calibrate", "plan"): lambda tmp: ["calibrate", "plan", "--topology", "dgx1-v100", "--max-gpus", "3", "--output-dir",
                                                str(tmp / "plan")],

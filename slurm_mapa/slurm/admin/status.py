@@ -24,7 +24,7 @@ from ..config import DEFAULT_CONFIG_PATH, HookConfig, load_admin_config, program
 from ..text.decision import parse_decisions, read_admin_comment, record_directive
 from ..text.directive import to_request
 from ..hooks.node_graph import load_graph
-from ..node_state import Ledger, LedgerCorrupt, NodeState, reconcile
+from ..node_state import HeldCorrupt, Ledger, LedgerCorrupt, NodeState, reconcile
 
 
 def _config(path: str | None) -> HookConfig:
@@ -59,8 +59,15 @@ def node_status(config: HookConfig, node: str) -> dict[str, Any]:
         jobs.append({"job": job, "gpus": list(holding.gpus), "slurm_gpus": slurm_gpus, "policy": holding.policy, "links": links,
                      "note": holding.note})
     free = ledger.free(graph.size)
+    from .gpu_hold import held_list
+
+    try:
+        held = held_list(state)
+    except HeldCorrupt as error:
+        held = []
+        problems.append(f"held GPUs file {state.held_path()} cannot be read ({error}): the hooks hold no GPU out")
     return {"node": node, "topology": graph.name, "jobs": jobs, "free": list(free), "free_preserved_bandwidth": preserved_bandwidth(graph, free),
-            "shared": {str(gpu): owners for gpu, owners in sorted(ledger.shared().items())}, "problems": problems}
+            "shared": {str(gpu): owners for gpu, owners in sorted(ledger.shared().items())}, "held": held, "problems": problems}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -74,6 +81,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         slurm = f" (Slurm's: {','.join(map(str, job['slurm_gpus']))})" if job["slurm_gpus"] else ""
         print(f"  job {job['job']}: GPUs {','.join(map(str, job['gpus']))}{slurm} [{job['policy']}] links {' '.join(job['links']) or '-'}")
     print(f"  free: {','.join(map(str, status['free'])) or 'none'}; preserved bandwidth {status['free_preserved_bandwidth']:.1f} GB/s")
+    from .gpu_hold import held_lines
+
+    for held, line in zip(status["held"], held_lines(status["held"])):
+        print(f"  HELD: {line} (`mapa gpu release {held['gpu']}` lets new jobs have it)")
     for gpu, owners in status["shared"].items():
         print(f"  SHARED: GPU {gpu} is used by jobs {', '.join(owners)} (a killed Prolog); held until all of them end")
     for problem in status["problems"]:

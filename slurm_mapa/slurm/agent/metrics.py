@@ -119,9 +119,11 @@ class NodeGauges:
     idle_ring: Mapping[int, float]  # k -> the same with every GPU free
     free_preserved: float  # the paper's Eq. 3 over the free GPUs
     idle_preserved: float  # ... over every GPU
+    held_out: frozenset[int] = frozenset()  # GPUs held out of new jobs (mapa gpu hold)
 
 
-def node_gauges(graph: "HardwareGraph", holdings: Mapping[str, Any], model: Any, policies: Iterable[str]) -> NodeGauges:
+def node_gauges(graph: "HardwareGraph", holdings: Mapping[str, Any], model: Any, policies: Iterable[str],
+                held_out: frozenset[int] = frozenset()) -> NodeGauges:
     """The state gauges for a node from its ledger's holdings (job -> ledger.Holding), with the
     core's public search (core.features.best_free, cached per free set; core.search.preserved_bandwidth)."""
     from ...core.features import best_free
@@ -147,6 +149,7 @@ def node_gauges(graph: "HardwareGraph", holdings: Mapping[str, Any], model: Any,
         idle_ring={k: best_free(graph, every, k, model) or 0.0 for k in sizes},
         free_preserved=preserved_bandwidth(graph, free),
         idle_preserved=preserved_bandwidth(graph, every),
+        held_out=frozenset(held_out),
     )
 
 
@@ -160,7 +163,7 @@ def read_node_gauges(config: "HookConfig", node: str) -> NodeGauges:
 
     snapshot = read_snapshot(config, node)
     model = resolve_model(config.model_for(node), snapshot.graph)
-    return node_gauges(snapshot.graph, snapshot.ledger.holdings, model, all_policies())
+    return node_gauges(snapshot.graph, snapshot.ledger.holdings, model, all_policies(), snapshot.held_out)
 
 
 class AgentMetrics:
@@ -512,6 +515,11 @@ class _StateCollector:
         shared = GaugeMetricFamily("mapa_gpus_shared", "GPUs held by more than one job (must stay 0)", labels=["node"])
         shared.add_metric([node], float(state.shared))
         yield shared
+        held_out = GaugeMetricFamily("mapa_gpu_held", "1 for a GPU held out of new jobs (mapa gpu hold), else 0",
+                                     labels=["node", "gpu"])
+        for gpu in range(state.size):
+            held_out.add_metric([node, str(gpu)], 1.0 if gpu in state.held_out else 0.0)
+        yield held_out
         jobs = GaugeMetricFamily("mapa_ledger_jobs", "Jobs in the node's ledger", labels=["node"])
         jobs.add_metric([node], float(state.jobs))
         yield jobs

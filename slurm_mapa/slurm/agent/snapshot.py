@@ -3,26 +3,29 @@
 node's topology and its ledger as they are on disk.
 
 The ledger is read without its lock: a read never needs it, since the ledger is replaced whole.
+GPUs held out of new jobs (``mapa gpu hold``) are not free: no feature advertises a ring through
+one, since no new job would get it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...core.hardware import HardwareGraph
 from ..config import HookConfig
-from ..node_state import Ledger, NodeState
+from ..node_state import HeldCorrupt, Ledger, NodeState
 
 
 @dataclass(frozen=True)
 class NodeSnapshot:
     graph: HardwareGraph
     ledger: Ledger
+    held_out: frozenset[int] = field(default_factory=frozenset)  # held out of new jobs (mapa gpu hold)
 
     @property
     def free(self) -> tuple[int, ...]:
-        """The GPUs no job of the ledger holds."""
-        return self.ledger.free(self.graph.size)
+        """The GPUs no job of the ledger holds and none is held out."""
+        return self.ledger.free(self.graph.size, self.held_out)
 
 
 def read_snapshot(config: HookConfig, node: str) -> NodeSnapshot:
@@ -31,4 +34,9 @@ def read_snapshot(config: HookConfig, node: str) -> NodeSnapshot:
     from ..hooks.node_graph import load_graph
 
     graph = load_graph(config, node)
-    return NodeSnapshot(graph, NodeState.of(config).read_ledger(graph.size))
+    state = NodeState.of(config)
+    try:
+        held_out = frozenset(state.held_gpus())
+    except (HeldCorrupt, OSError):
+        held_out = frozenset()  # as the hooks: an unreadable file holds nothing out (mapa doctor says so)
+    return NodeSnapshot(graph, state.read_ledger(graph.size), held_out)

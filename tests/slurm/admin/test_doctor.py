@@ -159,7 +159,7 @@ def test_a_healthy_compute_node_passes_every_check():
     assert [check.check for check in checks] == [
         "role", "scontrol", "mapa.toml", "prolog", "epilog", "taskprolog", "hooks-current", "prolog-flags",
         "prolog-timeout", "job-submit", "select-type", "task-plugin", "constrain-devices", "spank", "topology", "gres",
-        "discovery", "isolation", "agent", "features", "trust"]
+        "discovery", "isolation", "agent", "features", "held", "trust"]
     found = by_name(checks)
     assert "Prolog = /usr/local/sbin/mapa-prolog-wrapper: root's, mode 755" in found["prolog"].found
     assert "PrologEpilogTimeout = 60 s (needed: 60 s)" in found["prolog-timeout"].found

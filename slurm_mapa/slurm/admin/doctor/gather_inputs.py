@@ -239,6 +239,11 @@ def gather(config_path: str, node: str, environ: Mapping[str, str] | None = None
     from ...isolation.isolator import effective_mode
 
     got["isolation"], got["isolation_error"] = _safely(effective_mode, config, node)
+    from ...node_state import NodeState
+    from ..gpu_hold import held_list
+
+    held, got["held_error"] = _safely(held_list, NodeState.of(config))
+    got["held_gpus"] = tuple(held or ())
 
     hooks, texts = {}, {}
     for key, _, wanted in HOOKS:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from ....hardware.topofile import Topology
 from ...agent.client import DEFAULT_SOCKET
@@ -96,5 +96,7 @@ class Inputs:
     agent_error: str = ""
     isolate_socket: PathFacts | None = None
     fleet_errors: tuple[str, ...] = ()  # [features] fleet topologies that do not load
+    held_gpus: tuple[Mapping[str, Any], ...] = ()  # `mapa gpu list --json`'s entries (gpu_hold.held_list)
+    held_error: str = ""  # why the held GPUs could not be read
 
 
