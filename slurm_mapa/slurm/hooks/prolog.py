@@ -243,7 +243,7 @@ def record_provisional(
                 decision = fallback_decision(ctx, ledger, size, "provisional", held_out=held_out)
                 try:
                     state.commit(ledger_file, ledger, ctx.job_id, Holding(decision.gpus, "provisional", time.time(), "choosing"), log,
-                           ctx.slurm_gpus)
+                                 ctx.slurm_gpus, ended=ended)
                 except ClaimTaken:
                     continue  # the claim is in the files now: read them again
                 state.forget_ended(ended, [], None, log, ctx.job_id)
@@ -440,7 +440,7 @@ def decide_and_commit(
                 note = f"directive from {source}" + (f"; {problem}" if problem else "")
                 try:
                     state.commit(ledger_file, fresh, ctx.job_id, Holding(decision.gpus, decision.policy, time.time(), note), log,
-                                 ctx.slurm_gpus, paired_order(graph, decision.gpus))
+                                 ctx.slurm_gpus, paired_order(graph, decision.gpus), ended=ended)
                 except ClaimTaken as taken:
                     claim_races += 1
                     if claim_races <= MAX_CLAIM_RACES:

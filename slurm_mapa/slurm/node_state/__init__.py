@@ -168,11 +168,15 @@ class NodeState:
         return LedgerFile(self.ledger_path, size).read()
 
     def commit(self, ledger_file: LedgerFile, ledger: Ledger, job_id: str, holding: Holding, log: Log,
-               slurm_gpus: tuple[int, ...] = (), paired: tuple[int, ...] | None = None) -> None:
+               slurm_gpus: tuple[int, ...] = (), paired: tuple[int, ...] | None = None, ended: Iterable[str] = ()) -> None:
         """Record ``holding`` for ``job_id`` (under the lock): its GPUs claimed, then the job file
         (what the job uses), then the ledger. ClaimTaken, with nothing written, if a GPU was
         claimed by a Prolog without the lock after ``ledger`` was read: the caller reads the
-        files and chooses again."""
+        files and chooses again. ``ended``: the jobs this reading of the files found ended (an
+        Epilog killed after its .ended file leaves its claims): their claims go first, or every
+        commit would lose to them until the job is reaped."""
+        for job in ended:
+            job_files.release_claims(self.jobs_dir, job)
         held = ledger.held()
         shared = sorted(set(holding.gpus) & held)
         taken = job_files.claim_all(self.jobs_dir, job_id, tuple(g for g in holding.gpus if g not in held))
