@@ -5,6 +5,7 @@ status 1. The checks themselves are unit-tested on literal inputs in tests/slurm
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -35,11 +36,22 @@ def _fails(proc) -> list[str]:
     return [line for line in proc.stdout.splitlines() if line.startswith("FAIL")]
 
 
+def _doctor_answered(cluster, node: str, *args: str):
+    """_doctor, asked again (3 tries) while slurmctld did not answer it in time: a busy controller
+    (CI's load) is what doctor warns about, not what these tests check."""
+    for _ in range(3):
+        proc = _doctor(cluster, node, *args)
+        if "did not answer" not in proc.stdout:
+            return proc
+        time.sleep(5)
+    return proc
+
+
 def test_a_healthy_dgx_node_passes(cluster):
-    proc = _doctor(cluster, "dgx1")
+    proc = _doctor_answered(cluster, "dgx1")
     assert proc.returncode == 0 and not _fails(proc), _said(proc)
     assert "Traceback" not in proc.stderr, _said(proc)
-    report = _doctor(cluster, "dgx1", "--json")
+    report = _doctor_answered(cluster, "dgx1", "--json")
     assert report.returncode == 0, _said(report)
     checks = {entry["check"]: entry for entry in json.loads(report.stdout) if entry["check"] != "trust"}
     # What this cluster is sure to have right (docs/cluster.md): the rest may warn (features between

@@ -310,6 +310,9 @@ WARNINGS = [
     ("slurmctld too slow to show the node",  # a busy controller is not a wrong node name (seen under CI's load)
      {"show_node": None, "show_node_error": "/usr/bin/scontrol timed out after 5 s"},
      "features", "did not answer (/usr/bin/scontrol timed out after 5 s)"),
+    ("slurmctld too slow to show its config",  # CI's load: a FAIL told the admin to install Slurm's commands
+     {"show_config": None, "show_config_error": "/usr/bin/scontrol timed out after 5 s"},
+     "scontrol", "did not answer (/usr/bin/scontrol timed out after 5 s): slurmctld is busy or slow"),
     ("agent down, isolation off",
      {"isolation": ("off", 'isolation = "off" in mapa.toml'), "hook_texts": _hook_texts(isolation="off"),
       "agent_answer": None, "agent_error": "Connection refused"},

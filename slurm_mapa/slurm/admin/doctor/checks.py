@@ -50,11 +50,17 @@ def node_role(inputs: Inputs, conf: Mapping[str, str] | None) -> Role:
 
 
 def check_scontrol(inputs: Inputs, conf: Mapping[str, str] | None) -> Check:
+    from ...text.commands import timed_out
+
     if conf is None and (inputs.show_config_error or "").startswith("not run: "):
         return Check("scontrol", FAIL, f"`scontrol show config` was {inputs.show_config_error}; "
                                        "the slurm.conf checks could not be made",
                      "make mapa.toml and the scontrol/squeue it names root's files that only root may change "
                      "(as the hooks require), then run mapa doctor again")
+    if conf is None and timed_out(inputs.show_config_error or ""):
+        return Check("scontrol", WARN, f"`scontrol show config` did not answer ({inputs.show_config_error}): slurmctld is "
+                                       "busy or slow, the slurm.conf checks were not made",
+                     "run mapa doctor again; if it stays, see slurmctld's load (`sdiag`) and log")
     if conf is None:
         return Check("scontrol", FAIL, f"`scontrol show config` failed: {inputs.show_config_error or 'no output'}; "
                                        "the slurm.conf checks could not be made",
