@@ -110,6 +110,47 @@ def best_by_rings(graph: HardwareGraph, free: tuple[int, ...], pattern: Pattern,
     return replace(placement, ring_rate=top_rate)
 
 
+def best_by_rings_known(graph: HardwareGraph, free: tuple[int, ...], pattern: Pattern, model: EffectiveBandwidthModel
+                        ) -> Placement | None:
+    """What ``best_by_rings`` chooses on ``free`` after the search, in one pass over its k-sets and
+    without the search, where every k-set's best placement is known already (a warm replay or
+    daemon: kept here, or kept by the search, :mod:`.subset_results`); None where one is not (then
+    the search and ``best_by_rings`` run). The search's optimum on ``free`` is the best of its
+    k-sets' (:mod:`.subset_results`), so the set ``best_by_rings`` picks is the k-set with the
+    largest (effective bandwidth, ring rate, aggregated bandwidth), then the smallest GPU
+    sequence: the same choice, with the same scores. No limit: its choice is exact."""
+    gpus = sorted(set(free))
+    k = pattern.size
+    if not gpus or gpus[0] < 0 or gpus[-1] >= graph.size or len(gpus) < k:
+        return None  # the search says what is wrong
+    table, rated, search = _set_results(graph, pattern, model)
+    kept_by_search = kept_results(graph, model, pattern, "effective")
+    top: tuple | None = None
+    top_eff = top_negative = top_agg = 0.0
+    top_gpus: tuple[int, ...] = ()
+    for combo in combinations([1 << g for g in gpus], k):
+        mask = sum(combo)
+        record = table.get(mask)
+        if record is None or record[2] is _UNKNOWN:
+            if mask not in kept_by_search:
+                return None
+            if record is None:
+                record = rated(mask)
+            search(mask)  # the search's kept placement, scored (once per k-set)
+            record = table[mask]
+        found = record[2]
+        if found is None:
+            continue
+        eff, agg = found[0], found[1]
+        negative = record[0]
+        if top is None or eff > top_eff or (eff == top_eff and (negative < top_negative or (negative == top_negative and (
+                agg > top_agg or (agg == top_agg and found[2] < top_gpus))))):
+            top, top_eff, top_negative, top_agg, top_gpus = record, eff, negative, agg, found[2]
+    if top is None:
+        return None
+    return replace(score_placement(graph, gpus, pattern, top_gpus, model), ring_rate=top[1])
+
+
 # What the tie-break looks up decision after decision (a replay, a warm daemon), kept for the
 # process, per (graph, pattern, model) and k-set (a bit mask): the set's ring rate, and its best
 # placement's scores (a search each; the torus's top rate ties about 20 sets per decision). Both
@@ -183,4 +224,4 @@ def _deadline(limit: SearchLimit | None) -> tuple[Callable[[], float], float] | 
     return limit.clock, end
 
 
-__all__ = ["MAX_TIE_SETS", "RING_OBJECTIVE", "best_by_rings", "clear_caches", "ranks_by_rings", "with_ring_rate"]
+__all__ = ["MAX_TIE_SETS", "RING_OBJECTIVE", "best_by_rings", "best_by_rings_known", "clear_caches", "ranks_by_rings", "with_ring_rate"]
