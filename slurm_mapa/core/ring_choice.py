@@ -28,7 +28,7 @@ from typing import Callable
 from .effbw import RING_PACKED_SHAPES, EffectiveBandwidthModel
 from .hardware import HardwareGraph
 from .patterns import Pattern
-from .placement import DIGITS, RING_OBJECTIVE, Placement, score_placement
+from .placement import DIGITS, RING_OBJECTIVE, Placement, preserved_bandwidth, score_placement
 from .ring_packing import MAX_PACKED_GPUS, max_ring_rate
 from .search import best_placement
 from .search_limit import SearchLimit
@@ -67,13 +67,14 @@ def best_by_rings(graph: HardwareGraph, free: tuple[int, ...], pattern: Pattern,
     are known have been compared, then runs by rate, highest first, only while a rate can still win."""
     deadline = _deadline(limit)
     target = round(best.effective_bandwidth or 0.0, DIGITS)
-    table, rated, search = _set_results(graph, pattern, model)
+    table, _, rated, search = _set_results(graph, pattern, model)
     own = 0
     for g in best.gpus:
         own |= 1 << g
     record = table.get(own) or rated(own)
     if record[2] is _UNKNOWN:  # what a search of best's own set finds: best (see above)
-        record = table[own] = (record[0], record[1], (target, round(best.aggregated_bandwidth, DIGITS), best.gpus))
+        search(own, best)
+        record = table[own]
     # The chosen set so far: (-its rate rounded, its rounded aggregated bandwidth, GPUs, its rate).
     top, top_agg, top_gpus, top_rate = record[0], record[2][1], best.gpus, record[1]
     unknown = []
@@ -123,32 +124,27 @@ def best_by_rings_known(graph: HardwareGraph, free: tuple[int, ...], pattern: Pa
     k = pattern.size
     if not gpus or gpus[0] < 0 or gpus[-1] >= graph.size or len(gpus) < k:
         return None  # the search says what is wrong
-    table, rated, search = _set_results(graph, pattern, model)
-    kept_by_search = kept_results(graph, model, pattern, "effective")
-    top: tuple | None = None
-    top_eff = top_negative = top_agg = 0.0
-    top_gpus: tuple[int, ...] = ()
-    for combo in combinations([1 << g for g in gpus], k):
-        mask = sum(combo)
-        record = table.get(mask)
-        if record is None or record[2] is _UNKNOWN:
-            if mask not in kept_by_search:
-                return None
-            if record is None:
-                record = rated(mask)
-            search(mask)  # the search's kept placement, scored (once per k-set)
-            record = table[mask]
-        found = record[2]
-        if found is None:
-            continue
-        eff, agg = found[0], found[1]
-        negative = record[0]
-        if top is None or eff > top_eff or (eff == top_eff and (negative < top_negative or (negative == top_negative and (
-                agg > top_agg or (agg == top_agg and found[2] < top_gpus))))):
-            top, top_eff, top_negative, top_agg, top_gpus = record, eff, negative, agg, found[2]
-    if top is None:
+    table, order, rated, search = _set_results(graph, pattern, model)
+    bits = [1 << g for g in gpus]
+    try:
+        top = min([order[sum(combo)] for combo in combinations(bits, k)])
+    except KeyError:
+        kept_by_search = kept_results(graph, model, pattern, "effective")
+        for combo in combinations(bits, k):
+            mask = sum(combo)
+            if mask not in order:
+                if mask not in kept_by_search:
+                    return None
+                if mask not in table:
+                    rated(mask)
+                search(mask)  # the search's kept placement, scored (once per k-set)
+        top = min([order[sum(combo)] for combo in combinations(bits, k)])
+    if top[0] == inf:
         return None
-    return replace(score_placement(graph, gpus, pattern, top_gpus, model), ring_rate=top[1])
+    inside: Placement = top[5]  # scored on its own set: what score_placement gives on ``free`` but what stays free
+    return Placement(gpus=inside.gpus, aggregated_bandwidth=inside.aggregated_bandwidth, link_counts=inside.link_counts,
+                     effective_bandwidth=inside.effective_bandwidth,
+                     preserved_bandwidth=preserved_bandwidth(graph, sorted(set(gpus) - set(inside.gpus))), ring_rate=top[4])
 
 
 # What the tie-break looks up decision after decision (a replay, a warm daemon), kept for the
@@ -158,30 +154,37 @@ def best_by_rings_known(graph: HardwareGraph, free: tuple[int, ...], pattern: Pa
 _MAX_KINDS = 64  # (graph, pattern, model) kept
 _MAX_SETS = 400_000  # k-sets kept, every kind together (~200 B each)
 _UNKNOWN = object()  # a set not searched yet
-# k-set -> (-its ring rate rounded, its ring rate, its best placement's (rounded effective
-# bandwidth, rounded aggregated bandwidth, GPUs), None where the pattern does not fit, or _UNKNOWN)
+# Per kind, two tables. k-set -> (-its ring rate rounded, its ring rate, its best placement's
+# (rounded effective bandwidth, rounded aggregated bandwidth, GPUs), None where the pattern does
+# not fit, or _UNKNOWN); and for each k-set whose placement is known, its place in the order
+# effective-rings ranks by: (-effective, -ring rate, -aggregated bandwidth (all rounded), GPUs,
+# ring rate, the placement), smallest first ((inf,) where the pattern does not fit).
 Record = tuple[float, float, object]
-_kinds: dict[tuple, dict[int, Record]] = {}
+_kinds: dict[tuple, tuple[dict[int, Record], dict[int, tuple]]] = {}
 _kept = 0
 
 
 def _set_results(graph: HardwareGraph, pattern: Pattern, model: EffectiveBandwidthModel
-                 ) -> tuple[dict[int, Record], Callable[[int], Record], Callable[[int], object]]:
-    """(table, rated, search): the records of the k-sets met so far; ``rated(mask)``, which adds a
-    k-set's record with its ring rate (:func:`.ring_packing.max_ring_rate`) and its placement
-    unknown; ``search(mask)``, which fills in a known k-set's best placement (best_placement's
-    choice on it, looked up where the search kept it: :mod:`.subset_results`) and returns it."""
+                 ) -> tuple[dict[int, Record], dict[int, tuple], Callable[[int], Record], Callable[..., object]]:
+    """(table, order, rated, search): the records of the k-sets met so far and the order of those
+    known; ``rated(mask)``, which adds a k-set's record with its ring rate
+    (:func:`.ring_packing.max_ring_rate`) and its placement unknown; ``search(mask)``, which fills
+    in a rated k-set's best placement (best_placement's choice on it, looked up where the search
+    kept it: :mod:`.subset_results`), or ``search(mask, placement)`` with that placement known
+    (its GPUs and scores; what stays free plays no part)."""
     global _kept
     kind = (graph, pattern, model)
-    table = _kinds.get(kind)
-    if table is None:
+    tables = _kinds.get(kind)
+    if tables is None:
         if len(_kinds) >= _MAX_KINDS:
             clear_caches()
-        table = _kinds[kind] = {}
+        tables = _kinds[kind] = ({}, {})
     if _kept >= _MAX_SETS:
         for kept in _kinds.values():
-            kept.clear()
+            kept[0].clear()
+            kept[1].clear()
         _kept = 0
+    table, order = tables
     kept_by_search = kept_results(graph, model, pattern, "effective")
 
     def rated(mask: int) -> Record:
@@ -191,20 +194,22 @@ def _set_results(graph: HardwareGraph, pattern: Pattern, model: EffectiveBandwid
         _kept += 1
         return record
 
-    def search(mask: int) -> object:
+    def search(mask: int, inside: Placement | None = None) -> object:
         negative, rate, _ = table[mask]
-        kept = kept_by_search.get(mask)
-        if kept is not None:
-            # best_placement on this k-set returns the placement the search kept for it.
-            inside = score_placement(graph, kept[1], pattern, kept[1], model)
-        else:
-            inside = best_placement(graph, [g for g in range(graph.size) if mask >> g & 1], pattern, "effective", model)
+        if inside is None:
+            kept = kept_by_search.get(mask)
+            if kept is not None:
+                # best_placement on this k-set returns the placement the search kept for it.
+                inside = score_placement(graph, kept[1], pattern, kept[1], model)
+            else:
+                inside = best_placement(graph, [g for g in range(graph.size) if mask >> g & 1], pattern, "effective", model)
         found = None if inside is None else (round(inside.effective_bandwidth or 0.0, DIGITS),
                                              round(inside.aggregated_bandwidth, DIGITS), inside.gpus)
         table[mask] = (negative, rate, found)
+        order[mask] = (inf,) if found is None else (-found[0], negative, -found[1], found[2], rate, inside)
         return found
 
-    return table, rated, search
+    return table, order, rated, search
 
 
 def clear_caches() -> None:
