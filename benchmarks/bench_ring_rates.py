@@ -1,7 +1,7 @@
 """What the ring-rate tie-break costs a decision (issue 49): the working tree against a baseline
 revision, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_ring_rates.py [--baseline-rev 9a4ec15] [--fresh 9] [--jobs 5000]
+    .venv/bin/python benchmarks/bench_ring_rates.py [--baseline-rev 9a4ec15] [--fresh 9] [--jobs 5000] [--replays 3]
 
 * ``fresh``: a sensitive ring job of 4 and of 8 GPUs on an idle DGX-1 V100, decided by
   ``select("preserve", ...)`` in a fresh interpreter (the in-process Prolog's path when the node
@@ -9,7 +9,9 @@ revision, side by side in one run.
   before it are timed apart), the median of ``--fresh`` processes, and whether numpy got imported.
 * ``replay``: decisions per CPU second of Preserve on 4 nodes of each 16-GPU preset, "warm" as
   bench_replay_scale.py ``rate`` measures it (a first ``--jobs`` workload fills the decision memo,
-  a second one is timed).
+  a second one is timed), the median of ``--replays`` workers per side, new and old alternating; a
+  CPU ratio above 1 is what the new tree costs more (issue 49's bound: 1.1 against the revision
+  before the ring-rate tie-break, ``--baseline-rev 276d70f^``).
 
 Each side runs in its own worker processes with PYTHONPATH set to its tree alone
 (benchmarks/revisions.py); both trees are byte-compiled first, so no side pays for compiling.
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--fresh", type=int, default=9, help="fresh processes per side and size (median)")
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--topologies", default="torus2d-16,cubemesh-16")
+    parser.add_argument("--replays", type=int, default=3, help="replay workers per side and topology, new and old alternating (median)")
     args = parser.parse_args()
     stop_on_signals()
     with tempfile.TemporaryDirectory() as tmp, WORKERS_RUNNING:
@@ -108,12 +111,18 @@ def main() -> None:
                  f"{med['old']['decision_ms'] / med['new']['decision_ms']:.0f}x",
                  runs["new"][0]["numpy"], runs["old"][0]["numpy"], f"{med['new']['import_ms']:.0f}", f"{med['old']['import_ms']:.0f}")
         print()
-        show("topology (4 nodes)", "jobs", "new decisions/CPU s", "old decisions/CPU s", "new/old")
-        print("|---|---|---|---|---|")
+        show("topology (4 nodes)", "jobs", "new decisions/CPU s", "old decisions/CPU s", "new/old", "new CPU / old CPU",
+             "each run's new CPU / old CPU")
+        print("|---|---|---|---|---|---|---|")
         for topology in args.topologies.split(","):
-            new, was = run_worker(ROOT, "replay", topology, args.jobs), run_worker(old, "replay", topology, args.jobs)
-            rate = lambda r: r["decisions"] / r["cpu_s"]  # noqa: E731
-            show(topology, f"{args.jobs:,}", f"{rate(new):,.0f}", f"{rate(was):,.0f}", f"{rate(new) / rate(was):.1f}x")
+            rates: dict[str, list[float]] = {"new": [], "old": []}
+            for _ in range(args.replays):  # alternating, so both sides meet the same load
+                for side, tree in (("new", ROOT), ("old", old)):
+                    done = run_worker(tree, "replay", topology, args.jobs)
+                    rates[side].append(done["decisions"] / done["cpu_s"])
+            new, was = statistics.median(rates["new"]), statistics.median(rates["old"])
+            show(topology, f"{args.jobs:,}", f"{new:,.0f}", f"{was:,.0f}", f"{new / was:.2f}x", f"{was / new:.2f}",
+                 " ".join(f"{o / n:.2f}" for n, o in zip(rates["new"], rates["old"])))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from .effbw import EffectiveBandwidthModel
 from .server_models import default_model
 from .hardware import HardwareGraph
 from .peers import PEER_POLICIES
-from .ring_choice import RING_OBJECTIVE, best_by_rings, ranks_by_rings
+from .ring_choice import RING_OBJECTIVE, best_by_rings, best_by_rings_known, ranks_by_rings
 from .search import SearchLimit, best_placement
 from .search_limit import OutOfWork
 
@@ -68,6 +68,11 @@ def preserve(
     graph: HardwareGraph, free: tuple[int, ...], request: Request, model: EffectiveBandwidthModel, *, limit: SearchLimit | None = None
 ) -> Allocation | NoFit:
     objective = "effective" if request.sensitive and request.gpus > 1 else "preserved"
+    if objective == "effective" and limit is None and ranks_by_rings(request.pattern, free, model):
+        # Every k-set's result known (a warm replay or daemon): the same choice in one pass, without the search.
+        known = best_by_rings_known(graph, free, request.pattern, model)
+        if known is not None:
+            return Allocation(policy="preserve", placement=known, objective=RING_OBJECTIVE)
     found = best_placement(graph, free, request.pattern, objective, model, limit)
     if found is None:
         return NoFit("preserve", request, free)

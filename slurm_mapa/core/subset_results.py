@@ -12,7 +12,7 @@ Looking up pays only when few k-sets are unknown: each unknown one costs a searc
 pattern, objective) is searched: a single decision in a cold process searches its free set as
 before, a long replay soon looks every decision up.
 
-Owns SubsetResults and subset_results; imports .effbw, .hardware and .patterns (types only).
+Owns SubsetResults, subset_results and kept_results; imports .effbw, .hardware and .patterns (types only).
 """
 
 from __future__ import annotations
@@ -93,6 +93,12 @@ def subset_results(graph: HardwareGraph, model: EffectiveBandwidthModel, pattern
             clear_caches()
         found = _memos[key] = SubsetResults(graph.size, pattern.size)
     return found
+
+
+def kept_results(graph: HardwareGraph, model: EffectiveBandwidthModel, pattern: Pattern, objective: str) -> dict[int, Found]:
+    """The k-sets' results kept for this kind so far (bit mask -> (key, placement)), without starting a kind."""
+    found = _memos.get((graph, model, pattern, objective))
+    return found.results if found is not None else {}
 
 
 def clear_caches() -> None:
