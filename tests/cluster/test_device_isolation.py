@@ -319,10 +319,14 @@ def test_a_users_forged_systemd_cgroups_and_own_step_subcgroups_keep_it_in_its_o
         for hierarchy in ("freezer", "cpuset"):  # below its own step, where a Slurm lets the user make cgroups
             assert (f"slurm's step is not mine: /sys/fs/cgroup/{hierarchy}/" in out
                     or re.search(rf"^cgroup \d+:{hierarchy}:.*/slurm[^/]*/uid_2001/job_{attacker}/step_0/mine$", out, re.M)), out
-        mine = parse_decisions(cluster.job(attacker).get("admin_comment", ""))[node].gpus
-        theirs = parse_decisions(cluster.job(victim).get("admin_comment", ""))[node].gpus
-        assert mine and theirs and not set(mine) & set(theirs)
-        assert _seen(out, "attack")[0] == {gpu: ("ENXIO" if gpu in mine else "EPERM") for gpu in range(8)}, out
+        # MAPA's GPUs for the attacker as its task saw them (its job file: a job this short may end
+        # before its AdminComment record is written), the victim's from its record (it runs on).
+        opens, mine, _, _, _ = _seen(out, "attack")
+        record = cluster.wait_job(victim, lambda record: node in parse_decisions(record.get("admin_comment", "")),
+                                  timeout=60, what="its decision in the AdminComment")
+        theirs = parse_decisions(record["admin_comment"])[node].gpus
+        assert mine and theirs and not set(mine) & set(theirs), (mine, theirs, out)
+        assert opens == {gpu: ("ENXIO" if gpu in mine else "EPERM") for gpu in range(8)}, out
         cluster.wait_state(attacker, "COMPLETED", timeout=60)
         assert "isolation=" not in cluster.job(victim).get("admin_comment", "")  # nothing noted into the victim's record
     finally:
