@@ -43,9 +43,9 @@ from ..text.commands import Runner
 from ..config import HookConfig, hook_logger, load_hook_config
 from ..hooks.epilog import epilog_failing_open
 from ..hooks.prolog import prolog_failing_open
-from ..isolation.isolator import Isolator, effective_mode, job_devices_for
+from ..isolation.isolator import Isolator, Outcome, effective_mode, job_devices_for
 from ..isolation.rules import IsolationError
-from ..isolation.task_records import TaskRecords, parse_gpus, tasks_dir_of
+from ..isolation.task_records import TaskRecords, tasks_dir_of
 
 MAX_ENDED_JOBS = 4096  # the Epilogs remembered (has_ended): far more than a records loop lags behind
 CONFIG_WARNING_INTERVAL_S = 60.0  # a config gone bad while the agent runs: said at most this often
@@ -189,25 +189,24 @@ class Agent:
                 self.isolated.add((outcome.job_id, outcome.step, asker))
                 log(f"isolation: {outcome.state}: {outcome.detail} (asked by {asker})")
             if uid == 0 and env.get("MAPA_STEP_ENV") == "1":
-                self._record_task(pid, outcome.job_id, outcome.step, outcome.state, outcome.detail, log)
+                self._record_task(pid, outcome, log)
             return f"done {outcome.state} {outcome.detail}"
         answer = self._isolation_failed(mode, self._limited(log, uid) if public else log, reason, pid, uid)
         if job_id is not None:
             self.note_isolation(config, log, job_id, "refused" if answer.startswith("error") else "failed-open", reason)
         return answer
 
-    def _record_task(self, pid: int, job_id: str, step: str, state: str, detail: str, log: Callable[[str], None]) -> None:
+    def _record_task(self, pid: int, outcome: Outcome, log: Callable[[str], None]) -> None:
         """Tell the task's TaskProlog, through a file only root can write, that the SPANK plugin's
         request isolated it (its own request would get the same answer under isolation_scope
         "step"). The plugin asks from the task process itself, so ``pid`` is the task's. Only this
         release's plugin (MAPA_STEP_ENV=1) names the step's GPUs; an earlier one's task asks itself."""
-        gpus = parse_gpus(detail)
-        if self.task_records is None or not state.startswith("cgroup-") or gpus is None:
+        if self.task_records is None or not outcome.state.startswith("cgroup-"):
             return
         try:
-            self.task_records.write(pid, job_id, step, state, gpus)
+            self.task_records.write(pid, outcome.job_id, outcome.step, outcome.state, outcome.gpus)
         except (OSError, ValueError, MapaError) as error:  # its TaskProlog then asks for itself
-            self.public_log.say(("task records",), f"isolation: could not record task {pid} of job {job_id} in "
+            self.public_log.say(("task records",), f"isolation: could not record task {pid} of job {outcome.job_id} in "
                                 f"{self.task_records.directory} ({error}); its TaskProlog asks the agent itself", log)
 
     def _remove_task_records(self, job_id: str) -> None:

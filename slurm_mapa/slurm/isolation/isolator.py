@@ -56,6 +56,7 @@ class Outcome:
     job_id: str
     step: str
     detail: str
+    gpus: tuple[int, ...] = ()  # what the task may open now (the detail's ``gpus=``)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class Isolator:
                     kept_text = ",".join(map(str, kept)) or "none"
                     return Outcome("cgroup-v1", cgroup.job_id, cgroup.step,
                                    f"gpus={kept_text} job {cgroup.job_id} step {cgroup.step} task pid {task.pid}: GPUs {kept_text} "
-                                   f"in {where} (kept: a task is never moved to a wider cgroup)")
+                                   f"in {where} (kept: a task is never moved to a wider cgroup)", tuple(kept))
                 if task_gpus is not None and cgroup.task is not None:
                     if len(self.tasks) > 100000:
                         self.tasks.clear()
@@ -168,13 +169,14 @@ class Isolator:
                 where = apply_v1(Path(mounts[0]), cgroup.job_id, rules[None], cgroup.step, rules.get("step"), task.pid,
                                  configured=self.configured, task=cgroup.task, task_rules=rules.get("task"))
                 return Outcome("cgroup-v1", cgroup.job_id, cgroup.step,
-                               f"gpus={gpus} job {cgroup.job_id} step {cgroup.step} task pid {task.pid}: GPUs {gpus} in {where}")
+                               f"gpus={gpus} job {cgroup.job_id} step {cgroup.step} task pid {task.pid}: GPUs {gpus} in {where}",
+                               tuple(openable))
             if mounts[1] is None:
                 raise IsolationError("Slurm uses cgroup v2 here, but no cgroup2 file system is mounted")
             done = apply_v2(Path(mounts[1]), cgroup, rules[None], rules.get("step"), self.attach, self.configured,
                             task_rules=rules.get("task"))
             return Outcome("cgroup-v2", cgroup.job_id, cgroup.step, f"gpus={gpus} job {cgroup.job_id} step {cgroup.step}: GPUs {gpus}"
-                           + (f" (programs attached to {', '.join(map(str, done))})" if done else ""))
+                           + (f" (programs attached to {', '.join(map(str, done))})" if done else ""), tuple(openable))
 
 
     def sweep_v1(self, job_devices: Callable[[str], JobDevices], limit: int = 100000) -> dict[str, int]:

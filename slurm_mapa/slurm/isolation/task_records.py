@@ -66,14 +66,6 @@ def parse_record(text: str) -> TaskRecord | None:
     return TaskRecord(match["job"], match["step"], match["start"], match["state"], gpus)
 
 
-def parse_gpus(detail: str) -> tuple[int, ...] | None:
-    """The GPUs an isolate answer's detail names first (``gpus=3,6 ...``, ``gpus=none ...``), or None."""
-    match = re.match(r"gpus=(none|[0-9]{1,4}(?:,[0-9]{1,4})*)(?: |$)", detail)
-    if match is None:
-        return None
-    return () if match[1] == "none" else tuple(int(gpu) for gpu in match[1].split(","))
-
-
 def start_time_of(proc: Path, pid: int) -> str:
     """Field 22 of /proc/PID/stat, the process's start time; OSError or ValueError if unreadable.
     The fields are read after the last ") ": the name before it (field 2) may hold anything."""
