@@ -128,10 +128,12 @@ class HookConfig:
         return self.journal_dir if self.journal_dir is not None else Path(self.ledger).with_name("journal")
 
     def topology_for(self, node: str) -> str | None:
-        for pattern, topology in self.nodes:
-            if fnmatchcase(node, pattern):
-                return topology
-        return None
+        entry = self.nodes_entry_for(node)
+        return entry[1] if entry is not None else None
+
+    def nodes_entry_for(self, node: str) -> tuple[str, str] | None:
+        """The first ``[nodes]`` entry (pattern, topology) that matches ``node``, None if none does."""
+        return next(((pattern, topology) for pattern, topology in self.nodes if fnmatchcase(node, pattern)), None)
 
     def model_for(self, node: str) -> str:
         """The model setting for ``node``: its first matching [models] entry, else `model`; "" or

@@ -222,13 +222,11 @@ def check_node_topology(config: "HookConfig", node: str, config_path: str) -> No
     load (a file that does not exist, or one it cannot read or parse, or a misspelled preset):
     every job on the node would get Slurm's GPUs (its record says no-topology), so `mapa hooks`
     refuses before writing anything, as it does for a bad config. No entry: a WARNING later."""
-    from fnmatch import fnmatchcase
-
     from ...errors import MapaError
     from ...hardware.load import load_topology_file
     from ...hardware.presets import PRESETS
 
-    entry = next(((pattern, spec) for pattern, spec in config.nodes if fnmatchcase(node, pattern)), None)
+    entry = config.nodes_entry_for(node)
     if entry is None or entry[1] in PRESETS:
         return
     pattern, spec = entry
