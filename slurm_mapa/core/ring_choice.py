@@ -77,6 +77,12 @@ def best_by_rings(graph: HardwareGraph, free: tuple[int, ...], pattern: Pattern,
         record = table[own]
     # The chosen set so far: (-its rate rounded, its rounded aggregated bandwidth, GPUs, its rate).
     top, top_agg, top_gpus, top_rate = record[0], record[2][1], best.gpus, record[1]
+
+    def beats(negative: float, found) -> bool:
+        """Whether a set of rate ``-negative`` whose best placement is ``found`` replaces the chosen one."""
+        return found is not None and found[0] == target and (
+            negative < top or found[1] > top_agg or (found[1] == top_agg and found[2] < top_gpus))
+
     unknown = []
     for combo in combinations([1 << g for g in sorted(free)], pattern.size):
         if deadline is not None and deadline[0]() > deadline[1]:
@@ -90,8 +96,7 @@ def best_by_rings(graph: HardwareGraph, free: tuple[int, ...], pattern: Pattern,
         found = record[2]
         if found is _UNKNOWN:
             unknown.append((record[0], mask))
-        elif found is not None and found[0] == target and (
-                record[0] < top or found[1] > top_agg or (found[1] == top_agg and found[2] < top_gpus)):
+        elif beats(record[0], found):
             top, top_agg, top_gpus, top_rate = record[0], found[1], found[2], record[1]
     unknown.sort()  # highest rate first
     for negative, mask in unknown:
@@ -101,8 +106,7 @@ def best_by_rings(graph: HardwareGraph, free: tuple[int, ...], pattern: Pattern,
             # gap 0.0: the model's value is proven optimal, the ring-rate tie-break is not.
             return replace(with_ring_rate(graph, best), gap=0.0)
         found = search(mask)
-        if found is not None and found[0] == target and (
-                negative < top or found[1] > top_agg or (found[1] == top_agg and found[2] < top_gpus)):
+        if beats(negative, found):
             top, top_agg, top_gpus, top_rate = negative, found[1], found[2], table[mask][1]
     if top_gpus == best.gpus:
         # The search's own choice: its scores on ``free`` are those score_placement gives.
