@@ -75,7 +75,7 @@ class SlurmCgroup:
 class V1TaskLine:
     """One /proc/PID/cgroup line of a Slurm v1 hierarchy that names a Slurm task path: the
     hierarchy's controllers, the task it names, and the path of its ``job_J`` directory (which
-    slurmd creates as root; the step below it belongs to the job's user)."""
+    slurmd creates as root)."""
 
     controllers: tuple[str, ...]
     cgroup: SlurmCgroup
@@ -96,7 +96,7 @@ def _cgroup_lines(text: str) -> list[tuple[str, tuple[str, ...], str]]:
 def v1_task_lines(text: str) -> list[V1TaskLine]:
     """The lines of a /proc/PID/cgroup text that put the process in a Slurm task's v1 cgroups, in
     the hierarchies Slurm's plugin uses only (SLURM_V1_CONTROLLERS). A path below a step (a cgroup
-    the job's user made in the step directory Slurm handed them) is that step's; a path with a
+    made in the step's directory, where a site lets the job's user do so) is that step's; a path with a
     Slurm level above its outermost Slurm directory is nobody's. Which of these lines slurmd
     really made is for the caller to check (cgroups.slurm_cgroup_of: job_J owned by root)."""
     found = []
@@ -151,12 +151,7 @@ def parse_proc_cgroup(text: str) -> SlurmCgroup | None:
 
 def devices_cgroup_path(text: str) -> str | None:
     """The path of the v1 devices hierarchy's line of a /proc/PID/cgroup text, None if none."""
-    for line in text.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, sep, path = rest.partition(":")
-        if sep and hierarchy.isdigit() and "devices" in controllers.split(","):
-            return path
-    return None
+    return next((path for _, controllers, path in _cgroup_lines(text) if "devices" in controllers), None)
 
 
 def mapa_job_cgroup_level(devices_path: str | None, job_id: str, base: str = "mapa",
