@@ -12,6 +12,7 @@ from itertools import permutations
 from math import comb
 
 DIGITS = 9
+RING_RATE_DIGITS = 6
 RING_SHAPES = ("ring", "ring+tree")
 PCIE_FACTORS = {"PIX": 1.0, "PXB": 0.9, "PHB": 0.8, "NODE": 0.6, "SYS": 0.35}
 
@@ -42,7 +43,7 @@ def ring_rate(graph, gpus):
     links only when some cycle is); per
     ordered pair with a direct link its bandwidth, per GPU and direction its NVSwitch port and its
     one PCIe link, per ordered PCIe pair its path's bandwidth (scaled by level when the graph
-    gives every PCIe level one value)."""
+    gives every PCIe level one value), and per direction the SYS hops together one SYS path's."""
     return _ring_rate(graph, tuple(sorted(gpus)))
 
 
@@ -64,9 +65,7 @@ def _ring_rate(graph, gpus):
             link = graph.links[a][b]
             if link.kind == "nvswitch":
                 continue
-            value = graph.bandwidths.of(link)
-            if link.kind == "pcie" and one_level:
-                value *= PCIE_FACTORS.get(link.level, 1.0)
+            value = value_of(graph, link, one_level)
             rows.append([1.0 if any(c[i] == a and c[(i + 1) % k] == b for i in range(k)) else 0.0 for c in cycles])
             caps.append(value)
     for a in gpus:
@@ -79,9 +78,27 @@ def _ring_rate(graph, gpus):
                 if any(row):
                     rows.append(row)
                     caps.append(cap)
+    # The SMP interconnect: every SYS hop of every ring shares it, per direction (a hop's direction
+    # by its GPUs' sockets; within one socket, by index), at one SYS path's bandwidth.
+    sys_cap = min((value_of(graph, graph.links[a][b], one_level) for a in gpus for b in gpus
+                   if a != b and graph.links[a][b].kind == "pcie" and graph.links[a][b].level == "SYS"), default=None)
+    if sys_cap is not None:
+        rank = {g: ((graph.domains[g] if graph.domains else 0), g) for g in gpus}
+        for upward in (True, False):
+            rows.append([sum(1.0 for i in range(k) if graph.links[c[i]][c[(i + 1) % k]].kind == "pcie"
+                             and graph.links[c[i]][c[(i + 1) % k]].level == "SYS"
+                             and (rank[c[i]] < rank[c[(i + 1) % k]]) == upward) for c in cycles])
+            caps.append(sys_cap)
     result = linprog(-np.ones(len(cycles)), A_ub=np.array(rows), b_ub=np.array(caps), bounds=(0, None), method="highs")
     assert result.status == 0, result.message
     return -result.fun
+
+
+def value_of(graph, link, one_level):
+    value = graph.bandwidths.of(link)
+    if link.kind == "pcie" and one_level:
+        value *= PCIE_FACTORS.get(link.level, 1.0)
+    return value
 
 
 def ranks_by_rings(pattern, free, model=None):
@@ -122,7 +139,8 @@ def all_keys(graph, free, pattern, model):
             "preserved": (round(preserved, DIGITS), agg_r),
         }
         if pattern.shape in RING_SHAPES and 3 <= pattern.size <= 8:
-            keys["effective-rings"] = (round(eff, DIGITS), round(ring_rate(graph, gpus), DIGITS), agg_r)
+            # Ring rates are kept to 6 digits (the programme's and the shipped tables' precision).
+            keys["effective-rings"] = (round(eff, DIGITS), round(round(ring_rate(graph, gpus), RING_RATE_DIGITS), DIGITS), agg_r)
         yield gpus, keys
 
 

@@ -48,6 +48,12 @@ def add_commands(commands: Any) -> None:
     fit.add_argument("--json", action="store_true", help="machine-readable report")
     fit.set_defaults(handler=cmd_fit)
 
+    measured = sub.add_parser("measured", help="a bandwidth model against the bundled public nccl-tests measurements (docs/measured.md)")
+    measured.add_argument("--model", default="judge",
+                          help="judge (the replay's link-bound judge; the default), default (each server's default ranking "
+                               "model), or a model file")
+    measured.set_defaults(handler=cmd_measured)
+
     default = sub.add_parser("default", help="write the default (bottleneck) model of a server, before anyone measures")
     default.add_argument("--topology", required=True, help="a preset name, a topology file or a saved `nvidia-smi topo -m`")
     default.add_argument("--output", help="write the model file here (default: print it)")
@@ -153,4 +159,34 @@ def cmd_default(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}")
     else:
         print(text, end="")
+    return 0
+
+
+def cmd_measured(args: argparse.Namespace) -> int:
+    from ..core.model_files import grounded_model
+    from ..core.server_models import default_model as server_default
+    from .measured import HELD_FACTOR, bundled_reference, held_ratios, judge_points, order_disagreements, table_rows
+
+    reference = bundled_reference()
+    if args.model == "judge":
+        judged, label = judge_points(reference, grounded_model()), "the link-bound judge"
+    elif args.model == "default":
+        judged, label = judge_points(reference, None, models_by_graph=server_default), "each server's default ranking model"
+    else:
+        model = load_model_file(args.model)
+        judged, label = judge_points(reference, model), f"model {model.name}"
+    header = ("server", "judged on", "GPUs", "measured GB/s", "model GB/s", "model/measured", "held")
+    rows = [header, *table_rows(judged)]
+    widths = [min(max(len(row[i]) for row in rows), 48) for i in range(len(header) - 1)]
+    for row in rows:
+        cells = [cell if len(cell) <= width else cell[: width - 3] + "..." for cell, width in zip(row, widths)]
+        print("  ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + "  " + row[-1])
+    summary = held_ratios(judged)
+    outside = [p for p in judged if p.held and not p.agrees]
+    if summary is not None:
+        low, high, count = summary
+        print(f"\n{label} against {count} held public measurements: {low:.2f}x to {high:.2f}x of the measured busbw "
+              f"(held to {HELD_FACTOR}x either way; {len(outside)} outside); sources and caveats: docs/measured.md")
+    for a, b in order_disagreements(judged):
+        print(f"ordered against the measurements: {a.judged_on} {a.gpus} and {b.gpus}")
     return 0

@@ -31,7 +31,7 @@ from .hardware import HardwareGraph
 from .links import path_bandwidth
 
 TABLES_DIR = Path(__file__).resolve().parent.parent / "data" / "ring_rates"
-TABLE_FORMAT = "ring-rates-1"  # bump when the programme's meaning changes: old tables stop matching
+TABLE_FORMAT = "ring-rates-2"  # 2: SYS hops share the SMP interconnect (issue 49)
 MIN_SET, MAX_TABLE_SET = 3, 8  # a table holds every set of 3 to min(8, n) GPUs
 MAX_GROUP = 256  # automorphisms kept per graph for canonical_set (any subset of the group is sound)
 

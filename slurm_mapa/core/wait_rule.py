@@ -3,9 +3,9 @@
 A sensitive job whose ring is free on no node can start now on the best node free, or wait. It
 should wait exactly while the expected wait costs less than what it would lose by running now:
 
-* **lost now** = its run time x (slowdown at the bandwidth it would get now - slowdown on the
-  fleet's best ring), with a curve of slowdown against effective bandwidth (the paper's Table 3
-  reading, or the site's own);
+* **lost now** = its run time x (slowdown at the bandwidth it would get now - 1), the slowdown
+  read against the fleet's best ring for its size (the time curve's ``slowdown_against``: 1 on
+  the best ring, the paper's curve, or the site's own, at the fraction of it otherwise);
 * **and what the slow run costs the queue**: it holds its GPUs that much longer, and each of the
   ``queued`` jobs behind it waits for about those extra GPU-seconds spread over the cluster's GPUs,
   so the loss is scaled by ``1 + queued x gpus / total_gpus``. Without this term a busy mixed fleet
@@ -22,14 +22,14 @@ from typing import Protocol
 
 
 class SlowdownCurve(Protocol):
-    def slowdown(self, bandwidth: float | None) -> float: ...
+    def slowdown_against(self, bandwidth: float | None, best: float | None) -> float: ...
 
 
 def loss_if_started_now(runtime: float, bandwidth_now: float | None, best_bandwidth: float | None,
                         curve: SlowdownCurve, queued: int, gpus: int, total_gpus: int) -> float:
     """Seconds lost by starting now at ``bandwidth_now`` instead of on the best ring (0 when that is
     no worse), counting the delay of the ``queued`` jobs behind it; see the module's docstring."""
-    own = runtime * (curve.slowdown(bandwidth_now) - curve.slowdown(best_bandwidth))
+    own = runtime * (curve.slowdown_against(bandwidth_now, best_bandwidth) - 1.0)
     if own <= 0:
         return 0.0
     return own * (1.0 + max(queued, 0) * gpus / total_gpus) if total_gpus > 0 else own

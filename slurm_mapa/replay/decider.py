@@ -21,6 +21,7 @@ from ..core.effbw import EffectiveBandwidthModel, LinkBoundModel
 from ..core.explain import reported_placement
 from ..core.fast_ring import has_fast_ring
 from ..core.hardware import HardwareGraph
+from ..core.links import path_bandwidth
 from ..core.model_files import grounded_model
 from ..core.peers import PEER_POLICIES
 from ..core.policies import POLICIES, Allocation, Request, order_within
@@ -43,6 +44,9 @@ class Decision:
     local: bool | None = None  # GPUs local to the job's modelled CPUs; None: affinity not modelled or the node has none
     ranked: float | None = None  # the ranking model's own prediction (what the policy maximized; eff= in the Prolog's record)
     fast_ring: bool | None = None  # the GPUs hold a ring over fast links only (core.fast_ring); None: not checked
+    # A second, simpler judge (issue 49): the slowest link one hop of the pattern crosses, in the
+    # order reported (GB/s one direction; a PCIe path by its level). None: no hop.
+    slowest_hop: float | None = None
 
 
 class Decider:
@@ -223,14 +227,15 @@ class Decider:
                         effective = (self.grounded or grounded_model()).predict(graph, shown.gpus, pattern)
                         grounded = True
             fast = has_fast_ring(graph, shown.gpus) if pattern.size >= 2 and pattern.edges else None
-            found = (shown.gpus, effective, shown.aggregated_bandwidth, grounded, extrapolated, ranked, fast)
+            hop = min((path_bandwidth(graph, graph.link(shown.gpus[a], shown.gpus[b])) for a, b in pattern.edges), default=None)
+            found = (shown.gpus, effective, shown.aggregated_bandwidth, grounded, extrapolated, ranked, fast, hop)
             if key is not None:
                 if len(self._reported) >= self.limit:
                     self._reported.clear()
                 self._reported[key] = found
-        gpus, effective, aggregated, grounded, extrapolated, ranked, fast = found
+        gpus, effective, aggregated, grounded, extrapolated, ranked, fast, hop = found
         return Decision(gpus, used, effective, aggregated, placement.preserved_bandwidth, grounded, extrapolated,
-                        ranked=ranked, fast_ring=fast)
+                        ranked=ranked, fast_ring=fast, slowest_hop=hop)
 
     def preserved_table(self, gid: int) -> list[float] | None:
         """Preserved bandwidth (Eq. 3) of every free mask of a node of up to 16 GPUs."""

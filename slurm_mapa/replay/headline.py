@@ -104,13 +104,19 @@ def headline(document: Mapping, what: str, width: int | None = None) -> list[str
     if share is not None and shares:
         lines.append(f"    a ring over fast links only (NVLink, xGMI, NVSwitch): MAPA {share:.0%} of them; the others "
                      f"{shares[0][0]:.0%} ({shares[0][1]}) to {shares[-1][0]:.0%} ({shares[-1][1]})")
+    hops = ours.get("slowest_hop_sensitive") or {}
+    if hops.get("n") and all((row.get("slowest_hop_sensitive") or {}).get("n") for row in others.values()):
+        lines.append("    by a simpler judge, the slowest link on each job's ring (GB/s): "
+                     + "; ".join(_brief(ours, others, "slowest_hop_sensitive", stat) for stat in ("median", "p10")))
     lines += _by_size(ours, others)
     time_model = (document.get("options") or {}).get("time_model")
     waits = sorted((row["wait"]["mean"], name) for name, row in others.items() if row["wait"]["mean"] is not None)
     if time_model and waits and ours["wait"]["mean"] is not None:
         lines.append(f"  mean wait of all {ours['jobs']} jobs: MAPA {ours['wait']['mean']:.0f} s; the others "
                      f"{waits[0][0]:.0f} s ({waits[0][1]}) to {waits[-1][0]:.0f} s ({waits[-1][1]})")
-    assumed = [f"bandwidth judged by the {judge} model" + (" (no policy ranks with it: MAPA does not grade itself)"
+    assumed = [f"bandwidth judged by the {judge} model" + (" (no policy ranks with it, though MAPA breaks its own "
+                                                          "model's ties by the same ring rate: a model optimised, not a "
+                                                          "grade" + _measured_error(document) + ")"
                                                           if judge == "link-bound" else " (the model MAPA ranks with)")]
     if time_model:
         assumed.append("run times from the paper's slowdown curve (an assumed model: a job on slower links runs "
@@ -119,6 +125,24 @@ def headline(document: Mapping, what: str, width: int | None = None) -> list[str
         assumed.append("run times as recorded (no time model: waits do not depend on the GPUs chosen)")
     lines.append("  assuming: " + "; ".join(assumed) + ".")
     return lines if width is None else fold_prose("\n".join(lines), width).splitlines()
+
+
+def _brief(ours: Mapping, others: Mapping[str, Mapping], key: str, stat: str) -> str:
+    """``stat MAPA x, the others low (names) to high (names)``, or ``the others all v``."""
+    values = sorted((row[key][stat], name) for name, row in others.items() if row[key][stat] is not None)
+    low, high = values[0][0], values[-1][0]
+    spread = (f"all {_number(low)}" if _number(low) == _number(high)
+              else f"{_number(low)} ({_named(values, low)}) to {_number(high)} ({_named(values, high)})")
+    return f"{stat} MAPA {_number(ours[key][stat])}, the others {spread}"
+
+
+def _measured_error(document: Mapping) -> str:
+    """How far the judge is from public measurements, as the report recorded it (``judge.measured``)."""
+    measured = (document.get("judge") or {}).get("measured")
+    if not measured:
+        return ""
+    return (f"; it gives {measured['low']:.2f}x to {measured['high']:.2f}x of what {measured['points']} public nccl-tests "
+            "runs measured: `mapa calibrate measured`")
 
 
 def _by_size(ours: Mapping, others: Mapping[str, Mapping]) -> list[str]:

@@ -58,6 +58,7 @@ class SizeStats:
     grounded: int = 0
     extrapolated: int = 0
     ranked_sensitive: Dist = field(default_factory=Dist)  # the ranking model's own score of the sensitive jobs
+    hop_sensitive: Dist = field(default_factory=Dist)  # the slowest hop of the sensitive jobs (Decision.slowest_hop)
     ring_checked: int = 0  # sensitive jobs whose GPU set was checked for a ring over fast links only
     fast_ring: int = 0  # ... and those that hold one
 
@@ -70,6 +71,7 @@ class RunResult:
     eff_sensitive: Dist = field(default_factory=Dist)
     eff_insensitive: Dist = field(default_factory=Dist)
     ranked_sensitive: Dist = field(default_factory=Dist)  # the ranking model's own score of the sensitive jobs
+    hop_sensitive: Dist = field(default_factory=Dist)  # the slowest hop of the sensitive jobs (Decision.slowest_hop)
     wait: Dist = field(default_factory=Dist)
     wait_sensitive: Dist = field(default_factory=Dist)  # sensitive jobs of 2+ GPUs
     runtime: Dist = field(default_factory=Dist)
@@ -130,6 +132,9 @@ class RunResult:
         if first.effective is not None:
             (self.eff_sensitive if job.sensitive else self.eff_insensitive).add(first.effective)
             (size.eff_sensitive if job.sensitive else size.eff_insensitive).add(first.effective)
+        if job.sensitive and job.gpus >= 2 and first.slowest_hop is not None:
+            self.hop_sensitive.add(first.slowest_hop)
+            size.hop_sensitive.add(first.slowest_hop)
         if job.sensitive and first.ranked is not None:
             self.ranked_sensitive.add(first.ranked)
             size.ranked_sensitive.add(first.ranked)

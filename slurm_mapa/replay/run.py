@@ -319,9 +319,12 @@ def _judge(args) -> EffectiveBandwidthModel | LinkBoundModel | str:
 def _judge_summary(judge, extrapolate: bool) -> dict:
     if judge == JUDGE_RANKING:
         return {"name": JUDGE_RANKING, "ranks_decisions": True, "fitted_gpus": None}
+    from ..calibrate.measured import error_against_measured
+
     fitted = getattr(judge, "fitted_gpus", None)
     return {"name": judge.name, "ranks_decisions": False, "fitted_gpus": list(fitted) if fitted else None,
-            "outside_fitted_range": None if not fitted else "extrapolated" if extrapolate else grounded_model().name}
+            "outside_fitted_range": None if not fitted else "extrapolated" if extrapolate else grounded_model().name,
+            "measured": error_against_measured(judge)}
 
 
 def _judge_line(judge, extrapolate: bool) -> str:

@@ -304,12 +304,14 @@ class Simulation:
     # --- how long a 'require' job holds out (wait rule 'cost') -----------------------------------
 
     def best_ring(self, rid: int, k: int) -> float:
-        """The effective bandwidth Preserve gives the request on an idle node of the fleet's best type."""
+        """The effective bandwidth Preserve gives the request on an idle node of the fleet's best type
+        (the time model's and the wait rule's full speed); 0 when no node type gives one."""
         found = self.fleet_ring.get(rid)
         if found is None:
             values = [self.decider.decide("preserve", gid, (1 << size) - 1, rid)
                       for gid, size in dict.fromkeys(zip(self.gids, self.sizes)) if size >= k]
-            found = self.fleet_ring[rid] = max((v[0].effective for v in values if v is not None), default=0.0)
+            found = self.fleet_ring[rid] = max((v[0].effective for v in values if v is not None and v[0].effective is not None),
+                                               default=0.0)
         return found
 
     def ring_wait(self, want: tuple[bool, int], t: float, ahead: int) -> float:
@@ -452,7 +454,9 @@ class Simulation:
             self.woken.discard(job.id)  # started: its wait bound is no longer needed (the set stays as small as the queue)
         first = picks[0][1]
         model = self.options.time_model
-        runtime = model.runtime(job.runtime, job.sensitive, job.gpus, first.effective) if model else job.runtime
+        # The input's time is the job's time on the best set the fleet offers its size (timemodel).
+        runtime = (model.runtime(job.runtime, job.sensitive, job.gpus, first.effective, self.best_ring(rid, job.gpus))
+                   if model else job.runtime)
         free = self.free
         for i, decision, new_queue in picks:
             if published is not None and i not in published:

@@ -62,8 +62,11 @@ def test_the_ring_rate_on_the_dgx1_counts_every_ring_the_links_carry():
     assert max_ring_rate(dgx, (0, 1, 2, 3)) == 100.0
     assert max_ring_rate(dgx, (0, 3, 4, 7)) == 50.0
     assert max_ring_rate(dgx, (0, 2, 3)) == max_ring_rate(dgx, (0, 1, 2)) == 50.0
-    # 4 reaches the rest of 0-4 by one NVLink only: every ring crosses its one PCIe link.
-    assert max_ring_rate(dgx, (0, 1, 2, 3, 4)) == 24.0
+    # 4 reaches the rest of 0-4 by one NVLink only: every ring crosses the sockets' interconnect
+    # once (a SYS hop from 1, 2 or 3), and all of them share it: twice one SYS path (12 x 0.35).
+    assert max_ring_rate(dgx, (0, 1, 2, 3, 4)) == pytest.approx(8.4)
+    # Two GPUs on each socket with no NVLink across: every ring crosses twice, both ways.
+    assert max_ring_rate(preset("pcie-8"), (0, 1, 4, 5)) == pytest.approx(4.2)
     assert max_ring_rate(dgx, tuple(range(8))) == 150.0  # six NVLinks per GPU, 25 GB/s each
     assert max_ring_rate(dgx, (0, 1)) is None and max_ring_rate(preset("torus2d-16"), tuple(range(MAX_PACKED_GPUS + 1))) is None
 

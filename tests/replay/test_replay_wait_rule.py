@@ -46,7 +46,7 @@ def lost_alone(sim: Simulation, job: Job, rid: int) -> float:
     now = sim.decider.decide("preserve", sim.gids[0], FRAGMENTED, rid)[0].effective
     best = sim.decider.decide("preserve", sim.gids[0], 0xFF, rid)[0].effective
     assert now < best
-    return job.runtime * (curve.slowdown(now) - curve.slowdown(best))
+    return job.runtime * (curve.slowdown_against(now, best) - 1.0)
 
 
 @pytest.mark.parametrize("ends_after, holds", [(0.5, True), (2.0, False)])
@@ -215,7 +215,7 @@ def test_with_time_limits_the_loss_is_priced_at_the_worst_ring_free_now():
     worst = sim.decider.decide("preserve", sim.gids[1], FRAGMENTED, rid)[0].effective
     best = sim.decider.decide("preserve", sim.gids[0], 0xFF, rid)[0].effective
     assert worst < best
-    expected = 10 * (curve.slowdown(worst) - curve.slowdown(best))
+    expected = 10 * (curve.slowdown_against(worst, best) - 1.0)
     assert expected > 0
     # Holding pays exactly while the wait (1000 - t) is shorter than the worst-priced loss.
     assert sim.holding_pays(job, rid, (True, 4), 0, 1000.0 - expected + 0.5) is True

@@ -68,12 +68,36 @@ def test_many_nodes_and_pinning():
 def test_time_model_slows_sensitive_jobs_on_poor_bandwidth_only():
     model = TimeModel()
     assert model.slowdown(12.3) == 3.0 and model.slowdown(80) == 1.0 and model.slowdown(None) == 1.0
-    assert model.runtime(100, False, 4, 12.3) == 100 and model.runtime(100, True, 1, None) == 100
+    assert model.runtime(100, False, 4, 12.3, 60.0) == 100 and model.runtime(100, True, 1, None, 60.0) == 100
     assert 1.0 < model.slowdown(30) < 1.8
-    jobs = [Job("a", 0, 100, 4, sensitive=True)]
-    _, recs = _records(jobs, [Node("p", preset("pcie-8"))], options=Options(time_model=model))
-    assert recs["a"].runtime == pytest.approx(100 * model.slowdown(recs["a"].effective))
-    assert recs["a"].runtime > 250
+
+
+def test_time_model_reads_the_curve_against_the_best_set_the_fleet_offers():
+    """Issue 49: the input's time is the time on the best set; the curve is read at bandwidth/best
+    of its full speed (60 GB/s), so the judge's scale does not slow the best sets down."""
+    model = TimeModel()
+    assert model.slowdown_against(40.0, 40.0) == 1.0 and model.slowdown_against(80.0, 40.0) == 1.0
+    assert model.slowdown_against(10.25, 50.0) == model.slowdown(12.3) == 3.0  # 60 x 10.25/50 = 12.3
+    assert model.slowdown_against(20.0, 40.0) == model.slowdown(30.0)
+    assert model.slowdown_against(None, 40.0) == 1.0 and model.slowdown_against(12.3, None) == 3.0
+    # A curve whose top is not 1 still gives the best set its base time.
+    assert TimeModel(((10.0, 4.0), (20.0, 2.0))).slowdown_against(5.0, 10.0) == 2.0
+    with pytest.raises(InputError, match="full speed"):
+        TimeModel(((-5.0, 2.0), (0.0, 1.0)))
+
+    # Alone on an idle node a job gets the best set: it runs its base time (on any node type).
+    for name in ("dgx1-v100", "pcie-8"):
+        _, recs = _records([Job("a", 0, 100, 4, sensitive=True)], [Node("n", preset(name))],
+                           policy="preserve", options=Options(time_model=model))
+        assert recs["a"].runtime == 100
+    # A mixed fleet: the best 2-GPU set is the DGX-1's NVLink pair; pinned to the PCIe box, a job is slower.
+    fleet = [Node("dgx", preset("dgx1-v100")), Node("pcie", preset("pcie-8"))]
+    _, recs = _records([Job("a", 0, 100, 2, sensitive=True, node="pcie"), Job("b", 0, 100, 2, sensitive=True, node="dgx")],
+                       fleet, policy="preserve", options=Options(time_model=model))
+    assert recs["b"].runtime == 100
+    assert recs["a"].effective < recs["b"].effective
+    assert recs["a"].runtime == pytest.approx(100 * model.slowdown_against(recs["a"].effective, recs["b"].effective))
+    assert recs["a"].runtime > 200
     with pytest.raises(InputError, match="BW:SLOWDOWN"):
         parse_curve("12:3,oops")
     with pytest.raises(InputError, match="increase"):

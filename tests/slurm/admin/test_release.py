@@ -474,26 +474,27 @@ def test_node_outlooks_are_read_from_scontrol_show_nodes() -> None:
 
 def test_a_job_holds_out_while_the_expected_wait_is_shorter_than_what_starting_now_loses() -> None:
     nodes, outlooks = parse_nodes(COST_SINFO), parse_node_outlooks(NODES_TEXT)
-    # Now on pcie1's 12.3 GB/s ring: 3600 s x (3.0 - 1.032 at 53.6) lost, x (1 + 3 queued x 4 / 32 GPUs).
-    loss = 3600 * (PAPER.slowdown(12.3) - PAPER.slowdown(53.6)) * (1 + 3 * 4 / 32)
-    assert loss == pytest.approx(9741.6, abs=0.1)
+    # Now on pcie1's 12.3 GB/s ring against the best 53.6: the curve at 60 x 12.3/53.6 = 13.8 GB/s,
+    # 2.861x; 3600 s x (2.861 - 1) lost, x (1 + 3 queued x 4 / 32 GPUs).
+    loss = 3600 * (PAPER.slowdown_against(12.3, 53.6) - 1.0) * (1 + 3 * 4 / 32)
+    assert loss == pytest.approx(9213.1, abs=0.1)
     assert holding_out_costs_more([waiting("41")], nodes, outlooks, 3, now=1_000_000, curve=PAPER) == []  # 600 s < loss
     late = 1_000_600 - loss - 1  # the wait is now just longer than the loss: start now
     released = holding_out_costs_more([waiting("41")], nodes, outlooks, 3, now=late, curve=PAPER)
-    assert released == [("41", "a good 4-GPU ring is expected in 9743 s; starting now (a ring of 12.3 GB/s or better) loses 9742 s")]
-    # A short job loses less than it would wait (200 s x 1.968 x 1.375 = 541 s < 600 s); a job with no time limit holds out.
+    assert released == [("41", "a good 4-GPU ring is expected in 9214 s; starting now (a ring of 12.3 GB/s or better) loses 9213 s")]
+    # A short job loses less than it would wait (200 s x 1.861 x 1.375 = 512 s < 600 s); a job with no time limit holds out.
     assert [j for j, _ in holding_out_costs_more([waiting("41", limit_s=200.0), waiting("42", limit_s=None)], nodes, outlooks, 3,
                                                   now=1_000_000, curve=PAPER)] == ["41"]
 
 
 def test_the_second_job_holding_out_for_the_same_ring_expects_the_next_one() -> None:
     """dgx1 expects a good 4-ring in 600 s, dgx2 in 20000 s: the first job holds out for dgx1's; the
-    second expects dgx2's, longer than it would lose (9210 s), and starts now. A 2-GPU job whose
+    second expects dgx2's, longer than it would lose (8711 s), and starts now. A 2-GPU job whose
     good ring is free now is left to the good-node rule (jobs_to_release)."""
     nodes = parse_nodes(COST_SINFO + f"dgx2{F}gpu*{F}mix{F}mapa_ring2,mapa_noring4\n")
     outlooks = parse_node_outlooks(NODES_TEXT + "NodeName=dgx2 Gres=gpu:8 State=MIXED Extra=mapa_ring4=-/53.6@1020000\n")
     two = holding_out_costs_more([waiting("41"), waiting("42"), waiting("43", gpus=2)], nodes, outlooks, 3, now=1_000_000, curve=PAPER)
-    assert two == [("42", "a good 4-GPU ring is expected in 20000 s; starting now (a ring of 12.3 GB/s or better) loses 9210 s")]
+    assert two == [("42", "a good 4-GPU ring is expected in 20000 s; starting now (a ring of 12.3 GB/s or better) loses 8711 s")]
     # With dgx2 out of service, the second job expects the last ring expected (dgx1's), as the replay does.
     nodes = parse_nodes(COST_SINFO + f"dgx2{F}gpu*{F}drain{F}mapa_ring2,mapa_noring4\n")
     assert holding_out_costs_more([waiting("41"), waiting("42")], nodes, outlooks, 3, now=1_000_000, curve=PAPER) == []
