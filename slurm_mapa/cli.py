@@ -20,6 +20,7 @@ from .core.policies import Allocation, NoFit, Request, all_policies, select
 from .errors import InputError, MapaError
 from .hardware.load import load_topology, resolve_model
 from .slurm.admin.status import add_commands as add_admin_commands
+from .slurm.ring_rate_cache import use_user_cache
 from .slurm.text.commands import parse_gpu_indices
 from .slurm.text.directive import parse_directive, to_request
 
@@ -278,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        use_user_cache()  # ring-rate tables of topology files: computed once, kept in the user's cache
         return int(args.handler(args))
     except MapaError as error:
         print(f"mapa: error: {error}", file=sys.stderr)

@@ -6,3 +6,17 @@ pytest puts this directory on sys.path (it holds no __init__.py), so every test 
 helpers beside this file by name: fake_slurm, fake_node, fake_nvml, fake_amdsmi, bruteforce,
 faultsim, line_mutations, repo_paths.
 """
+
+import pytest
+
+from slurm_mapa.core.ring_rate_tables import use_store
+
+
+@pytest.fixture(autouse=True)
+def ring_rate_tables_kept_apart(tmp_path_factory, monkeypatch):
+    """Commands run here keep the ring-rate tables of topology files in the user's cache
+    (slurm/ring_rate_cache.py): this run's own directory, never the user's, and no test inherits
+    the table store another one installed."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+    yield
+    use_store(None)

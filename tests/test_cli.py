@@ -111,3 +111,27 @@ def test_hooks_refuse_a_node_whose_topology_file_does_not_exist(tmp_path, capsys
     topology.write_text(graph_to_toml(preset("dgx1-v100")))
     code, _, err = run(capsys, "hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "gpu7", "--cc", "none")
     assert code == 0 and (tmp_path / "sbin" / "mapa-prolog-wrapper").exists() and "error" not in err
+    assert "ring rates" not in err  # a DGX-1's links: its table ships
+
+
+def test_hooks_store_the_ring_rate_table_of_a_topology_file_that_matches_no_preset(tmp_path, capsys):
+    """Issue 49: `mapa hooks` computes the node's table beside the ledger, so no Prolog solves it."""
+    from slurm_mapa.core.hardware import build_graph
+    from slurm_mapa.core.ring_rate_tables import fingerprint
+    from slurm_mapa.hardware.presets import preset
+    from slurm_mapa.hardware.topofile import graph_to_toml
+
+    dgx = preset("dgx1-v100")
+    links = {(a, b): dgx.link(a, b) for a, b in dgx.pairs()}
+    links[(0, 1)] = "NV2"
+    graph = build_graph("gpu-node", 8, links)
+    (tmp_path / "gpu-node.toml").write_text(graph_to_toml(graph))
+    config = tmp_path / "mapa.toml"
+    config.write_text(f'ledger = "{tmp_path}/state/ledger.json"\njobs_dir = "{tmp_path}/jobs"\n'
+                      f'[nodes]\n"gpu*" = "{tmp_path}/gpu-node.toml"\n')
+    table = tmp_path / "state" / "ring-rates" / f"{fingerprint(graph)}.json"
+    code, _, err = run(capsys, "hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "gpu7", "--cc", "none")
+    assert code == 0 and table.is_file()
+    assert f"ring rates: computed the table of gpu-node (links match no preset) into {table}\n" in err
+    code, _, err = run(capsys, "hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "gpu7", "--cc", "none")
+    assert code == 0 and "ring rates" not in err

@@ -23,7 +23,7 @@ SLURM = "slurm_mapa.slurm"
 
 # Lower layers first; a module may import its own layer and those before it.
 LAYERS = (
-    ("text", "trusted_files"),
+    ("text", "trusted_files", "ring_rate_cache"),
     ("config",),
     ("node_state",),
     ("isolation",),

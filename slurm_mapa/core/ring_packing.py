@@ -34,7 +34,7 @@ from functools import lru_cache
 from typing import Any
 
 from .links import path_bandwidth
-from .ring_rate_tables import canonical_set, shipped_table
+from .ring_rate_tables import canonical_set, shipped_table, stored_table
 
 # Sets above this size get the per-GPU bound instead (the programme grows as (k-1)!).
 MAX_PACKED_GPUS = 8
@@ -61,15 +61,24 @@ def max_ring_rate(graph: Any, gpus: tuple[int, ...]) -> float | None:
     set only (the order of ``gpus`` does not change it).
 
     Looked up, never solved inside a decision where a table ships (:mod:`.ring_rate_tables`: the
-    presets of up to 8 GPUs and any graph with their links); elsewhere solved once per orbit of
-    the set under the graph's automorphisms and kept for the process."""
+    presets of up to 8 GPUs and any graph with their links) or is stored (other graphs of up to 8
+    GPUs, where the process has a table store: the first use computes and stores the table);
+    elsewhere solved once per orbit of the set under the graph's automorphisms and kept for the
+    process."""
     gpus = tuple(sorted(gpus))
     k = len(gpus)
     if k < 3 or k > MAX_PACKED_GPUS:
         return None
     table = shipped_table(graph)
+    if table is None:
+        table = stored_table(graph, solved_per_orbit)
     if table is not None:
         return table[sum(1 << g for g in gpus)]
+    return solved_per_orbit(graph, gpus)
+
+
+def solved_per_orbit(graph: Any, gpus: tuple[int, ...]) -> float | None:
+    """:func:`solve_ring_rate` of ``gpus``, solved once per orbit of the set and kept for the process."""
     return _solved_once(graph, canonical_set(graph, gpus))
 
 

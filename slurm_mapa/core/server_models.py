@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .effbw import EffectiveBandwidthModel
 from .links import DEFAULT_PCIE_PATH_FACTORS, Link, path_bandwidth
-from .model_files import REPRODUCTION_ONLY, bundled_model, bundled_model_names, paper_model
+from .model_files import REPRODUCTION_ONLY, bundled_model, bundled_model_basis, bundled_model_names, paper_model
 
 
 def _selector(link: Link) -> str:
@@ -124,12 +124,13 @@ def matching_model(graph: Any) -> EffectiveBandwidthModel:
     rank = {"fitted": 0, "published": 1, "": 2}
     best: tuple[int, int, str] | None = None
     for name in bundled_model_names():
-        model = bundled_model(name)
         # The paper's regression reproduces the paper; it ranks no server by default (it is not
         # monotone in link quality: docs/engine.md). A bundled derived model is its preset's: any
         # other server gets one derived for it (same numbers for the same links, its own name).
-        if name in REPRODUCTION_ONLY or model.basis not in rank:
+        # Both are passed over before their whole files are parsed (only the basis is read).
+        if name in REPRODUCTION_ONLY or bundled_model_basis(name) not in rank:
             continue
+        model = bundled_model(name)
         extra = covers(model, graph)
         if extra is not None and (best is None or (extra, rank[model.basis], name) < best):
             best = (extra, rank[model.basis], name)

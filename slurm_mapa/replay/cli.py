@@ -26,6 +26,7 @@ from .. import version_text
 from ..core.affinity import MODES as AFFINITY_MODES
 from ..errors import InputError, MapaError
 from ..hardware.presets import PRESETS
+from ..slurm.ring_rate_cache import use_user_cache
 from .cluster_spec import _load_config
 from .config import parse_config
 from .generate import GENERATORS, generate
@@ -269,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             argv = ["demo", *argv]
         args = parser.parse_args(argv)
         handler = {"demo": cmd_demo, "run": cmd_run, "generate": cmd_generate, "policies": cmd_policies}[args.command]
+        use_user_cache()  # ring-rate tables of topology files: computed once, kept in the user's cache
         return handler(args)
     except BrokenPipeError:
         _quiet_stdout()

@@ -12,7 +12,8 @@ this list only (tests/test_layout.py checks):
 * ``node_state/``: the node's files (claims, job files, marks, the ledger, the journal) behind
   one interface;
 * ``config.py`` (mapa.toml) and ``trusted_files.py`` (root-owned paths, writes that cannot be
-  redirected): read by all of the above;
+  redirected): read by all of the above; ``ring_rate_cache.py``: the ring-rate tables of
+  topology files, kept on disk through trusted_files;
 * ``text/``: Slurm's text and ours, parsed and built by pure functions: the ``#MAPA`` directive
   grammar, scontrol/squeue argument lists and output, the AdminComment decision record.
 

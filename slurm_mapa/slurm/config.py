@@ -127,6 +127,11 @@ class HookConfig:
         """Where AdminComment records wait to be written (on disk, like the ledger)."""
         return self.journal_dir if self.journal_dir is not None else Path(self.ledger).with_name("journal")
 
+    @property
+    def ring_rates_dir(self) -> Path:
+        """Where the hooks keep the ring-rate tables of topologies with none shipped (ring_rate_cache.py), beside the ledger."""
+        return Path(self.ledger).with_name("ring-rates")
+
     def topology_for(self, node: str) -> str | None:
         entry = self.nodes_entry_for(node)
         return entry[1] if entry is not None else None

@@ -377,3 +377,12 @@ def test_the_measured_reference_names_its_source_for_every_point():
         value = point["busbw_gbs"]
         written = {f"{value}", f"{value:.2f}", f"{value:.1f}"} | ({str(int(value))} if value == int(value) else set())
         assert any(text in point["quote"] for text in written), point  # the number is in the line it was read from
+
+
+def test_the_basis_read_from_a_bundled_files_head_is_the_whole_files():
+    """matching_model passes over derived models by the basis read from their top-level lines alone
+    (issue 49: a fresh Prolog's first decision parsed every bundled file): the same basis, every file."""
+    from slurm_mapa.core.model_files import bundled_model, bundled_model_basis, bundled_model_names
+
+    for name in bundled_model_names():
+        assert bundled_model_basis(name) == bundled_model(name).basis, name

@@ -244,6 +244,22 @@ def check_node_topology(config: "HookConfig", node: str, config_path: str) -> No
         raise InputError(f"{where}: {reason}; {consequence}" + ("" if said else f"; {accepted}")) from None
 
 
+def prepare_ring_rates(config: "HookConfig", node: str) -> str | None:
+    """Compute and store the ring-rate table of the node's topology where none ships (ring_rate_cache.py),
+    so no Prolog on the node solves one; the line saying so, None where there was nothing to do."""
+    from ...hardware.load import load_topology_file
+    from ..ring_rate_cache import prepare_table
+
+    spec = config.topology_for(node)
+    if spec is None:
+        return None  # the WARNING about the missing [nodes] entry comes later
+    try:
+        return prepare_table(load_topology_file(spec).graph, config.ring_rates_dir,
+                             lambda line: print(f"WARNING: {line}", file=sys.stderr))
+    except Exception as error:  # noqa: BLE001 - the Prolog computes it on first use instead
+        return f"WARNING: ring rates: could not compute the table of {spec} ({error}); the first Prolog will"
+
+
 def package_warning(package_dir: Path) -> str | None:
     """A warning line when root would import slurm-mapa from a directory others can change."""
     try:
@@ -322,6 +338,9 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     config = check_config(args.config)
     node = args.node or os.uname().nodename.split(".")[0]
     check_node_topology(config, node, args.config)
+    said = prepare_ring_rates(config, node)
+    if said:
+        print(said, file=sys.stderr)
     warning = package_warning(PACKAGE_DIR)
     if warning:
         print(warning, file=sys.stderr)

@@ -333,16 +333,21 @@ class Agent:
             self.log_errors(f"mapa-agent: metrics: could not count the Prolog of job {env.get('SLURM_JOB_ID', '')[:20]}: {error}")
 
     def warm_up(self, node: str) -> None:
-        """Load this node's topology and search tables once, so the first job is as fast as the rest."""
+        """Load this node's topology and search tables once, so the first job is as fast as the rest;
+        compute and store its ring-rate table where none ships (a line says so)."""
         from ...core.policies import select
         from ...hardware.load import resolve_model
         from ..text.directive import parse_directive, to_request
         from ..hooks.node_graph import load_graph
+        from ..ring_rate_cache import prepare_table
 
         config, problem = load_hook_config({"MAPA_CONFIG": self.config_path})
         if problem:
             return
         graph = load_graph(config, node)
+        said = prepare_table(graph, config.ring_rates_dir, hook_logger(config.log))
+        if said:
+            print(f"mapa-agent: {said}", file=sys.stderr, flush=True)
         model = resolve_model(config.model_for(node), graph)
         for text in ("topology=ring sensitive=no", "topology=ring sensitive=yes"):
             for size in range(1, min(graph.size, 3) + 1):

@@ -361,3 +361,27 @@ def test_a_ping_is_answered_and_neither_runs_nor_logs_anything(live_agent):
         sock.sendall(b"MAPA1 ping %d\n" % len(payload) + payload)
         assert sock.recv(4096).startswith(b"error a ping request carries no variables")
     assert len(errors) == 1 and "ping" in errors[0]
+
+
+def test_the_agent_start_stores_the_ring_rate_table_of_a_topology_file(tmp_path, capsys):
+    """Issue 49: a node whose topology file matches no preset gets its ring-rate table computed at
+    the agent's start, beside the ledger, so no Prolog solves it; a line says so (once)."""
+    from slurm_mapa.core.hardware import build_graph
+    from slurm_mapa.core.ring_rate_tables import fingerprint
+    from slurm_mapa.hardware.topofile import graph_to_toml
+
+    dgx = preset("dgx1-v100")
+    links = {(a, b): dgx.link(a, b) for a, b in dgx.pairs()}
+    links[(0, 1)] = "NV2"
+    graph = build_graph("gpu-node", 8, links)
+    (tmp_path / "gpu-node.toml").write_text(graph_to_toml(graph))
+    config_path = tmp_path / "mapa.toml"
+    config_path.write_text(f'ledger = "{tmp_path}/state/ledger.json"\njobs_dir = "{tmp_path}/jobs"\nlog = "{tmp_path}/log"\n'
+                           f'health = "off"\n[nodes]\n"gpu*" = "{tmp_path}/gpu-node.toml"\n')
+    agent = Agent(str(config_path), [].append, run=lambda timeout: FakeSlurm())
+    agent.warm_up("gpu7")
+    table = tmp_path / "state" / "ring-rates" / f"{fingerprint(graph)}.json"
+    assert table.is_file()
+    assert capsys.readouterr().err == f"mapa-agent: ring rates: computed the table of gpu-node (links match no preset) into {table}\n"
+    agent.warm_up("gpu7")
+    assert capsys.readouterr().err == ""
