@@ -78,17 +78,18 @@ def _ring_rate(graph, gpus):
                 if any(row):
                     rows.append(row)
                     caps.append(cap)
-    # The SMP interconnect: every SYS hop of every ring shares it, per direction (a hop's direction
-    # by its GPUs' sockets; within one socket, by index), at one SYS path's bandwidth.
-    sys_cap = min((value_of(graph, graph.links[a][b], one_level) for a in gpus for b in gpus
-                   if a != b and graph.links[a][b].kind == "pcie" and graph.links[a][b].level == "SYS"), default=None)
-    if sys_cap is not None:
-        rank = {g: ((graph.domains[g] if graph.domains else 0), g) for g in gpus}
-        for upward in (True, False):
-            rows.append([sum(1.0 for i in range(k) if graph.links[c[i]][c[(i + 1) % k]].kind == "pcie"
-                             and graph.links[c[i]][c[(i + 1) % k]].level == "SYS"
-                             and (rank[c[i]] < rank[c[(i + 1) % k]]) == upward) for c in cycles])
-            caps.append(sys_cap)
+    # The SMP interconnect: the SYS hops from one CPU domain to another share that link, per
+    # direction (within one domain, by GPU index), at one SYS path's bandwidth.
+    domain = {g: (graph.domains[g] if graph.domains else 0) for g in gpus}
+    directed = {}
+    for a in gpus:
+        for b in gpus:
+            if a != b and graph.links[a][b].kind == "pcie" and graph.links[a][b].level == "SYS":
+                way = (domain[a], domain[b]) if domain[a] != domain[b] else (domain[a], domain[a], a < b)
+                directed.setdefault(way, set()).add((a, b))
+    for hops in directed.values():
+        rows.append([sum(1.0 for i in range(k) if (c[i], c[(i + 1) % k]) in hops) for c in cycles])
+        caps.append(min(value_of(graph, graph.links[a][b], one_level) for a, b in hops))
     result = linprog(-np.ones(len(cycles)), A_ub=np.array(rows), b_ub=np.array(caps), bounds=(0, None), method="highs")
     assert result.status == 0, result.message
     return -result.fun

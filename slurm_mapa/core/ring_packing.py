@@ -11,14 +11,14 @@ over-filling a link:
     subject to, per pair of GPUs with a direct link (NVLink, xGMI): the rings crossing it <= its
                bandwidth (one direction); per GPU, its rings' hops over the NVSwitch <= its port
                and its hops over PCIe <= its PCIe link (every PCIe peer shares the one link);
-               per PCIe pair, the rings crossing it <= that path's bandwidth; all SYS hops
-               together <= a SYS path's bandwidth (the sockets' one interconnect)
+               per PCIe pair, the rings crossing it <= that path's bandwidth; per two CPU
+               domains, all SYS hops between them <= a SYS path's bandwidth (their one link)
 
 and the bound is twice the optimum (each cycle runs both ways); two GPUs: one link, both ways, so
 the bound is the pair's bandwidth. Rings are packed over fast links only (NVLink, xGMI, NVSwitch)
 when the set has a ring over them, as NCCL searches for its rings at the fastest path type first;
-otherwise over every path, PCIe included, and every SYS hop of every ring shares the one SMP
-interconnect between the sockets (its capacity: a SYS path's bandwidth). It is a linear programme
+otherwise over every path, PCIe included, and the SYS hops of every ring between the same two CPU
+domains share the one interconnect between them (its capacity: a SYS path's bandwidth). It is a linear programme
 of (k-1)!/2 columns (2,520 for eight GPUs), solved exactly here by the simplex method (Bland's
 rule: it never cycles), once per topology: decisions look the rate up (:mod:`.ring_rate_tables`).
 
@@ -123,20 +123,23 @@ def solve_ring_rate(graph: Any, gpus: tuple[int, ...]) -> float | None:
             value = path_bandwidth(graph, link)
         rows.append(on_edge[i])
         caps.append(value)
-    # Every SYS path crosses the SMP interconnect between the sockets (nvidia-smi's definition of
-    # SYS), so the rings' SYS hops share it: at most one SYS path's bandwidth per direction in all.
-    # Counting each SYS pair alone priced a DGX-1's GPUs 0-4 (one NVLink-less hop to GPU 4) at 3x
-    # what NCCL measures there; a box of more than two sockets is under-rated by this one row.
-    sys_use = np.zeros(len(cycles))
-    sys_caps = []
+    # Every SYS path crosses the SMP interconnect between two CPU domains (nvidia-smi's definition
+    # of SYS), so the rings' SYS hops between the same two domains share one link: at most one SYS
+    # path's bandwidth per direction in all. Counting each SYS pair alone priced a DGX-1's GPUs 0-4
+    # (one NVLink-less hop to GPU 4) at 3x what NCCL measures there. Two NUMA nodes of one socket
+    # are taken as having a link of their own to the other socket's (an over-rating there).
+    domains = graph.domains or (0,) * graph.size
+    crossings: dict[tuple[int, int], tuple[Any, list[float]]] = {}
     for (a, b), i in edge_index.items():
         link = graph.link(gpus[a], gpus[b])
         if link.kind == "pcie" and link.level == "SYS":
-            sys_use += on_edge[i]
-            sys_caps.append(path_bandwidth(graph, link))
-    if sys_caps:
-        rows.append(sys_use)
-        caps.append(min(sys_caps))
+            pair = tuple(sorted((domains[gpus[a]], domains[gpus[b]])))
+            use, pair_caps = crossings.setdefault(pair, (np.zeros(len(cycles)), []))
+            use += on_edge[i]
+            pair_caps.append(path_bandwidth(graph, link))
+    for use, pair_caps in crossings.values():
+        rows.append(use)
+        caps.append(min(pair_caps))
     for v in range(k):
         if switch_use[v].any():
             rows.append(switch_use[v])
