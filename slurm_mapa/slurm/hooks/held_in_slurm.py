@@ -18,7 +18,7 @@ from typing import Mapping
 
 from ..config import HookConfig
 from ..text.commands import CommandFailed, Log, RunCommand
-from ..text.held_slurm import (BUSY, NodePlan, create_reservation_argv, delete_reservation_argv, node_plan, node_update_argv,
+from ..text.held_slurm import (BUSY, NodePlan, NodeView, create_reservation_argv, delete_reservation_argv, node_plan, node_update_argv,
                                parse_held_reservation, parse_node_view, reservation_change, reservation_name,
                                show_node_json_argv, show_reservations_argv)
 
@@ -31,6 +31,7 @@ class Told:
 
     reserved: int = 0
     deleted: bool = False
+    lifted: bool = False  # MAPA's drain lifted to make the reservation (drained again if that failed)
     unreserved: list[int] = field(default_factory=list)
     node: NodePlan = field(default_factory=NodePlan)
     problems: list[str] = field(default_factory=list)
@@ -57,7 +58,7 @@ class Told:
                        "GPUs there; the node is drained until it can (running jobs go on)")
         if self.node.drain is not None:
             out.append(f"Slurm: node {node} drained: {self.node.drain}")
-        if self.node.undrain:
+        if self.node.undrain or (self.lifted and self.node.drain is None):
             out.append(f"Slurm: node {node} no longer drained by MAPA")
         if self.node.comment is not None:
             out.append(f"Slurm: node {node} Comment={self.node.comment!r}")
@@ -81,6 +82,22 @@ def tell_slurm(config: HookConfig, node: str, gpu_count: int, holds: Mapping[int
         except CommandFailed as error:
             told.problems.append(f"cannot delete reservation {reservation_name(node)} ({error})")
             create = 0  # the name is taken still: the next pass tries both again
+    try:
+        view = parse_node_view(run(show_node_json_argv(config.scontrol, node)), node)
+    except (CommandFailed, ValueError) as error:
+        told.problems.append(f"cannot read node {node} ({error})")
+        return told
+    if create and view.drained_by_mapa:
+        # slurmctld picks a reservation's GPUs among nodes it may schedule on: never a drained one
+        # (Slurm 26.05.5 answers "Requested nodes are busy"). MAPA's own drain is lifted for the
+        # moment of the request, and made again below if the request still fails.
+        try:
+            run(node_update_argv(config.scontrol, node, NodePlan(undrain=True))[0])
+            view = NodeView(view.states - {"DRAIN"}, "", view.comment)
+            told.lifted = True
+        except CommandFailed as error:
+            told.problems.append(f"cannot lift MAPA's drain of {node} to reserve its held GPUs ({error})")
+            create = 0
     if create:
         try:
             run(create_reservation_argv(config.scontrol, node, create))
@@ -92,7 +109,6 @@ def tell_slurm(config: HookConfig, node: str, gpu_count: int, holds: Mapping[int
                 told.problems.append(f"cannot reserve {create} held GPU(s) ({error}); slurm.conf's AccountingStorageTRES must "
                                      "list gres/gpu for a GPU reservation")
     try:
-        view = parse_node_view(run(show_node_json_argv(config.scontrol, node)), node)
         told.node = node_plan(holds, gpu_count, told.unreserved, view)
         for argv in node_update_argv(config.scontrol, node, told.node):
             run(argv)

@@ -48,7 +48,8 @@ class FakeSlurmctld:
             count = int(fields["TRES"][len("gres/gpu="):])
             if fields["ReservationName"] in self.reservations:
                 raise CommandFailed("scontrol create exited 1: Error creating the reservation: Duplicate reservation name")
-            if self.busy_gpus + sum(self.reservations.values()) + count > self.gpus:
+            # Busy GPUs, and a drained node (26.05.5 picks a reservation's GPUs among schedulable nodes only).
+            if self.busy_gpus + sum(self.reservations.values()) + count > self.gpus or "DRAIN" in self.state:
                 raise CommandFailed("scontrol create exited 1: Error creating the reservation: Requested nodes are busy")
             self.reservations[fields["ReservationName"]] = count
             return f"Reservation created: {fields['ReservationName']}\n"
@@ -108,9 +109,12 @@ def test_a_busy_node_is_drained_until_slurm_can_reserve_the_gpu(tmp_path):
     told = tell_slurm(config, "dgx1", 8, {3: "XID 79"}, slurm)
     assert told.unreserved == [3] and not told.complete and not told.problems
     assert "DRAIN" in slurm.state and "cannot reserve held GPU 3" in slurm.reason
+    told = tell_slurm(config, "dgx1", 8, {3: "XID 79"}, slurm)  # still busy: drained again, same Reason
+    assert told.lifted and told.unreserved == [3] and "DRAIN" in slurm.state and "cannot reserve held GPU 3" in slurm.reason
     slurm.busy_gpus = 6  # a job ended
     told = tell_slurm(config, "dgx1", 8, {3: "XID 79"}, slurm)
-    assert told.complete and told.node.undrain and "DRAIN" not in slurm.state and slurm.reservations == {"mapa_held_dgx1": 1}
+    assert told.complete and told.lifted and "DRAIN" not in slurm.state and slurm.reservations == {"mapa_held_dgx1": 1}
+    assert "Slurm: node dgx1 no longer drained by MAPA" in told.lines("dgx1")
 
 
 def test_an_admins_drain_is_left_alone(tmp_path):
