@@ -13,12 +13,13 @@ again at the next pass; MAPA's Prolog keeps the held GPUs out of new jobs meanwh
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..config import HookConfig
 from ..text.commands import CommandFailed, Log, RunCommand
-from ..text.held_slurm import (BUSY, NodePlan, NodeView, create_reservation_argv, delete_reservation_argv, node_plan, node_update_argv,
+from ..text.held_slurm import (BUSY, NodePlan, create_reservation_argv, delete_reservation_argv, node_plan, node_update_argv,
                                parse_held_reservation, parse_node_view, reservation_change, reservation_name,
                                show_node_json_argv, show_reservations_argv)
 
@@ -65,7 +66,12 @@ class Told:
         return out
 
 
-def tell_slurm(config: HookConfig, node: str, gpu_count: int, holds: Mapping[int, str], run: RunCommand) -> Told:
+RESPOND_TRIES = 20
+RESPOND_POLL_S = 0.25
+
+
+def tell_slurm(config: HookConfig, node: str, gpu_count: int, holds: Mapping[int, str], run: RunCommand,
+               sleep: Callable[[float], None] = time.sleep) -> Told:
     """Make slurmctld's view of ``node`` match ``holds`` (held GPU -> reason); what it did."""
     told = Told()
     holds = {gpu: reason for gpu, reason in holds.items() if 0 <= gpu < gpu_count}
@@ -91,11 +97,17 @@ def tell_slurm(config: HookConfig, node: str, gpu_count: int, holds: Mapping[int
         # slurmctld picks a reservation's GPUs among nodes it may schedule on: never a drained one
         # (Slurm 26.05.5 answers "Requested nodes are busy"). MAPA's own drain is lifted for the
         # moment of the request, and made again below if the request still fails.
+        # slurmctld also marks a node it takes back from a drain as not responding until its next
+        # ping (26.05.5: DRAINED* then "Node dgx1 now responding" a second later): wait for that.
         try:
             run(node_update_argv(config.scontrol, node, NodePlan(undrain=True))[0])
-            view = NodeView(view.states - {"DRAIN"}, "", view.comment)
             told.lifted = True
-        except CommandFailed as error:
+            for _ in range(RESPOND_TRIES):
+                view = parse_node_view(run(show_node_json_argv(config.scontrol, node)), node)
+                if "NOT_RESPONDING" not in view.states:
+                    break
+                sleep(RESPOND_POLL_S)
+        except (CommandFailed, ValueError) as error:
             told.problems.append(f"cannot lift MAPA's drain of {node} to reserve its held GPUs ({error})")
             create = 0
     if create:

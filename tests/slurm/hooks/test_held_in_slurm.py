@@ -40,6 +40,8 @@ class FakeSlurmctld:
             return json.dumps({"reservations": [{"name": n, "node_list": self.node, "tres": f"cpu=1,gres/gpu={count}"}
                                                 for n, count in self.reservations.items()], "errors": []})
         if args == ["--json", "show", "node", self.node]:
+            if "NOT_RESPONDING" in self.state and self.calls[-2][1:2] == ["--json"]:
+                self.state.discard("NOT_RESPONDING")  # the ping came between two reads
             return json.dumps({"nodes": [{"name": self.node, "state": sorted(self.state), "reason": self.reason,
                                           "comment": self.comment}], "errors": []})
         if args[:2] == ["create", "reservation"]:
@@ -49,7 +51,7 @@ class FakeSlurmctld:
             if fields["ReservationName"] in self.reservations:
                 raise CommandFailed("scontrol create exited 1: Error creating the reservation: Duplicate reservation name")
             # Busy GPUs, and a drained node (26.05.5 picks a reservation's GPUs among schedulable nodes only).
-            if self.busy_gpus + sum(self.reservations.values()) + count > self.gpus or "DRAIN" in self.state:
+            if self.busy_gpus + sum(self.reservations.values()) + count > self.gpus or self.state & {"DRAIN", "NOT_RESPONDING"}:
                 raise CommandFailed("scontrol create exited 1: Error creating the reservation: Requested nodes are busy")
             self.reservations[fields["ReservationName"]] = count
             return f"Reservation created: {fields['ReservationName']}\n"
@@ -63,8 +65,9 @@ class FakeSlurmctld:
             if fields.get("State") == "DRAIN":
                 self.state.add("DRAIN")
                 self.reason = fields["Reason"]
-            if fields.get("State") == "UNDRAIN":
+            if fields.get("State") == "UNDRAIN":  # not responding until its next ping, as 26.05.5 does
                 self.state.discard("DRAIN")
+                self.state.add("NOT_RESPONDING")
                 self.reason = ""
             return ""
         raise AssertionError(f"unexpected command {argv}")
