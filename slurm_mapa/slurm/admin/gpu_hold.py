@@ -4,6 +4,10 @@ Slurm cannot drain one GPU of a node; MAPA chooses which GPUs each job gets, so 
 a held GPU out of every new job's choice while the node keeps running (hooks/gpu_health.py). Run
 on the node as root, like ``mapa hooks``: the record is root's, beside the ledger
 (node_state/held_gpus.py). A job already running on a GPU when it is held keeps it until it ends.
+
+Each hold and release also tells slurmctld at once (hooks/held_in_slurm.py: a reservation of one
+GPU per held GPU, the node's Comment, a drain only when every GPU is held); mapa-agent does it
+again at every reconcile pass, so a failure here (slurmctld unreachable) is said and mended later.
 """
 
 from __future__ import annotations
@@ -16,17 +20,24 @@ from typing import Any
 
 from ...errors import InputError
 from ..config import DEFAULT_CONFIG_PATH, HookConfig, hook_logger, load_admin_config
+from ..hooks.held_in_slurm import tell_slurm
 from ..hooks.node_graph import load_graph
 from ..node_state import MAX_REASON_CHARS, GpuHold, HeldCorrupt, NodeState, reason_problem
+from ..text.commands import Runner, RunCommand
 from ..trusted_files import UnsafePath
+
+
+def make_runner(timeout: float) -> RunCommand:
+    """The scontrol runner (tests put a fake Slurm here)."""
+    return Runner(timeout=timeout)
 
 
 def _node(args: argparse.Namespace) -> str:
     return args.node or socket.gethostname().split(".")[0]
 
 
-def _gpu_index(text: str, config: HookConfig, node: str) -> int:
-    """The GPU index of the command line, checked against the node's topology."""
+def _gpu_index(text: str, config: HookConfig, node: str) -> tuple[int, int]:
+    """The GPU index of the command line, checked against the node's topology, and the node's GPU count."""
     graph = load_graph(config, node)
     accepted = f"accepted: a GPU index of node {node} ({graph.name}), 0 to {graph.size - 1}"
     if not (text.isascii() and text.isdigit()) or len(text) > 4:
@@ -34,7 +45,18 @@ def _gpu_index(text: str, config: HookConfig, node: str) -> int:
     gpu = int(text)
     if gpu >= graph.size:
         raise InputError(f"GPU {gpu} is not on node {node}, which has {graph.size} GPUs; {accepted}")
-    return gpu
+    return gpu, graph.size
+
+
+def _tell_slurm(config: HookConfig, state: NodeState, node: str, gpu_count: int, log) -> None:
+    """Tell slurmctld the held GPUs now; print and log what changed (mapa-agent retries what failed)."""
+    told = tell_slurm(config, node, gpu_count, {gpu: hold.reason for gpu, hold in _holds(state).items()},
+                      make_runner(config.command_timeout))
+    for line in told.lines(node):
+        print(line)
+        log(f"mapa gpu: {line}")
+    if told.problems:
+        print("Slurm: mapa-agent tries again at its next reconcile pass; MAPA's Prolog holds the GPU out meanwhile")
 
 
 def _holds(state: NodeState) -> dict[int, GpuHold]:
@@ -63,7 +85,7 @@ def _jobs_on(state: NodeState, gpu: int) -> list[str]:
 def cmd_hold(args: argparse.Namespace) -> int:
     config = load_admin_config(args.config)
     node = _node(args)
-    gpu = _gpu_index(args.gpu, config, node)
+    gpu, gpu_count = _gpu_index(args.gpu, config, node)
     problem = reason_problem(args.reason)
     if problem:
         raise InputError(f"--reason: {problem}")
@@ -79,20 +101,23 @@ def cmd_hold(args: argparse.Namespace) -> int:
         line = f"GPU {gpu} is held, but running job {job} uses it: the job keeps it until it ends"
         print(line)
         log(f"mapa gpu hold: {line}")
+    _tell_slurm(config, state, node, gpu_count, log)
     return 0
 
 
 def cmd_release(args: argparse.Namespace) -> int:
     config = load_admin_config(args.config)
     node = _node(args)
-    gpu = _gpu_index(args.gpu, config, node)
+    gpu, gpu_count = _gpu_index(args.gpu, config, node)
     state = NodeState.of(config)
     held = _holds(state)
     if gpu not in held:
         raise InputError(f"GPU {gpu} of node {node} is not held; held now: {','.join(map(str, sorted(held))) or 'none'}")
     _change(state, gpu, None)
     print(f"GPU {gpu} of node {node} is released: new jobs may get it again")
-    hook_logger(config.log)(f"mapa gpu release: GPU {gpu} released by an admin")
+    log = hook_logger(config.log)
+    log(f"mapa gpu release: GPU {gpu} released by an admin")
+    _tell_slurm(config, state, node, gpu_count, log)
     return 0
 
 

@@ -23,6 +23,10 @@ GATHER_S = 0.25  # after a start or an end, the records loop waits this long for
 # features added 0.5-0.7 s to the median start, before the allocation (40 jobs on 5 nodes;
 # docs/benchmarks.md). The next turn of the records loop (within a second) publishes what changed.
 FEATURES_MIN_GAP_S = 1.0
+# While a held GPU waits for a free GPU to reserve (hooks/held_in_slurm.py), the records loop tries
+# again after starts and ends, at most once per this long (each try is two or three scontrol calls).
+HELD_RETRY_GAP_S = 2.0
+HELD_RETRY_WINDOW_S = 15.0  # ... for this long after each start or end (the next reconcile pass tries anyway)
 
 
 class Background:
@@ -50,6 +54,15 @@ class Background:
         from .dcgm import MappingWriter
 
         self.dcgm_writer = MappingWriter()  # says each problem of the mapping directory once, not every second
+        # Held GPUs told to slurmctld (hooks/held_in_slurm.py): whether Slurm may have something of
+        # MAPA's for them (then every pass checks), the held-GPUs file's mtime at the last check (a
+        # change is checked even with nothing held), whether to try again after the next end (a
+        # held GPU Slurm could not reserve while jobs used every GPU), and the problems said last.
+        self.held_in_slurm = False
+        self.held_stamp: int | None = None
+        self.held_retry = False
+        self.held_asked_at: float | None = None
+        self.held_problems: list[str] = []
 
     def _config(self):
         config, problem = load_hook_config({"MAPA_CONFIG": self.agent.config_path}, validate=False)
@@ -65,7 +78,58 @@ class Background:
         listed = reconcile_node(config, self.node, run, metrics.repair_log(log) if metrics is not None else log)
         if self.features.publish(config, run, log, force=True) and metrics is not None:  # slurmctld may have restarted
             metrics.feature_published()
+        try:
+            self.tell_slurm_held(config, force=True)  # slurmctld may have restarted, or someone deleted a reservation
+        except Exception as error:  # noqa: BLE001 - the next pass tries again
+            self.agent.log_errors(f"mapa-agent: telling Slurm of the held GPUs failed: {error}")
         return listed
+
+    def tell_slurm_held(self, config=None, force: bool = False):
+        """Make slurmctld's view of the held GPUs match the held-GPUs file (hooks/held_in_slurm.py):
+        at every reconcile pass while anything is held or was (``force``), and after starts and
+        ends while a held GPU waits for Slurm to have one free to reserve (at most every
+        HELD_RETRY_GAP_S). Asks slurmctld nothing on a node where no GPU was ever held. What it
+        did (None: nothing asked)."""
+        from ..hooks.held_in_slurm import tell_slurm
+        from ..hooks.node_graph import load_graph
+        from ..node_state import HeldCorrupt, NodeState
+
+        if not force and (not self.held_retry or (self.held_asked_at is not None
+                                                   and self.clock() - self.held_asked_at < HELD_RETRY_GAP_S)):
+            return None
+        config = config or self._config()
+        state = NodeState.of(config)
+        try:
+            stamp: int | None = state.held_path().stat().st_mtime_ns
+        except OSError:
+            stamp = None
+        if not self.held_in_slurm and (stamp is None or stamp == self.held_stamp):
+            return None
+        log = hook_logger(config.log)
+        try:
+            holds = state.held_gpus()
+        except (HeldCorrupt, OSError) as error:  # the hooks hold nothing out; Slurm keeps what it had until it is fixed
+            self._say_held_problems(log, [f"cannot read the held GPUs ({error}); Slurm's reservations are left as they are"])
+            return None
+        self.held_asked_at = self.clock()
+        told = tell_slurm(config, self.node, load_graph(config, self.node).size,
+                          {gpu: hold.reason for gpu, hold in holds.items()}, self.agent.make_runner(config.command_timeout))
+        self.held_in_slurm = bool(holds) or not told.complete
+        self.held_stamp = stamp
+        self.held_retry = bool(told.unreserved)
+        for line in told.changes(self.node):
+            log(f"mapa-agent: {line}")
+        self._say_held_problems(log, told.problems)
+        return told
+
+    def _say_held_problems(self, log, problems: list[str]) -> None:
+        """Log the problems of telling Slurm when they change (not at every pass while they last)."""
+        if problems != self.held_problems:
+            for problem in problems:
+                log(f"mapa-agent: held GPUs not told to Slurm: {problem}")
+            if not problems:
+                log("mapa-agent: held GPUs told to Slurm again")
+        self.held_problems = list(problems)
 
     def publish_features(self, config=None) -> bool:
         """After starts and ends: publish the node's features if they changed, at most once per
@@ -191,6 +255,7 @@ class Background:
             NodeState.of(self._config()).recover_records()
         except Exception as error:  # noqa: BLE001
             self.agent.log_errors(f"mapa-agent: could not recover the journal: {error}")
+        last_woken: float | None = None
         while not self.stop.is_set():
             woken = self.wake.wait(1.0)
             if woken:
@@ -203,6 +268,14 @@ class Background:
                 self.publish_features(config)  # first: it steers where the next jobs go
             except Exception as error:  # noqa: BLE001 - the next change or pass publishes again
                 self.agent.log_errors(f"mapa-agent: publishing node features failed: {error}")
+            if woken:
+                last_woken = self.clock()
+            try:
+                if last_woken is not None and self.clock() - last_woken < HELD_RETRY_WINDOW_S:
+                    # A held GPU Slurm could not reserve: a job's end frees GPUs once its Epilog is done.
+                    self.tell_slurm_held(config)
+            except Exception as error:  # noqa: BLE001 - the next pass tries again
+                self.agent.log_errors(f"mapa-agent: telling Slurm of the held GPUs failed: {error}")
             try:
                 self.write_dcgm_mapping(config)
             except Exception as error:  # noqa: BLE001 - the next turn writes it again
