@@ -35,7 +35,9 @@ CONSTANTS = {
     "NVML_ERROR_INVALID_ARGUMENT": 2,
     "NVML_ERROR_NOT_SUPPORTED": 3,
     "NVML_ERROR_FUNCTION_NOT_FOUND": 13,
+    "NVML_ERROR_TIMEOUT": 10,
     "NVML_ERROR_GPU_IS_LOST": 15,
+    "nvmlEventTypeXidCriticalError": 0x8,
 }
 LEVEL_CODES = {"PIX": 10, "PXB": 20, "PHB": 30, "NODE": 40, "SYS": 50}
 MODEL_VERSIONS = {1: 1, 2: 2, 3: 4, 4: 6, 5: 7}  # NVLink generation -> NVML version enum
@@ -94,6 +96,8 @@ class FakeNvml:
         self.__dict__["_numa_supported"] = numa_supported
         self.__dict__["_initialised"] = 0
         self.__dict__["calls"] = []
+        self.__dict__["_event_sets"] = {}  # id -> {"gpus": set of registered indices, "queue": [(index, xid)]}
+        self.__dict__["_events_supported"] = True
         for key, value in CONSTANTS.items():
             self.__dict__[key] = value
         self.__dict__["NVMLError"] = NVMLError
@@ -148,6 +152,11 @@ class FakeNvml:
         if self._gpus[index].lost:
             raise NVMLError(CONSTANTS["NVML_ERROR_GPU_IS_LOST"], "GPU is lost")
         return FakeHandle(index)
+
+    def nvmlDeviceGetIndex(self, handle) -> int:
+        self._enter("nvmlDeviceGetIndex")
+        self._gpu(handle)
+        return handle.index
 
     def nvmlDeviceGetUUID(self, handle) -> str:
         self._enter("nvmlDeviceGetUUID")
@@ -235,6 +244,49 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
         self._enter("nvmlDeviceGetComputeRunningProcesses")
         return [SimpleNamespace(pid=pid, usedGpuMemory=1 << 30) for pid in self._gpu(handle).processes]
+
+
+    # --- XID events (nvmlEventSetCreate, nvmlDeviceRegisterEvents, nvmlEventSetWait, nvmlEventSetFree) ---
+    def nvmlEventSetCreate(self) -> int:
+        self._enter("nvmlEventSetCreate")
+        if not self._events_supported:
+            raise NVMLError(CONSTANTS["NVML_ERROR_NOT_SUPPORTED"], "Not Supported")
+        number = len(self._event_sets) + 1
+        self._event_sets[number] = {"gpus": set(), "queue": []}
+        return number
+
+    def nvmlDeviceRegisterEvents(self, handle, eventTypes: int, eventSet) -> None:
+        self._enter("nvmlDeviceRegisterEvents")
+        gpu = self._gpu(handle)
+        assert eventTypes == CONSTANTS["nvmlEventTypeXidCriticalError"], "fake NVML: only XID events are modelled"
+        assert eventSet in self._event_sets, "fake NVML: not an event set of nvmlEventSetCreate"
+        del gpu
+        self._event_sets[eventSet]["gpus"].add(handle.index)
+
+    def nvmlEventSetWait(self, eventSet, timeoutms: int):
+        self._enter("nvmlEventSetWait")
+        assert eventSet in self._event_sets, "fake NVML: not an event set of nvmlEventSetCreate"
+        assert isinstance(timeoutms, int) and timeoutms >= 0
+        queue = self._event_sets[eventSet]["queue"]
+        if not queue:
+            raise NVMLError(CONSTANTS["NVML_ERROR_TIMEOUT"], "Timeout")
+        index, xid = queue.pop(0)
+        return SimpleNamespace(device=FakeHandle(index), eventType=CONSTANTS["nvmlEventTypeXidCriticalError"],
+                               eventData=xid, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
+
+    def nvmlEventSetFree(self, eventSet) -> None:
+        self._enter("nvmlEventSetFree")
+        assert self._event_sets.pop(eventSet, None) is not None, "fake NVML: event set freed twice"
+
+    # --- the test's hand on the fake machine (not NVML calls) ---
+    def raise_xid(self, index: int, xid: int) -> None:
+        """The driver reports XID ``xid`` on GPU ``index``: queued in every set it is registered in."""
+        for events in self._event_sets.values():
+            if index in events["gpus"]:
+                events["queue"].append((index, xid))
+
+    def set_events_supported(self, supported: bool) -> None:
+        self.__dict__["_events_supported"] = supported
 
 
 IMPLEMENTED_CALLS = [name for name in vars(FakeNvml) if name.startswith("nvml")]
