@@ -63,6 +63,11 @@ class Background:
         self.held_retry = False
         self.held_asked_at: float | None = None
         self.held_problems: list[str] = []
+        self.held_lock = threading.Lock()  # the health thread tells Slurm too (after a hold or release)
+        from .health import HealthMonitor
+
+        self.health = HealthMonitor()
+        self.health_said = ""  # the sources' summary last logged
 
     def _config(self):
         config, problem = load_hook_config({"MAPA_CONFIG": self.agent.config_path}, validate=False)
@@ -85,6 +90,10 @@ class Background:
         return listed
 
     def tell_slurm_held(self, config=None, force: bool = False):
+        with self.held_lock:
+            return self._tell_slurm_held(config, force)
+
+    def _tell_slurm_held(self, config=None, force: bool = False):
         """Make slurmctld's view of the held GPUs match the held-GPUs file (hooks/held_in_slurm.py):
         at every reconcile pass while anything is held or was (``force``), and after starts and
         ends while a held GPU waits for Slurm to have one free to reserve (at most every
@@ -121,6 +130,26 @@ class Background:
             log(f"mapa-agent: {line}")
         self._say_held_problems(log, told.problems)
         return told
+
+    def health_pass(self, config=None) -> list[str]:
+        """Read the GPUs' health (health.py) and hold or release what the sources found; tell
+        slurmctld at once when anything changed. What changed."""
+        from ..hooks.node_graph import load_graph
+        from ..node_state import NodeState
+
+        config = config or self._config()
+        log = hook_logger(config.log)
+        lines = self.health.health_pass(NodeState.of(config), load_graph(config, self.node).size,
+                                        off=config.health == "off")
+        summary = self.health.summary()
+        if summary != self.health_said:
+            log(f"mapa-agent: GPU health: {summary}")
+            self.health_said = summary
+        for line in lines:
+            log(f"mapa-agent: {line}")
+        if lines:
+            self.tell_slurm_held(config, force=True)
+        return lines
 
     def _say_held_problems(self, log, problems: list[str]) -> None:
         """Log the problems of telling Slurm when they change (not at every pass while they last)."""
@@ -285,8 +314,19 @@ class Background:
             except Exception as error:  # noqa: BLE001 - the records stay in the journal
                 self.agent.log_errors(f"mapa-agent: writing AdminComment records failed: {error}")
 
+    def _health_loop(self) -> None:
+        from .health import HEALTH_INTERVAL_S
+
+        while not self.stop.is_set():
+            try:
+                self.health_pass()
+            except Exception as error:  # noqa: BLE001 - the next pass tries again
+                self.agent.log_errors(f"mapa-agent: GPU health pass failed: {error}")
+            self.stop.wait(HEALTH_INTERVAL_S)
+        self.health.close()
+
     def start(self) -> None:
-        for target in (self._reconcile_loop, self._records_loop):
+        for target in (self._reconcile_loop, self._records_loop, self._health_loop):
             threading.Thread(target=target, daemon=True, name=f"mapa-agent {target.__name__}").start()
 
 

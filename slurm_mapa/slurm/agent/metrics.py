@@ -115,7 +115,7 @@ class NodeGauges:
     held: Mapping[str, int]  # choice (HOLDING_CHOICES) -> GPUs held under it
     shared: int  # GPUs held by more than one job (a MAPA choice never overlaps: must stay 0)
     jobs: int  # ledger entries
-    free_ring: Mapping[int, float]  # k -> best predicted effective bandwidth of a free k-GPU ring, 0 if none is free
+    free_ring: Mapping[int, float]  # k -> best predicted effective bandwidth of a free k-GPU ring, 0 if none is free (held-out GPUs are not free)
     idle_ring: Mapping[int, float]  # k -> the same with every GPU free
     free_preserved: float  # the paper's Eq. 3 over the free GPUs
     idle_preserved: float  # ... over every GPU
@@ -137,7 +137,8 @@ def node_gauges(graph: "HardwareGraph", holdings: Mapping[str, Any], model: Any,
         held[decision_outcome(holding.policy, policies)] += len(gpus)
         for gpu in gpus:
             owners[gpu] = owners.get(gpu, 0) + 1
-    free = tuple(gpu for gpu in range(graph.size) if gpu not in owners)
+    # Held-out GPUs are not free: no new job gets them, so they count in no free ring (issue 50).
+    free = tuple(gpu for gpu in range(graph.size) if gpu not in owners and gpu not in held_out)
     every = tuple(range(graph.size))
     sizes = ring_sizes(graph.size)
     return NodeGauges(
@@ -173,7 +174,8 @@ class AgentMetrics:
     are left out); ``features``: the node's MAPA features as last published."""
 
     def __init__(self, node: str, policy: str = "preserve", state: Callable[[], NodeGauges] | None = None,
-                 features: Callable[[], tuple[str, ...] | None] = lambda: None) -> None:
+                 features: Callable[[], tuple[str, ...] | None] = lambda: None,
+                 health: Callable[[], Mapping[int, bool]] = dict) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.node = node
@@ -181,6 +183,7 @@ class AgentMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.state = state
         self.features = features
+        self.health = health  # GPU -> healthy at the health sources' last pass (agent/health.py); {}: none read
         self.state_problem = ""
         self.server: Any = None  # the HTTP server, once serve() started it
         r = self.registry
@@ -502,6 +505,14 @@ class _StateCollector:
             for name in features:
                 active.add_metric([node, name], 1.0)
             yield active
+        health = metrics.health()
+        if health:
+            healthy = GaugeMetricFamily("mapa_gpu_healthy", "1 for a GPU its health source (NVML, AMD SMI) found healthy at "
+                                        "its last pass, 0 for one it found a problem on; absent: no source reads it",
+                                        labels=["node", "gpu"])
+            for gpu in sorted(health):
+                healthy.add_metric([node, str(gpu)], 1.0 if health[gpu] else 0.0)
+            yield healthy
         if state is None:
             return
         gpus = GaugeMetricFamily("mapa_gpus", "GPUs of the node (its topology)", labels=["node"])

@@ -434,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     agent.background = Background(agent, args.node)
     if agent.metrics is not None:
         agent.metrics.features = lambda: agent.background.features.published if agent.background is not None else None
+        agent.metrics.health = lambda: dict(agent.background.health.healthy) if agent.background is not None else {}
     agent.background.start()
     # In a thread of its own: Slurm's commands (bounded timeouts) must not hold up the start.
     threading.Thread(target=log_spank_plugin_problems, args=(args.config, dict(os.environ)), daemon=True,

@@ -200,6 +200,17 @@ class NodeState:
         """The GPUs held out of new jobs (none without the file); HeldCorrupt if it cannot be trusted."""
         return held_gpus.read_held(self.held_path())
 
+    def update_holds(self, change: Callable[[dict[int, GpuHold]], dict[int, GpuHold] | None],
+                     lock_wait: float = 10.0) -> dict[int, GpuHold] | None:
+        """Replace the held GPUs by ``change(holds)`` under the ledger's lock, unless it returns None
+        (nothing to change); what was written (None: nothing). HeldCorrupt if the file cannot be
+        read (it is not replaced); TimeoutError if the lock cannot be had."""
+        with self.ledger(1 << 10).locked(timeout=lock_wait):
+            after = change(self.held_gpus())
+            if after is not None:
+                held_gpus.write_held(self.held_path(), after)
+            return after
+
     def set_hold(self, gpu: int, hold: GpuHold | None, lock_wait: float = 10.0) -> GpuHold | None:
         """Hold ``gpu`` (``hold``) or release it (None), under the ledger's lock; the hold it had
         before (None: it was not held). HeldCorrupt if the file cannot be read (it is not replaced:

@@ -133,6 +133,7 @@ def healthy(**changes) -> Inputs:
         ),
         agent_answer="done ping",
         isolate_socket=PathFacts("/run/slurm-mapa-isolate/isolate.sock", "isolation socket", "socket", mode=0o666),
+        health_sources="nvml read (8 GPUs), dcgm not installed, amd-smi not used (no /dev/kfd)",
     )
     return dataclasses.replace(inputs, **changes)
 
@@ -159,7 +160,7 @@ def test_a_healthy_compute_node_passes_every_check():
     assert [check.check for check in checks] == [
         "role", "scontrol", "mapa.toml", "prolog", "epilog", "taskprolog", "hooks-current", "prolog-flags",
         "prolog-timeout", "job-submit", "select-type", "task-plugin", "constrain-devices", "spank", "topology", "gres",
-        "discovery", "isolation", "agent", "features", "held", "trust"]
+        "discovery", "isolation", "agent", "features", "held", "health", "trust"]
     found = by_name(checks)
     assert "Prolog = /usr/local/sbin/mapa-prolog-wrapper: root's, mode 755" in found["prolog"].found
     assert "PrologEpilogTimeout = 60 s (needed: 60 s)" in found["prolog-timeout"].found

@@ -399,7 +399,7 @@ def test_a_bad_metrics_key_is_refused_in_one_line(text, message):
 
 def served_names() -> set[str]:
     metrics = AgentMetrics("n1", state=lambda: node_gauges(preset("dgx1-v100"), {}, paper_model(), all_policies()),
-                           features=lambda: ("mapa_ring2",))
+                           features=lambda: ("mapa_ring2",), health=lambda: {0: True})
     return {name for name, _ in samples(metrics)}
 
 

@@ -13,7 +13,7 @@ from ...agent.client import ANSWER_TIMEOUT_S
 from ...config import HookConfig
 from ..install import needed_hook_timeout
 from ...isolation.spank_plugin import slurm_conf_value
-from .held_check import check_held
+from .held_check import check_health, check_held
 from .lenient_config import parse_config
 from .records import FAIL, HOOKS, ISOLATION_STRENGTH, NODE_CHECKS, OK, UNLIMITED_TIMEOUT, WARN, Check, Inputs, PathFacts
 from .slurm_text import GresLine, flag_list, gres_gpu_lines, is_yes, node_gpu_count, parse_show_config, script_value, slurm_values
@@ -570,7 +570,8 @@ def run_checks(inputs: Inputs) -> list[Check]:
     checks.append(check_constrain_devices(inputs.cgroup_conf if compute else None, conf, inputs.slurm_conf_dir))
     if compute:
         checks += [check_spank(inputs, mode), check_topology(inputs, config), check_gres(inputs, config), check_discovery(inputs),
-                   check_isolation(inputs), check_agent(inputs, mode), check_features(inputs, config), check_held(inputs)]
+                   check_isolation(inputs), check_agent(inputs, mode), check_features(inputs, config), check_held(inputs),
+                   check_health(inputs)]
     checks += check_trust(inputs.paths)
     if inputs.euid != 0:
         checks.append(Check("user", WARN, f"running as uid {inputs.euid}, not root: root-only paths and the agent may not "

@@ -37,6 +37,20 @@ def _safely(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[An
         return None, _describe(error)
 
 
+def health_summary(config: Any) -> str:
+    """What mapa-agent's health passes read on this node (agent/health.py), by reading them once."""
+    if config.health == "off":
+        return 'off (health = "off" in mapa.toml): no source is read'
+    from ...agent.health import HealthMonitor
+
+    monitor = HealthMonitor()
+    try:
+        monitor.read_sources()
+    finally:
+        monitor.close()
+    return monitor.summary()
+
+
 def read_text(path: str | Path, limit: int = MAX_TEXT_BYTES) -> str:
     """A regular file's text (symlinks followed, as Slurm follows them), at most ``limit`` bytes."""
     data = trusted.read_bytes(Path(path), limit, follow_symlinks=True)
@@ -244,6 +258,7 @@ def gather(config_path: str, node: str, environ: Mapping[str, str] | None = None
 
     held, got["held_error"] = _safely(held_list, NodeState.of(config))
     got["held_gpus"] = tuple(held or ())
+    got["health_sources"], got["health_error"] = _safely(health_summary, config)
 
     hooks, texts = {}, {}
     for key, _, wanted in HOOKS:

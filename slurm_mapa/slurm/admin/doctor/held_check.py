@@ -1,4 +1,5 @@
-"""The ``held`` check of ``mapa doctor``: GPUs held out of new jobs on this node (``mapa gpu hold``, issue 50)."""
+"""The ``held`` and ``health`` checks of ``mapa doctor``: GPUs held out of new jobs on this node
+(``mapa gpu hold``, health sources; issue 50)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,16 @@ def check_held(inputs: Inputs) -> Check:
     gpus = " ".join(str(held["gpu"]) for held in inputs.held_gpus)
     return Check("held", WARN, "; ".join(found) + ". Slurm still counts it: a job that needs it is given it (held= in its "
                  "AdminComment record)", f"repair or replace it, then `mapa gpu release GPU` for each of {gpus}")
+
+
+def check_health(inputs: Inputs) -> Check:
+    """Say per health source whether mapa-agent reads it (``nvml read (8 GPUs), dcgm not installed,
+    amd-smi not used (no /dev/kfd)``); warn when none can be read although ``health = "auto"``."""
+    if inputs.health_error or inputs.health_sources is None:
+        return Check("health", WARN, f"the GPU health sources could not be probed ({inputs.health_error or 'not gathered'})",
+                     "see mapa-agent's log (`GPU health:` lines)")
+    text = f"health: {inputs.health_sources}"
+    if " read (" not in text and not text.startswith("health: off"):
+        return Check("health", WARN, text + "; no GPU fault holds a GPU out automatically (`mapa gpu hold` still does)",
+                     "install nvidia-ml-py (the nvml extra) or amdsmi where the driver is, or set health = \"off\"")
+    return Check("health", OK, text)

@@ -98,5 +98,7 @@ class Inputs:
     fleet_errors: tuple[str, ...] = ()  # [features] fleet topologies that do not load
     held_gpus: tuple[Mapping[str, Any], ...] = ()  # `mapa gpu list --json`'s entries (gpu_hold.held_list)
     held_error: str = ""  # why the held GPUs could not be read
+    health_sources: str | None = None  # what the agent's health passes read (gather_inputs.health_summary)
+    health_error: str = ""  # why that could not be told
 
 
