@@ -2,8 +2,8 @@
 
 Slurm cannot drain one GPU of a node, but MAPA chooses which GPUs each job gets, so it can keep
 one out of every new job while the node keeps running. An admin holds a GPU with ``mapa gpu
-hold GPU --reason TEXT`` (source ``admin``); later sources (NVML, DCGM, AMD SMI health) will write
-the same record with their own ``source``. The format::
+hold GPU --reason TEXT`` (source ``admin``); mapa-agent's health passes (agent/health.py: NVML,
+AMD SMI) write the same record with their own ``source``. The format::
 
     {"version": 1, "gpus": {"3": {"reason": "XID 79 twice", "since": 1718000000.0, "source": "admin"}}}
 
