@@ -138,9 +138,12 @@ class Background:
         from ..node_state import NodeState
 
         config = config or self._config()
+        if config.health == "off":  # nothing read, nothing said (the sources' NVML session is closed)
+            self.health.health_pass(None, 0, off=True)
+            self.health_said = ""
+            return []
         log = hook_logger(config.log)
-        lines = self.health.health_pass(NodeState.of(config), load_graph(config, self.node).size,
-                                        off=config.health == "off")
+        lines = self.health.health_pass(NodeState.of(config), load_graph(config, self.node).size)
         summary = self.health.summary()
         if summary != self.health_said:
             log(f"mapa-agent: GPU health: {summary}")

@@ -193,3 +193,10 @@ def test_doctor_says_per_source_whether_it_is_read():
     none = check_health(Inputs(node="n", health_sources="nvml not installed, dcgm not installed, amd-smi not used (no /dev/kfd)"))
     assert none.status == WARN and "no GPU fault holds a GPU out automatically" in none.found
     assert check_health(Inputs(node="n", health_sources='off (health = "off" in mapa.toml): no source is read')).status == OK
+
+
+def test_off_in_the_agent_reads_and_logs_nothing(tmp_path):
+    config = config_in(tmp_path, health="off")
+    background = Background(types.SimpleNamespace(make_runner=lambda timeout: None, metrics=None, log_errors=[].append), "dgx1")
+    background.health = monitor(machine(), tmp_path)
+    assert background.health_pass(config) == [] and not (tmp_path / "log").exists() and background.health.healthy == {}
