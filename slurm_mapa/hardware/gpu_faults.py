@@ -28,7 +28,8 @@ from typing import Iterable
 # the GPU can be trusted again, or means the GPU is gone. Left out on purpose: 63 (a row marked for
 # remapping: read as "row remapping pending" instead, which clears by itself after the reset),
 # 92 (a high single-bit ECC rate: corrected errors, informational) and 94 (a contained ECC error:
-# only the application that hit it must restart; NVIDIA says the GPU needs no reset).
+# only the application that hit it ends, and new work may start without a GPU reset: NVIDIA's
+# A100 GPU Memory Error Management guide, https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/).
 HOLDING_XIDS: dict[int, str] = {
     48: "double-bit ECC error",
     64: "ECC page retirement or row remapping failure",
