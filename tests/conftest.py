@@ -9,6 +9,7 @@ faultsim, line_mutations, repo_paths.
 
 import pytest
 
+from slurm_mapa.core import ring_packing
 from slurm_mapa.core.ring_rate_tables import use_store
 
 
@@ -20,3 +21,15 @@ def ring_rate_tables_kept_apart(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
     yield
     use_store(None)
+
+
+@pytest.fixture
+def fresh():
+    """As a fresh process finds the ring rates: none kept in memory, no table store."""
+    ring_packing.max_ring_rate.cache_clear()
+    ring_packing._solved_once.cache_clear()
+    yield
+    use_store(None)
+    ring_packing.max_ring_rate.cache_clear()
+    ring_packing._solved_once.cache_clear()
+

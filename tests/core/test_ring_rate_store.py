@@ -38,17 +38,6 @@ class MemoryStore:
         self.files[key] = data
 
 
-@pytest.fixture
-def fresh():
-    """As a fresh process finds it: no rate kept in memory."""
-    max_ring_rate.cache_clear()
-    ring_packing._solved_once.cache_clear()
-    yield
-    use_store(None)
-    max_ring_rate.cache_clear()
-    ring_packing._solved_once.cache_clear()
-
-
 def test_the_first_use_stores_the_table_and_a_later_process_reads_it_without_solving(fresh, monkeypatch):
     graph = changed_dgx1()
     store = MemoryStore()

@@ -18,7 +18,7 @@ from slurm_mapa.core.ring_packing import max_ring_rate, solve_ring_rate
 from slurm_mapa.core.ring_rate_tables import fingerprint, table_from_bytes, use_store
 from slurm_mapa.hardware.presets import preset
 from slurm_mapa.hardware.topofile import graph_to_toml
-from slurm_mapa.slurm.ring_rate_cache import DiskTables, prepare_table, use_directory, user_cache_dir
+from slurm_mapa.slurm.ring_rate_cache import prepare_table, use_directory, user_cache_dir
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="ownership by another uid needs root (os.chown)")
 OTHER_UID = 1000
@@ -30,17 +30,6 @@ def changed_dgx1():
     links = {(a, b): dgx.link(a, b) for a, b in dgx.pairs()}
     links[(0, 1)] = "NV2"
     return build_graph("my-dgx1", 8, links)
-
-
-@pytest.fixture
-def fresh():
-    """As a fresh process finds it: no rate kept in memory, no store."""
-    max_ring_rate.cache_clear()
-    ring_packing._solved_once.cache_clear()
-    yield
-    use_store(None)
-    max_ring_rate.cache_clear()
-    ring_packing._solved_once.cache_clear()
 
 
 def decide(graph, directory, lines):

@@ -239,22 +239,27 @@ def job_time_limit_s(job: dict) -> float | None:
 
 
 def job_records(text: str, what: str) -> list:
-    """The ``jobs`` list of a Slurm JSON answer (`squeue --json`, `scontrol --json show job`).
+    """The ``jobs`` list of a Slurm JSON answer (`squeue --json`, `scontrol --json show job`)."""
+    return json_list(text, what, "jobs")
+
+
+def json_list(text: str, what: str, key: str) -> list:
+    """The ``key`` list of a Slurm JSON answer (``jobs``, ``reservations``, ``nodes``).
     CommandFailed, naming ``what`` printed it, for output that is too long, not JSON, not an object
-    with a ``jobs`` list, or that reports errors."""
+    with a ``key`` list, or that reports errors."""
     if len(text) > MAX_OUTPUT_BYTES:
         raise CommandFailed(f"{what} printed {len(text)} characters (accepted: at most {MAX_OUTPUT_BYTES})")
     try:
         data = json.loads(text)
     except RecursionError:
-        raise CommandFailed(f"{what} printed JSON nested too deeply to read (accepted: Slurm's job list)") from None
+        raise CommandFailed(f"{what} printed JSON nested too deeply to read (accepted: Slurm's {key} list)") from None
     except ValueError:  # JSONDecodeError, and invalid UTF-8 surrogates
         raise CommandFailed(f"{what} printed something that is not JSON: {text[:120]!r}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
-        raise CommandFailed(f"{what} printed no jobs list (expected an object with \"jobs\": [...]): {text[:120]!r}")
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        raise CommandFailed(f"{what} printed no {key} list (expected an object with \"{key}\": [...]): {text[:120]!r}")
     if data.get("errors"):  # Slurm says the answer is incomplete or wrong
         raise CommandFailed(f"{what} reported errors: {json.dumps(data['errors'])[:200]}")
-    return data["jobs"]
+    return data[key]
 
 
 def update_target(job: dict, job_id: str) -> str:

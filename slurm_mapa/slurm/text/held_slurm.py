@@ -27,12 +27,11 @@ failing GPU"). hooks/held_in_slurm.py runs it.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .commands import MAX_OUTPUT_BYTES, CommandFailed
+from .commands import CommandFailed, json_list
 
 RESERVATION_PREFIX = "mapa_held_"
 MARK = "mapa-held:"  # starts MAPA's part of a node's Comment, and the Reason of MAPA's drain
@@ -188,29 +187,13 @@ def node_update_argv(scontrol: str, node: str, plan: NodePlan) -> list[list[str]
 
 # --- parsing -----------------------------------------------------------------------------------
 
-def _json_object(text: str, what: str, key: str) -> list:
-    if len(text) > MAX_OUTPUT_BYTES:
-        raise CommandFailed(f"{what} printed {len(text)} characters (accepted: at most {MAX_OUTPUT_BYTES})")
-    try:
-        data = json.loads(text)
-    except RecursionError:
-        raise CommandFailed(f"{what} printed JSON nested too deeply to read") from None
-    except ValueError:
-        raise CommandFailed(f"{what} printed something that is not JSON: {text[:120]!r}") from None
-    if not isinstance(data, dict) or not isinstance(data.get(key), list):
-        raise CommandFailed(f"{what} printed no {key} list (expected an object with \"{key}\": [...]): {text[:120]!r}")
-    if data.get("errors"):
-        raise CommandFailed(f"{what} reported errors: {json.dumps(data['errors'])[:200]}")
-    return data[key]
-
-
 def parse_held_reservation(text: str, node: str) -> int | None:
     """How many GPUs MAPA's reservation of ``node`` reserves in `scontrol --json show reservation`
     (its ``tres``, e.g. ``cpu=1,gres/gpu=2``; 0 when it names none); None: there is none. Others'
     reservations, and MAPA's of other nodes, are left out. CommandFailed for output that is not
     Slurm's reservation list."""
     name = reservation_name(node)
-    for record in _json_object(text, "scontrol --json show reservation", "reservations"):
+    for record in json_list(text, "scontrol --json show reservation", "reservations"):
         if isinstance(record, dict) and record.get("name") == name:
             found = re.search(r"(?:^|,)gres/gpu=([0-9]{1,4})(?:,|$)", _text(record.get("tres")))
             return int(found.group(1)) if found else 0
@@ -224,7 +207,7 @@ def _text(value: object) -> str:
 def parse_node_view(text: str, node: str) -> NodeView:
     """Node ``node``'s state, Reason and Comment in `scontrol --json show node NODE` (``state`` is
     a list of names from data_parser v0.0.40 on, a string before). CommandFailed if it is not there."""
-    for record in _json_object(text, "scontrol --json show node", "nodes"):
+    for record in json_list(text, "scontrol --json show node", "nodes"):
         if isinstance(record, dict) and record.get("name") == node:
             state = record.get("state")
             names = [state] if isinstance(state, str) else [s for s in state if isinstance(s, str)] if isinstance(state, list) else []
