@@ -19,7 +19,25 @@ import re
 from dataclasses import dataclass
 
 from ...errors import InputError
-from ..admin.doctor.slurm_text import expand_hostlist
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's host list syntax: ``nvl1-[01-18],gb7`` -> the names, zero padding kept."""
+    names: list[str] = []
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text.strip()):
+        match = re.search(r"\[([^\]]*)\]", part)
+        if match is None:
+            names.append(part)
+            continue
+        head, tail = part[:match.start()], part[match.end():]
+        for item in match.group(1).split(","):
+            low, sep, high = item.partition("-")
+            if sep and low.isdigit() and high.isdigit() and int(high) - int(low) < 4096:
+                middles = [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+            else:
+                middles = [item]
+            names += [head + middle + rest for middle in middles for rest in (expand_hostlist(tail) if tail else [""])]
+    return names
 
 
 @dataclass(frozen=True)

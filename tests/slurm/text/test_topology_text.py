@@ -67,3 +67,10 @@ def test_topology_yaml_errors():
         parse_topology_yaml("- topology: flat1\n  flat: true\n")
     with pytest.raises(InputError, match="no block topology named 'x'"):
         parse_topology_yaml(YAML, name="x")
+
+
+def test_hostlists():
+    from slurm_mapa.slurm.text.topology import expand_hostlist
+
+    assert expand_hostlist("nvl1-[01-03],gb7,n[1-2,5]") == ["nvl1-01", "nvl1-02", "nvl1-03", "gb7", "n1", "n2", "n5"]
+    assert expand_hostlist("a[1-2]b[3-4]") == ["a1b3", "a1b4", "a2b3", "a2b4"]
