@@ -35,6 +35,15 @@ Sources:
 * ``mi300x`` - an 8-GPU AMD MI300X platform (UBB): every GPU has 7 xGMI links, one to each
   other GPU (all-to-all, XGMI1), 64 GB/s per link and direction; GPUs 0-3 on socket 0 and 4-7
   on socket 1 as in the usual two-socket servers.
+* ``gb200-nvl72-tray`` - one compute tray (node) of an NVIDIA GB200 NVL72 rack: two GB200
+  superchips, each one Grace CPU with two Blackwell GPUs, so 4 GPUs and 2 Grace CPUs (GPUs 0-1
+  next to CPU 0, 2-3 next to CPU 1). Every GPU has 18 NVLink 5 links to the rack's NVLink switch
+  trays, 50 GB/s per link and direction (900 GB/s per GPU and direction, 1.8 TB/s both ways; 72
+  GPUs and 36 Grace CPUs per rack, 130 TB/s of NVLink in all:
+  https://www.nvidia.com/en-us/data-center/gb200-nvl72/). Inside the tray every pair is therefore
+  ``NVS18``; the same switches join the tray to the other 17 trays of its rack, which makes the
+  rack one NVLink domain (:mod:`slurm_mapa.replay.domains` models the domains; NVL36x2 racks: two
+  domains of 9 trays). The NICs are not modelled here.
 """
 
 from __future__ import annotations
@@ -201,6 +210,18 @@ def mi300x() -> HardwareGraph:
     )
 
 
+def gb200_nvl72_tray() -> HardwareGraph:
+    links = {(a, b): "NVS18" for a in range(4) for b in range(a + 1, 4)}
+    return build_graph(
+        "gb200-nvl72-tray",
+        4,
+        links,
+        bandwidths=Bandwidths(nvlink_generation=5),
+        domains=[0, 0, 1, 1],
+        description="NVIDIA GB200 NVL72 compute tray: 4 Blackwell GPUs, 2 Grace CPUs, 18 NVLink 5 per GPU to the rack's switches",
+    )
+
+
 PRESETS: dict[str, Callable[[], HardwareGraph]] = {
     "dgx1-v100": dgx1_v100,
     "dgx1-p100": dgx1_p100,
@@ -212,6 +233,7 @@ PRESETS: dict[str, Callable[[], HardwareGraph]] = {
     "pcie-8": pcie_8,
     "mi250x": mi250x,
     "mi300x": mi300x,
+    "gb200-nvl72-tray": gb200_nvl72_tray,
 }
 
 
@@ -230,6 +252,7 @@ PRESET_MODELS: dict[str, str] = {
     "pcie-8": "derived-pcie-8",
     "mi250x": "derived-mi250x",
     "mi300x": "derived-mi300x",
+    "gb200-nvl72-tray": "derived-gb200-nvl72-tray",
 }
 
 

@@ -5,6 +5,8 @@
   GoogleNet insensitive), ring patterns (or a uniform choice among the patterns asked for), service
   times uniform on 5..24 and arrivals uniform over the expected busy span, sorted, as the
   reference generator draws them.
+* ``multinode`` - one-node and multi-node jobs for clusters with NVLink domains (issue 51), see
+  :func:`slurm_mapa.replay.domains.multinode_jobs`.
 * ``amaral`` - Amaral et al. (SC'17): Poisson arrivals (exponential gaps, mean 10), GPUs 1 +
   Binomial(2, 0.39) (1..3), the same network mix for sensitivity.
 """
@@ -21,7 +23,7 @@ from .jobs import Job
 
 NETWORKS = ("alexnet", "inception-v3", "resnet-50", "vgg16", "googlenet", "caffenet")
 SENSITIVE = {"alexnet": True, "inception-v3": True, "resnet-50": True, "vgg16": True, "googlenet": False, "caffenet": False}
-GENERATORS = ("paper", "amaral")
+GENERATORS = ("paper", "amaral", "multinode")
 
 
 def generate(
@@ -51,6 +53,11 @@ def generate(
         raise InputError(f"service range {min_service}..{max_service} is empty")
     if load <= 0:
         raise InputError(f"load must be positive, got {load}")
+    if kind == "multinode":
+        from .domains import multinode_jobs
+
+        yield from multinode_jobs(jobs, seed, load)
+        return
     if kind == "paper":
         yield from _paper(jobs, seed, min_gpus, max_gpus, tuple(patterns), min_service, max_service, load)
         return

@@ -30,6 +30,7 @@ class Job:
     recorded_affinity: tuple[str, float] | None = None  # (mode, max_loss) of the CPU affinity rule it was chosen under
     recorded_cpus: frozenset[int] | None = None  # its CPUs there as its cgroup held them, if recorded (else Slurm's GPUs')
     recorded_bw: float | None = None  # effective bandwidth of the recorded decision (filled by the audit)
+    domain: str | None = None  # NVLink domain need (issue 51): required, preferred, any; None: the default (core.domains)
 
 
 @dataclass

@@ -24,6 +24,8 @@ from . import report
 from .audit import audit
 from .cluster_spec import _build_nodes, _model, _models_used
 from .config import Config
+from .domain_run import domain_replay
+from .domains import is_domain_cluster
 from .headline import fold_prose, headline
 from .jobs import ReadStats
 from .plots import have_matplotlib, write_plots
@@ -108,6 +110,8 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
             collect: list[dict] | None = None) -> int:
     """Replay ``source`` and print the report (``collect``: append the JSON document to it instead
     of printing it under --json; ``csv_sink``: the CSV rows go there, see :class:`CsvSink`)."""
+    if is_domain_cluster(getattr(args, "cluster", None)):  # racks with NVLink domains (issue 51): domain policies
+        return domain_replay(args, source, label, collect=collect)
     policies = _policies(args.policies)
     nodes, cluster_notes, peak = _build_nodes(args, source, config, label)
     model = _model(args, config)
