@@ -17,6 +17,7 @@ from .core.server_models import out_of_range
 from .core.explain import alternatives, reported_allocation
 from .core.hardware import HardwareGraph
 from .core.policies import Allocation, NoFit, Request, all_policies, select
+from .core.model_files import GROUNDED_MODEL_NAME
 from .errors import InputError, MapaError
 from .hardware.load import load_topology, resolve_model
 from .slurm.admin.status import add_commands as add_admin_commands
@@ -83,11 +84,23 @@ def allocation_as_dict(result: Allocation | NoFit, graph: HardwareGraph, free: S
         "effective_bandwidth": placement.effective_bandwidth,
         "preserved_bandwidth": placement.preserved_bandwidth,
         "ring_rate": placement.ring_rate,
+        "judged_bandwidth": _judged(graph, request, placement),
+        "judge": GROUNDED_MODEL_NAME,
         "link_counts": dict(zip(model.class_names, placement.link_counts)),
+        "link_classes": {name: list(links) for name, links in zip(model.class_names, model.selectors)},
         "model": model.name,
         "model_basis": model.basis or "unstated",
         **extrapolation_fields(model, graph, placement.gpus, request),
     }
+
+
+def _judged(graph: HardwareGraph, request: Request, placement: Any) -> float | None:
+    """The set's judged bandwidth: what mapa-replay scores it by (its default judge, link-bound)."""
+    from .core.model_files import grounded_model
+
+    if placement.effective_bandwidth is None or request.pattern.size < 2 or not request.pattern.edges:
+        return None
+    return grounded_model().predict(graph, tuple(placement.gpus), request.pattern)
 
 
 def extrapolation_fields(model: EffectiveBandwidthModel, graph: HardwareGraph, gpus: Sequence[int], request: Request) -> dict[str, Any]:
@@ -193,12 +206,16 @@ def _format_selection(out: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines += [
         f"{out['policy']} ({out['objective']}): GPUs {','.join(map(str, out['gpus']))} (pattern order)",
-        f"  effective bandwidth  {_fmt(out['effective_bandwidth'])}{extrapolated_text(out)}",
-        f"  aggregated bandwidth {_fmt(out['aggregated_bandwidth'])}",
-        f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])}",
+        f"  predicted            {_fmt(out['effective_bandwidth'])}{extrapolated_text(out)} (effective bandwidth by the "
+        "ranking model: what MAPA ranks sets by; mapa-replay's 'ranked')",
         *([f"  ring rate            {_fmt(out['ring_rate'])} (the bus bandwidth rings can carry over the set's links; "
            "breaks the model's ties)"] if out.get("ring_rate") is not None else []),
-        f"  link counts          {', '.join(f'{k}={v}' for k, v in out['link_counts'].items())} (model {model_text(out)})",
+        *([f"  judged               {_fmt(out['judged_bandwidth'])} ({out['judge']}, 0.8 x the ring rate: what "
+           "mapa-replay's effective-BW columns show)"] if out.get("judged_bandwidth") is not None else []),
+        f"  aggregated bandwidth {_fmt(out['aggregated_bandwidth'])} (the sum of the set's link bandwidths)",
+        f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])} (the link bandwidth among the GPUs left free)",
+        f"  link counts          {_link_counts(out)} (the pattern's edges per link class of model "
+        f"{model_text(out)})",
     ]
     if "affinity" in out:
         lines.append(_affinity_text(out["affinity"]))
@@ -206,6 +223,13 @@ def _format_selection(out: dict[str, Any]) -> str:
         mark = " [effective bandwidth extrapolated]" if alt.get("extrapolated") else ""
         lines.append(f"  instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}{mark}")
     return "\n".join(lines)
+
+
+def _link_counts(out: dict[str, Any]) -> str:
+    """``x1=3 (NV2), x2=1 (NV1), x3=0 (SYS)``: each count named by the links its class counts."""
+    classes = out.get("link_classes") or {}
+    return ", ".join(f"{name}={count}" + (f" ({'/'.join(classes[name])})" if classes.get(name) else "")
+                     for name, count in out["link_counts"].items())
 
 
 def _affinity_text(why: dict[str, Any]) -> str:
