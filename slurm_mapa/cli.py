@@ -18,7 +18,7 @@ from .core.explain import alternatives, reported_allocation
 from .core.hardware import HardwareGraph
 from .core.policies import Allocation, NoFit, Request, all_policies, select
 from .core.model_files import GROUNDED_MODEL_NAME
-from .errors import InputError, MapaError
+from .errors import InputError, MapaError, OneLineParser, error_line
 from .hardware.load import load_topology, resolve_model
 from .slurm.admin.status import add_commands as add_admin_commands
 from .slurm.ring_rate_cache import use_user_cache
@@ -130,10 +130,11 @@ def cmd_select(args: argparse.Namespace) -> int:
     gpus = args.gpus if args.gpus is not None else directive.gpus
     if gpus is None:
         raise InputError("how many GPUs? give --gpus K or gpus=K in the directive")
-    request = to_request(directive, gpus)
-    if gpus > graph.size:  # no free set could ever hold it: the request is wrong for this server
+    if not 1 <= gpus <= graph.size:  # no free set could ever hold it: the request is wrong for this server
+        # one message for 0, 9 and 99 on an 8-GPU server (99 used to meet the pattern's own limit first)
         raise InputError(f"{gpus} GPUs asked of {graph.name}, which has {graph.size}; accepted: 1 to {graph.size} "
                          f"(a request that does not fit the free GPUs now exits 1)")
+    request = to_request(directive, gpus)
     running = _parse_running(args.running)
     _check_on_node([gpu for job in running for gpu in job], graph, "--running")
     why = None
@@ -242,7 +243,7 @@ def _affinity_text(why: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mapa", description="Topology-aware GPU allocation for Slurm (MAPA).")
+    parser = OneLineParser(prog="mapa", description="Topology-aware GPU allocation for Slurm (MAPA).")
     parser.add_argument("--version", action="version", version=version_text("mapa"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -306,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_user_cache()  # ring-rate tables of topology files: computed once, kept in the user's cache
         return int(args.handler(args))
     except MapaError as error:
-        print(f"mapa: error: {error}", file=sys.stderr)
+        print(error_line("mapa", error), file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from .. import version_text
 from ..core.affinity import MODES as AFFINITY_MODES
-from ..errors import InputError, MapaError
+from ..errors import InputError, MapaError, OneLineParser, error_line
 from ..hardware.presets import PRESETS
 from ..slurm.ring_rate_cache import use_user_cache
 from .cluster_spec import _load_config
@@ -38,10 +38,7 @@ from .sources import (DEFAULT_GENERATED_JOBS, FORMATS, MAX_GENERATED_JOBS, PROG,
                       _open_path, _parse_generate, _take)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse errors go through the same handler
-        raise InputError(message)
-
+_Parser = OneLineParser  # argparse errors go through the same handler, one line
 
 def _data_text(name: str) -> str:
     return resources.files("slurm_mapa").joinpath("data/replay").joinpath(name).read_text()
@@ -282,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_stdout()
         return 141
     except MapaError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(error_line(PROG, exc), file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
