@@ -215,8 +215,8 @@ def _format_selection(out: dict[str, Any]) -> str:
            "mapa-replay's effective-BW columns show)"] if out.get("judged_bandwidth") is not None else []),
         f"  aggregated bandwidth {_fmt(out['aggregated_bandwidth'])} (the sum of the set's link bandwidths)",
         f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])} (the link bandwidth among the GPUs left free)",
-        f"  link counts          {_link_counts(out)} (the pattern's edges per link class of model "
-        f"{model_text(out)})",
+        f"  link counts          {_link_counts(out)}: the pattern's edges per link class "
+        f"(model {model_text(out)})",
     ]
     if "affinity" in out:
         lines.append(_affinity_text(out["affinity"]))

@@ -145,7 +145,7 @@ def test_select_names_each_bandwidth_as_the_replay_does(capsys):
     assert lines[2].startswith("  predicted            38.056 GB/s (effective bandwidth by the ranking model")
     assert lines[3].startswith("  ring rate            100.000 GB/s (the bus bandwidth rings can carry")
     assert lines[4].startswith("  judged               80.000 GB/s (link-bound, 0.8 x the ring rate: what mapa-replay")
-    assert "x1=3 (NV2), x2=1 (NV1), x3=0 (SYS) (the pattern's edges per link class of model derived-dgx1-v100" in lines[7]
+    assert "x1=3 (NV2), x2=1 (NV1), x3=0 (SYS): the pattern's edges per link class (model derived-dgx1-v100" in lines[7]
     assert main(["select", "--topology", "dgx1-v100", "--gpus", "4", "--directive", "topology=ring sensitive=yes", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["judged_bandwidth"] == 80.0 and out["judge"] == "link-bound" and out["link_classes"]["x1"] == ["NV2"]
