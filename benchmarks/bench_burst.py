@@ -281,6 +281,9 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=3.0,
                         help="seconds to wait after a switch and its warm-up, before the measured bursts (default %(default)s)")
     args = parser.parse_args()
+    from needs import mini_cluster
+
+    mini_cluster("bench_burst.py", f"{CLUSTER}-{CONTROLLER}")
     sizes = [int(n) for n in args.per_node.split(",")]
     settings = args.settings.split(",")
     loops: dict[str, str] = {}

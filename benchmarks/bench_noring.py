@@ -96,6 +96,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--sleep", type=float, default=5.0)
     args = parser.parse_args()
+    from needs import mini_cluster
+
+    mini_cluster("bench_noring.py", f"{CLUSTER}-{CONTROLLER}")
     results: dict[str, list[dict]] = {"none": [], "noring": []}
     began = time.monotonic()
     try:

@@ -23,3 +23,26 @@ def pyplot(program: str):
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def mini_cluster(program: str, container: str) -> None:
+    """Returns when the mini cluster's ``container`` runs; else one line on stderr and exit status 2
+    (issue 52: the cluster benchmarks ended in a traceback from their first `docker exec`)."""
+    import shutil
+    import subprocess
+
+    why = ""
+    if shutil.which("docker") is None:
+        why = "docker is not on PATH"
+    else:
+        try:
+            state = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", container],
+                                   capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            why = f"docker did not answer ({error})"
+        else:
+            if state.stdout.strip() != "true":
+                why = f"container {container} is not running"
+    if why:
+        print(f"{program}: error: needs the mini cluster: scripts/cluster up ({why})", file=sys.stderr)
+        raise SystemExit(2)

@@ -17,7 +17,8 @@ from .core.server_models import out_of_range
 from .core.explain import alternatives, reported_allocation
 from .core.hardware import HardwareGraph
 from .core.policies import Allocation, NoFit, Request, all_policies, select
-from .errors import InputError, MapaError
+from .core.model_files import GROUNDED_MODEL_NAME
+from .errors import InputError, MapaError, OneLineParser, error_line
 from .hardware.load import load_topology, resolve_model
 from .slurm.admin.status import add_commands as add_admin_commands
 from .slurm.ring_rate_cache import use_user_cache
@@ -83,11 +84,23 @@ def allocation_as_dict(result: Allocation | NoFit, graph: HardwareGraph, free: S
         "effective_bandwidth": placement.effective_bandwidth,
         "preserved_bandwidth": placement.preserved_bandwidth,
         "ring_rate": placement.ring_rate,
+        "judged_bandwidth": _judged(graph, request, placement),
+        "judge": GROUNDED_MODEL_NAME,
         "link_counts": dict(zip(model.class_names, placement.link_counts)),
+        "link_classes": {name: list(links) for name, links in zip(model.class_names, model.selectors)},
         "model": model.name,
         "model_basis": model.basis or "unstated",
         **extrapolation_fields(model, graph, placement.gpus, request),
     }
+
+
+def _judged(graph: HardwareGraph, request: Request, placement: Any) -> float | None:
+    """The set's judged bandwidth: what mapa-replay scores it by (its default judge, link-bound)."""
+    from .core.model_files import grounded_model
+
+    if placement.effective_bandwidth is None or request.pattern.size < 2 or not request.pattern.edges:
+        return None
+    return grounded_model().predict(graph, tuple(placement.gpus), request.pattern)
 
 
 def extrapolation_fields(model: EffectiveBandwidthModel, graph: HardwareGraph, gpus: Sequence[int], request: Request) -> dict[str, Any]:
@@ -117,10 +130,11 @@ def cmd_select(args: argparse.Namespace) -> int:
     gpus = args.gpus if args.gpus is not None else directive.gpus
     if gpus is None:
         raise InputError("how many GPUs? give --gpus K or gpus=K in the directive")
-    request = to_request(directive, gpus)
-    if gpus > graph.size:  # no free set could ever hold it: the request is wrong for this server
+    if not 1 <= gpus <= graph.size:  # no free set could ever hold it: the request is wrong for this server
+        # one message for 0, 9 and 99 on an 8-GPU server (99 used to meet the pattern's own limit first)
         raise InputError(f"{gpus} GPUs asked of {graph.name}, which has {graph.size}; accepted: 1 to {graph.size} "
                          f"(a request that does not fit the free GPUs now exits 1)")
+    request = to_request(directive, gpus)
     running = _parse_running(args.running)
     _check_on_node([gpu for job in running for gpu in job], graph, "--running")
     why = None
@@ -193,12 +207,16 @@ def _format_selection(out: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines += [
         f"{out['policy']} ({out['objective']}): GPUs {','.join(map(str, out['gpus']))} (pattern order)",
-        f"  effective bandwidth  {_fmt(out['effective_bandwidth'])}{extrapolated_text(out)}",
-        f"  aggregated bandwidth {_fmt(out['aggregated_bandwidth'])}",
-        f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])}",
+        f"  predicted            {_fmt(out['effective_bandwidth'])}{extrapolated_text(out)} (effective bandwidth by the "
+        "ranking model: what MAPA ranks sets by; mapa-replay's 'ranked')",
         *([f"  ring rate            {_fmt(out['ring_rate'])} (the bus bandwidth rings can carry over the set's links; "
            "breaks the model's ties)"] if out.get("ring_rate") is not None else []),
-        f"  link counts          {', '.join(f'{k}={v}' for k, v in out['link_counts'].items())} (model {model_text(out)})",
+        *([f"  judged               {_fmt(out['judged_bandwidth'])} ({out['judge']}, 0.8 x the ring rate: what "
+           "mapa-replay's effective-BW columns show)"] if out.get("judged_bandwidth") is not None else []),
+        f"  aggregated bandwidth {_fmt(out['aggregated_bandwidth'])} (the sum of the set's link bandwidths)",
+        f"  preserved bandwidth  {_fmt(out['preserved_bandwidth'])} (the link bandwidth among the GPUs left free)",
+        f"  link counts          {_link_counts(out)}: the pattern's edges per link class "
+        f"(model {model_text(out)})",
     ]
     if "affinity" in out:
         lines.append(_affinity_text(out["affinity"]))
@@ -206,6 +224,13 @@ def _format_selection(out: dict[str, Any]) -> str:
         mark = " [effective bandwidth extrapolated]" if alt.get("extrapolated") else ""
         lines.append(f"  instead of {','.join(map(str, alt['gpus']))}: {alt['why_not']}{mark}")
     return "\n".join(lines)
+
+
+def _link_counts(out: dict[str, Any]) -> str:
+    """``x1=3 (NV2), x2=1 (NV1), x3=0 (SYS)``: each count named by the links its class counts."""
+    classes = out.get("link_classes") or {}
+    return ", ".join(f"{name}={count}" + (f" ({'/'.join(classes[name])})" if classes.get(name) else "")
+                     for name, count in out["link_counts"].items())
 
 
 def _affinity_text(why: dict[str, Any]) -> str:
@@ -218,7 +243,7 @@ def _affinity_text(why: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mapa", description="Topology-aware GPU allocation for Slurm (MAPA).")
+    parser = OneLineParser(prog="mapa", description="Topology-aware GPU allocation for Slurm (MAPA).")
     parser.add_argument("--version", action="version", version=version_text("mapa"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -282,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_user_cache()  # ring-rate tables of topology files: computed once, kept in the user's cache
         return int(args.handler(args))
     except MapaError as error:
-        print(f"mapa: error: {error}", file=sys.stderr)
+        print(error_line("mapa", error), file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0

@@ -374,3 +374,64 @@ def test_amd_smi_warnings_before_its_tables_are_skipped(tmp_path, capsys):
     assert code == 0, err
     code, plain, err = call(mapa_main, ["topo", "show", ROCM / "mi250x-amd-smi-topology.txt", "--json"], capsys)
     assert json.loads(warned)["links"] == json.loads(plain)["links"]
+
+
+# --- issue 52: one dialect -------------------------------------------------------------------
+
+
+def test_a_gpu_count_outside_the_server_gets_one_message_whatever_its_size(capsys):
+    """--gpus 9 and --gpus 99 on an 8-GPU server: the same message (99 met the pattern limit first,
+    with a doubled 'mapa: error: MAPA:' prefix); 0 too."""
+    for count in (9, 99, 0):
+        line = refused(mapa_main, ["select", "--topology", "dgx1-v100", "--gpus", count], capsys,
+                       f"{count} GPUs asked of dgx1-v100, which has 8; accepted: 1 to 8")
+        assert "MAPA:" not in line
+
+
+def test_a_gpu_count_that_is_no_number_is_one_line_not_the_usage(capsys):
+    refused(mapa_main, ["select", "--topology", "dgx1-v100", "--gpus", "1e3"], capsys,
+            "argument --gpus: '1e3' is not a whole number; accepted: a whole number, e.g. 4", "mapa select --help")
+    refused(replay_main, ["run", "--generate", "paper:10", "--seed", "x"], capsys, "'x' is not a whole number")
+
+
+def test_no_command_prints_a_doubled_prefix(capsys):
+    """A directive's own 'MAPA: ' prefix (what sbatch users read) is dropped after 'mapa: error: '."""
+    line = refused(mapa_main, ["select", "--topology", "dgx1-v100", "--gpus", "2", "--directive", "topology=bogus"],
+                   capsys, "unknown topology 'bogus'")
+    assert line.startswith("mapa: error: ") and "MAPA:" not in line
+
+
+def test_an_unknown_topology_reads_alike_in_mapa_and_mapa_replay(capsys):
+    mapa = refused(mapa_main, ["select", "--topology", "dgx1-v10", "--gpus", "2"], capsys)
+    replay = refused(replay_main, ["run", "--generate", "paper:10", "--topology", "dgx1-v10"], capsys)
+    assert mapa.removeprefix("mapa: error: ") == replay.removeprefix("mapa-replay: error: ")
+    assert "(did you mean 'dgx1-v100'?) is neither a preset (dgx1-v100, " in mapa
+
+
+def test_a_missing_mapa_toml_reads_alike_in_hooks_and_status(capsys, tmp_path):
+    from slurm_mapa.slurm.config import missing_config
+
+    missing = tmp_path / "mapa.toml"
+    expected = "mapa: error: " + missing_config(missing)
+    assert refused(mapa_main, ["hooks", "--config", missing, "--node", "n1", "--cc", "none", tmp_path / "out"], capsys) == expected
+    assert refused(mapa_main, ["status", "--config", missing, "n1"], capsys) == expected
+
+
+def test_mapa_agent_has_a_version_and_one_line_errors(capsys):
+    from slurm_mapa import version_text
+    from slurm_mapa.slurm.agent.service import main as agent_main
+
+    code, out, _ = call(agent_main, ["--version"], capsys)
+    assert code == 0 and out == version_text("mapa-agent") + "\n"
+    code, _, err = call(agent_main, ["--bogus"], capsys)
+    assert code == 2 and err.strip().splitlines() == ["mapa-agent: error: unrecognized arguments: --bogus "
+                                                      "(`mapa-agent --help` lists the options)"]
+
+
+def test_a_truncated_topo_matrix_is_blamed_on_the_missing_rows(capsys, tmp_path):
+    """The header named GPU2, whose row was cut off: the error blamed the header line."""
+    path = tmp_path / "topo.txt"
+    path.write_text("\tGPU0\tGPU1\tGPU2\tCPU Affinity\nGPU0\t X \tNV1\tNV1\t0-19\nGPU1\tNV1\t X \tNV1\t0-19\n")
+    line = refused(mapa_main, ["select", "--topology", path, "--gpus", "2"], capsys,
+                   "the header names 3 devices but the matrix has rows only for GPU0 GPU1; the rows of GPU2 are missing")
+    assert "header does not" not in line and "unexpected" not in line

@@ -108,3 +108,18 @@ def test_a_revision_is_checked_out_whole(tmp_path):
     assert (Path(tree) / "pyproject.toml").is_file()
     with pytest.raises(SystemExit, match="not a commit"):
         revisions.checkout("no-such-revision-37", str(tmp_path))
+
+
+@pytest.mark.parametrize("script", ["bench_burst.py", "bench_noring.py"])
+def test_the_cluster_benchmarks_say_what_they_need_without_the_mini_cluster(script, tmp_path):
+    """Issue 52: without the mini cluster they ended in a traceback from their first docker exec.
+    Here docker is a stub that finds no container (the check runs before anything touches one)."""
+    stub = tmp_path / "docker"
+    stub.write_text("#!/bin/sh\necho 'Error: No such object' >&2\nexit 1\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script)], capture_output=True, text=True, env=env,
+                          cwd=BENCHMARKS, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"{script}: error: needs the mini cluster: scripts/cluster up (container mapa-slurmctld is not running)"]

@@ -135,3 +135,17 @@ def test_hooks_store_the_ring_rate_table_of_a_topology_file_that_matches_no_pres
     assert f"ring rates: computed the table of gpu-node (links match no preset) into {table}\n" in err
     code, _, err = run(capsys, "hooks", str(tmp_path / "sbin"), "--config", str(config), "--node", "gpu7", "--cc", "none")
     assert code == 0 and "ring rates" not in err
+
+
+def test_select_names_each_bandwidth_as_the_replay_does(capsys):
+    """Issue 52: one set showed 38.056, 100 and 80 on different screens under three names; select
+    now shows all three, each named as in mapa-replay's legend, and names what x1, x2, x3 count."""
+    assert main(["select", "--topology", "dgx1-v100", "--gpus", "4", "--directive", "topology=ring sensitive=yes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("  predicted            38.056 GB/s (effective bandwidth by the ranking model")
+    assert lines[3].startswith("  ring rate            100.000 GB/s (the bus bandwidth rings can carry")
+    assert lines[4].startswith("  judged               80.000 GB/s (link-bound, 0.8 x the ring rate: what mapa-replay")
+    assert "x1=3 (NV2), x2=1 (NV1), x3=0 (SYS): the pattern's edges per link class (model derived-dgx1-v100" in lines[7]
+    assert main(["select", "--topology", "dgx1-v100", "--gpus", "4", "--directive", "topology=ring sensitive=yes", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["judged_bandwidth"] == 80.0 and out["judge"] == "link-bound" and out["link_classes"]["x1"] == ["NV2"]

@@ -159,3 +159,23 @@ def test_documented_commands_do_not_run_a_bare_python_against_the_project():
             if bare.search(line) and "pip download" not in line:
                 offenders.append(f"{path.name}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_users_md_shows_the_sbatch_error_the_validator_prints_now():
+    """Issue 52: the plugin names the script line ('line 3:'); docs/users.md's example lacked it.
+    The Python validator words its errors as job_submit.lua does (tests/slurm hold them together)."""
+    import re as _re
+
+    from slurm_mapa.errors import InputError
+    from slurm_mapa.slurm.text.directive import parse_directive_lines
+
+    text = (DOCS / "users.md").read_text()
+    script = "#!/bin/bash\n#SBATCH --gres=gpu:4\n#MAPA topology=rnig sensitive=yes\nsrun python train.py\n"
+    try:
+        parse_directive_lines(script)
+    except InputError as error:
+        message = str(error)
+    else:
+        raise AssertionError("the misspelt directive was accepted")
+    shown = _re.search(r"sbatch: error: (MAPA: .*unknown topology 'rnig'.*)", text)
+    assert shown and shown.group(1) == message, (shown and shown.group(1), message)

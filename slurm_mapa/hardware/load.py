@@ -31,6 +31,14 @@ def topology_from_text(text: str, *, source: str) -> Topology:
     return Topology(graph=smi.graph, vendor="nvidia", notes=smi.notes)
 
 
+def unknown_topology(spec: str) -> InputError:
+    """The one message for a topology that is neither a preset nor a file, from every command
+    (``mapa select``, ``mapa topo show``, ``mapa-replay --topology``, ...)."""
+    close = difflib.get_close_matches(spec, PRESETS, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return InputError(f"topology {spec!r}{hint} is neither a preset ({', '.join(PRESETS)}) nor a readable file")
+
+
 def load_topology_file(spec: str) -> Topology:
     """A preset name, a TOML topology file, or a saved `nvidia-smi topo -m`, `rocm-smi --showtopo`
     or `amd-smi topology` output, with its GPU facts."""
@@ -38,9 +46,7 @@ def load_topology_file(spec: str) -> Topology:
         return Topology(graph=preset(spec))
     path = Path(spec)
     if not path.is_file():
-        close = difflib.get_close_matches(spec, PRESETS, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise InputError(f"topology {spec!r}{hint} is neither a preset ({', '.join(PRESETS)}) nor a readable file")
+        raise unknown_topology(spec)
     text = read_text(spec, what="topology file", max_bytes=MAX_TOPOLOGY_FILE_BYTES,
                      accepted=f"a preset ({', '.join(PRESETS)}), a TOML topology file (docs/hardware.md) or a saved "
                               "`nvidia-smi topo -m`, `rocm-smi --showtopo --shownodesbw` or `amd-smi topology` text (UTF-8)")

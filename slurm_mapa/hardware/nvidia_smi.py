@@ -288,6 +288,14 @@ def _check_rows(
             f"order; expected the columns {' '.join(labels)} (then CPU Affinity, NUMA Affinity, GPU NUMA ID "
             f"as printed)"
         )
+    missing = re.match(r"(?:(?:GPU|NIC)\d+)+", glued[len(device_part):])
+    if missing:  # the header names devices no row follows: a truncated paste, not a bad header (issue 52)
+        names = re.findall(r"(?:GPU|NIC)\d+", missing.group(0))
+        raise InputError(
+            f"nvidia-smi topo -m: the header names {len(labels) + len(names)} devices but the matrix has rows only for "
+            f"{' '.join(labels)}; the rows of {' '.join(names)} are missing (a truncated copy?); expected the whole "
+            "output, one row per device the header names (save it with `nvidia-smi topo -m > FILE`)"
+        )
     attributes = _attribute_columns(glued[len(device_part) :], header_at + 1, header)
 
     gpu_rows = [(line_no, label, cells) for line_no, label, cells in rows if _GPU_LABEL.match(label)]

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from .. import version_text
 from ..core.affinity import MODES as AFFINITY_MODES
-from ..errors import InputError, MapaError
+from ..errors import InputError, MapaError, OneLineParser, error_line
 from ..hardware.presets import PRESETS
 from ..slurm.ring_rate_cache import use_user_cache
 from .cluster_spec import _load_config
@@ -38,10 +38,7 @@ from .sources import (DEFAULT_GENERATED_JOBS, FORMATS, MAX_GENERATED_JOBS, PROG,
                       _open_path, _parse_generate, _take)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse errors go through the same handler
-        raise InputError(message)
-
+_Parser = OneLineParser  # argparse errors go through the same handler, one line
 
 def _data_text(name: str) -> str:
     return resources.files("slurm_mapa").joinpath("data/replay").joinpath(name).read_text()
@@ -87,6 +84,7 @@ def cmd_demo(args) -> int:
     # Two inputs, one report each: --json prints one document keyed by input, --csv one file whose
     # first column names each row's input.
     documents: list[dict] = []
+    verdicts: list[str] = []  # both reports' verdicts, printed last (after the plots hint)
     handle = open(args.csv, "w", encoding="utf-8") if args.csv else None
     try:
         sink = None
@@ -94,7 +92,7 @@ def cmd_demo(args) -> int:
             handle.write(CsvSink.HEADER + "\n")
             sink = CsvSink(handle, DEMO_INPUTS[0])
         code = _replay(args, src, config, f"bundled paper workload (300 jobs, as in section 4 of the MAPA paper, SC'21) on one {args.topology}",
-                       csv_sink=sink, collect=documents)
+                       csv_sink=sink, collect=documents, verdicts=verdicts)
         if code:
             return code
         sacct = _data_text(DEMO_INPUTS[1])
@@ -107,7 +105,7 @@ def cmd_demo(args) -> int:
         if not args.json:
             print()
         code = _replay(args, Source(lambda: iter(sacct.splitlines(True)), "sacct", config), config,
-                       f"bundled sacct log ({DEMO_INPUTS[1]})", csv_sink=sink, collect=documents)
+                       f"bundled sacct log ({DEMO_INPUTS[1]})", csv_sink=sink, collect=documents, verdicts=verdicts)
     finally:
         if handle:
             handle.close()
@@ -118,6 +116,8 @@ def cmd_demo(args) -> int:
                                 "matplotlib, the package's `plot` extra: pip install -e '.[plot]' in a checkout); "
                                 "`mapa-replay run --help` replays your own sacct log.",
                                 prose_width()))
+    if not code and not args.json and verdicts:
+        print("\n" + "\n\n".join(fold_prose(text, prose_width()) for text in verdicts if text))
     return code
 
 
@@ -215,6 +215,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--csv", help="write one CSV row per job and policy to this file")
     p.add_argument("--plot", metavar="DIR", help="write PNG box plots to DIR (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
+    p.add_argument("--wide", action="store_true",
+                   help="one table row per policy with every column (142 columns) even in a pipe or a file, where the "
+                        "tables are otherwise kept within 120 columns")
     p.add_argument("--progress", action="store_true", default=None, help="show a progress bar (default: on a terminal)")
     p.add_argument("--seed", type=int, default=1, help="seed of --generate (default 1)")
     p.add_argument("--load", type=float, default=1.0, help="arrival density of generated workloads (default 1)")
@@ -276,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_stdout()
         return 141
     except MapaError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(error_line(PROG, exc), file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ from ..core.effbw import EffectiveBandwidthModel
 from ..core.model_files import load_model
 from ..errors import InputError
 from ..hardware.presets import PRESETS
+from ..hardware.load import unknown_topology
 from .config import Config, expand_cluster, graph_of, nodes_for, parse_config
 from .jobs import Job, ReadStats
 from .simulate import Node
@@ -69,7 +70,7 @@ def _parse_nodes(text: str | None) -> int | str | None:
 def _preset_nodes(topology: str | None, count: int) -> list[Node]:
     topo = topology or DEFAULT_AUTO_TOPOLOGY
     if topo not in PRESETS and not os.path.isfile(topo):
-        raise InputError(f"unknown topology preset {topo!r} (accepted: a topology file or one of {', '.join(PRESETS)})")
+        raise unknown_topology(topo)
     return [Node(f"node{i + 1}", graph_of(topo)) for i in range(count)]
 
 
@@ -107,7 +108,7 @@ def _build_nodes(args, source: Source, config: Config, label: str) -> tuple[list
         topo = args.topology or DEFAULT_AUTO_TOPOLOGY
         size = graph_of(topo).size if (topo in PRESETS or os.path.isfile(topo)) else 0
         if not size:
-            raise InputError(f"unknown topology preset {topo!r} (accepted: a topology file or one of {', '.join(PRESETS)})")
+            raise unknown_topology(topo)
         count = max(1, ceil(peak["peak_gpus"] / size), peak["widest_job_nodes"])
         nodes = _preset_nodes(topo, count)
         notes.append(

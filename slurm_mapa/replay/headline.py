@@ -127,6 +127,27 @@ def headline(document: Mapping, what: str, width: int | None = None) -> list[str
     return lines if width is None else fold_prose("\n".join(lines), width).splitlines()
 
 
+def verdict(document: Mapping, what: str, width: int | None = None) -> list[str]:
+    """The headline's verdict in two or three lines, for the end of a replay's text (issue 52: on a
+    terminal the end is what stays on the screen): MAPA's median and p10 judged bandwidth of the
+    sensitive jobs against the other policies' range, and the mean wait when a time model is on.
+    None when the headline has none. The headline above says for which jobs and assuming what."""
+    rows = _rows(document)
+    ours = rows.get(OURS)
+    others = {name: row for name, row in rows.items() if name != OURS and row["effective_bw_sensitive"]["n"]}
+    if ours is None or not others or not ours["effective_bw_sensitive"]["n"]:
+        return []
+    judge = (document.get("judge") or {}).get("name", "?")
+    lines = [f"In short, {what}:",
+             f"  bandwidth-sensitive jobs, judged by {judge} (GB/s): "
+             + "; ".join(_brief(ours, others, "effective_bw_sensitive", stat) for stat in ("median", "p10"))]
+    waits = sorted((row["wait"]["mean"], name) for name, row in others.items() if row["wait"]["mean"] is not None)
+    if (document.get("options") or {}).get("time_model") and waits and ours["wait"]["mean"] is not None:
+        lines.append(f"  mean wait (modelled): MAPA {ours['wait']['mean']:.0f} s, the others {waits[0][0]:.0f} s "
+                     f"({waits[0][1]}) to {waits[-1][0]:.0f} s ({waits[-1][1]})")
+    return lines if width is None else fold_prose("\n".join(lines), width).splitlines()
+
+
 def _brief(ours: Mapping, others: Mapping[str, Mapping], key: str, stat: str) -> str:
     """``stat MAPA x, the others low (names) to high (names)``, or ``the others all v``."""
     values = sorted((row[key][stat], name) for name, row in others.items() if row[key][stat] is not None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from ..words import PRESERVED_WHY
 from .results import Record, RunResult
 
 CSV_HEADER = (
@@ -113,20 +114,22 @@ MAPA_POLICY = "preserve"
 TABLE_LEGEND = "\n".join((
     "columns: 'preserve (MAPA)' is MAPA's policy (the paper's Preserve); the others are the allocators clusters use "
     "today (`mapa-replay policies`).",
-    "  sensitive effective BW: the predicted effective bandwidth (GB/s, by the judging model named above, 'judged "
-    "by') of the GPU set each bandwidth-sensitive job of 2+ GPUs got: min, 25th percentile (p25), median, 75th "
-    "(p75), max over those jobs; higher is better.",
+    "  sensitive effective BW: the judged bandwidth (GB/s, by the judge named above, 'judged by'; link-bound: 0.8 x "
+    "the ring rate, the bus bandwidth rings can carry over the set's links) of the GPU set each bandwidth-sensitive "
+    "job of 2+ GPUs got: min, 25th percentile (p25), median, 75th (p75), max over those jobs; higher is better.",
     "  insens.: the median of the same for the other jobs.",
-    "  ranked: the median of the sensitive jobs' score by the ranking model (what the policies maximize; a policy "
-    "that ranks with it scores well there by construction).",
+    "  ranked: the median of the sensitive jobs' predicted bandwidth by the ranking model (what MAPA ranks sets by, "
+    "and what `mapa select` and `mapa explain` call 'predicted'; a policy that ranks with it scores well there by "
+    "construction).",
     "  preserved: the link bandwidth (GB/s) among the GPUs left free, averaged over time (what the next sensitive "
     "job can still get); frag: 1 - preserved / the most any free set of that size could keep, averaged (0 = none).",
+    "  " + PRESERVED_WHY + ".",
     "  wait: seconds from submit to start (mean, and p95: 95th percentile); makespan: first submit to last end; "
     "from 100,000 s on these are in hours (h) or days (d).",
 ))
 
 BY_GPUS_LEGEND = ("n: the sensitive jobs of that size; p10, med, p90: 10th percentile, median, 90th percentile of "
-                  "their effective bandwidth by the judging model (and of the insensitive jobs'); ranked: their median "
+                  "their judged bandwidth (and of the insensitive jobs'); ranked: their median predicted bandwidth "
                   "by the ranking model; fast ring: the share of them whose GPUs hold a ring over NVLink/xGMI/NVSwitch "
                   "links only, read from the links, no model ('-': not checked, sets above 10 GPUs)")
 
@@ -148,6 +151,8 @@ def table(results: Sequence[RunResult], width: int | None = None) -> str:
         f"{'preserved':>9} {'frag':>5} | {'wait mean':>9} {'p95':>8} | {'makespan':>9} {'jobs/h':>8}"
     )
     if width is not None and width < len(head):
+        if width >= SPLIT_WIDTH:
+            return _split_table(results)
         return _narrow_table(results, width, len(head))
     sub = (f"{'':<18} {'':>6} | {'min':>6} {'p25':>6} {'med':>6} {'p75':>6} {'max':>6} | {'median':>7} | {'median':>7} | "
            f"{'mean GB/s':>9} {'mean':>5} | {'(s)':>9} {'(s)':>8} | {'(s)':>9} {'':>8}")
@@ -181,6 +186,33 @@ def _outside_note(results: Sequence[RunResult]) -> list[str]:
     return ["* effective bandwidths outside the judging model's fitted range: " + "; ".join(notes)]
 
 
+SPLIT_WIDTH = 84  # the widest of the two halves _split_table prints
+
+
+def _split_table(results: Sequence[RunResult]) -> str:
+    """The comparison table as two stacked halves, each under SPLIT_WIDTH columns, every number
+    kept: the bandwidths, then preserved bandwidth, waits and throughput (a pipe, a saved file or a
+    terminal of 84 to 141 columns; --wide keeps one table)."""
+    head = (f"{'policy':<18} {'jobs':>6} | {'sensitive effective BW (GB/s)':^34} | {'insens.':>7} | {'ranked':>7}")
+    sub = (f"{'':<18} {'':>6} | {'min':>6} {'p25':>6} {'med':>6} {'p75':>6} {'max':>6} | {'median':>7} | {'median':>7}")
+    lines = [head, sub, "-" * len(head)]
+    for r in results:
+        f = r.eff_sensitive.five()
+        lines.append(f"{policy_label(r) + _outside_mark(r):<18} {r.jobs:>6} | "
+                     + " ".join(_fmt(f[k], 6) for k in ("min", "p25", "median", "p75", "max"))
+                     + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_fmt(r.ranked_sensitive.quantile(0.5), 7)}")
+    head2 = (f"{'policy':<18} | {'preserved':>9} {'frag':>5} | {'wait mean':>9} {'p95':>8} | {'makespan':>9} {'jobs/h':>8}")
+    sub2 = (f"{'':<18} | {'mean GB/s':>9} {'mean':>5} | {'(s)':>9} {'(s)':>8} | {'(s)':>9} {'':>8}")
+    lines += ["", head2, sub2, "-" * len(head2)]
+    for r in results:
+        lines.append(f"{policy_label(r):<18} | {_fmt(r.mean_preserved, 9)} {_fmt(r.mean_fragmentation, 5, 2)} | "
+                     f"{_duration(r.wait.mean, 9)} {_duration(r.wait.quantile(0.95), 8)} | {_duration(r.makespan, 9, 0)} "
+                     + _fmt(r.throughput_per_hour, 8))
+    lines += _outside_note(results)
+    lines.append(TABLE_LEGEND)
+    return "\n".join(lines)
+
+
 def _narrow_table(results: Sequence[RunResult], width: int, wide: int) -> str:
     head = f"{'policy':<18} {'jobs':>5} | {'sensitive BW (GB/s)':^20} | {'insens.':>7} | {'wait mean':>9} {'jobs/h':>7}"
     sub = f"{'':<18} {'':>5} | {'min':>6} {'p25':>6} {'med':>6} | {'median':>7} | {'(s)':>9} {'':>7}"
@@ -192,7 +224,8 @@ def _narrow_table(results: Sequence[RunResult], width: int, wide: int) -> str:
                      + f" | {_fmt(r.eff_insensitive.quantile(0.5), 7)} | {_duration(r.wait.mean, 9)} "
                      + _fmt(r.throughput_per_hour, 7))
     lines += _outside_note(results)
-    lines += [line for line in TABLE_LEGEND.splitlines() if not line.lstrip().startswith(("ranked:", "preserved:"))]
+    lines += [line for line in TABLE_LEGEND.splitlines()
+              if not line.lstrip().startswith(("ranked:", "preserved:", PRESERVED_WHY[:20]))]
     lines.append(NARROW_NOTE.format(width=width, hidden="the sensitive jobs' p75 and max, ranked, preserved, frag, "
                                     "the wait's p95 and the makespan", wide=wide))
     return "\n".join(lines)
@@ -346,8 +379,8 @@ def audit_text(audit: dict) -> str:
 AUDIT_LEGEND = (
     "same GPUs: jobs for which the policy, in the recorded state, picks the GPUs the Prolog recorded; as good: equal on "
     "the job's Preserve objective (the predicted effective bandwidth of a sensitive job, the preserved bandwidth of the "
-    "others). mean eff. BW: the ranking model's effective bandwidth of the recorded sets vs the policy's, over every "
-    "compared job. A policy that maximizes bandwidth for every job (greedy, the peers) can score above MAPA's records "
+    "others). mean eff. BW: the ranking model's predicted bandwidth of the recorded sets vs the policy's, over every "
+    "compared job (named 'predicted' by `mapa select`). A policy that maximizes bandwidth for every job (greedy, the peers) can score above MAPA's records "
     "there: MAPA gives the insensitive jobs the GPUs that keep the best links free, not the fastest ones.")
 
 

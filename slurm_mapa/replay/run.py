@@ -26,7 +26,7 @@ from .cluster_spec import _build_nodes, _model, _models_used
 from .config import Config
 from .domain_run import domain_replay
 from .domains import is_domain_cluster
-from .headline import fold_prose, headline
+from .headline import fold_prose, headline, verdict
 from .jobs import ReadStats
 from .plots import have_matplotlib, write_plots
 from .results import RunResult
@@ -107,9 +107,11 @@ def _configured_ahead(args, source: Source, config: Config) -> dict | None:
 
 
 def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSink | None = None,
-            collect: list[dict] | None = None) -> int:
+            collect: list[dict] | None = None, verdicts: list[str] | None = None) -> int:
     """Replay ``source`` and print the report (``collect``: append the JSON document to it instead
-    of printing it under --json; ``csv_sink``: the CSV rows go there, see :class:`CsvSink`)."""
+    of printing it under --json; ``csv_sink``: the CSV rows go there, see :class:`CsvSink`;
+    ``verdicts``: the closing verdict lines go there, for the caller to print last, instead of
+    ending this report)."""
     if is_domain_cluster(getattr(args, "cluster", None)):  # racks with NVLink domains (issue 51): domain policies
         return domain_replay(args, source, label, collect=collect)
     policies = _policies(args.policies)
@@ -184,7 +186,7 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
     header.append(_judge_line(options.judge, extrapolate))
     if affinity:
         header.append(_affinity_line(affinity, affinity_max_loss, results))
-    width = terminal_width()
+    width = terminal_width(getattr(args, "wide", False))
     parts = ["\n".join(header), report.table(results, width)]
     dropped = report.dropped_text(results)
     if dropped:
@@ -223,6 +225,13 @@ def _replay(args, source: Source, config: Config, label: str, *, csv_sink: CsvSi
     if story:
         out["headline"] = story
         parts.insert(0, "\n".join(story))
+        # ...and last, where the eye lands when the report stops (the top has scrolled away on a
+        # terminal): the verdict again in two or three lines, not the whole headline twice.
+        closing = "\n".join(verdict(out, label))
+        if verdicts is not None:
+            verdicts.append(closing)
+        else:
+            parts.append(closing)
     if collect is not None and args.json:
         collect.append(out)
     else:
@@ -390,10 +399,15 @@ def _emit(args, out: dict, text_parts: list[str]) -> None:
         print("\n\n".join(fold_prose(p, width) for p in text_parts if p))
 
 
-def terminal_width() -> int:
-    """The width the tables are laid out for: COLUMNS, else the terminal's; a file or a pipe keeps
-    every column (prose there is folded at prose_width's 100)."""
-    return shutil.get_terminal_size((200, 24)).columns
+PIPED_WIDTH = 120  # a pipe or a file: tables at most this wide (the main one in two halves), prose at 100
+
+
+def terminal_width(wide: bool = False) -> int | None:
+    """The width the tables are laid out for: COLUMNS, else the terminal's; a pipe or a file gets
+    PIPED_WIDTH (issue 52: 142-column tables in a saved report); ``wide`` (--wide): no limit."""
+    if wide:
+        return None
+    return shutil.get_terminal_size((0, 0)).columns or PIPED_WIDTH
 
 
 def prose_width() -> int:

@@ -508,6 +508,13 @@ def programs_root_may_run(config: HookConfig, path: str | os.PathLike[str]) -> s
 _ACCEPTED_FILE = "accepted: a UTF-8 TOML file of the keys in docs/admin.md, section 4 (an empty file means every default)"
 
 
+def missing_config(path: str | os.PathLike[str], option: str = "--config") -> str:
+    """The one message for a mapa.toml that does not exist (`mapa hooks`, `mapa status`,
+    `mapa explain`, `mapa doctor`): the option and file, and what is accepted."""
+    source = f"{option} {os.fspath(path)}" if option else os.fspath(path)
+    return f"{source}: no such file; {_ACCEPTED_FILE}"
+
+
 def load_admin_config(path: str | os.PathLike[str], *, option: str = "--config", trusted: bool = True,
                       validate: bool = True) -> HookConfig:
     """The config an admin command was given, or InputError: one line naming the file, what is
@@ -524,7 +531,7 @@ def load_admin_config(path: str | os.PathLike[str], *, option: str = "--config",
     source = f"{option} {os.fspath(path)}" if option else os.fspath(path)
     where = Path(path)
     if not os.path.lexists(where):
-        raise InputError(f"{source}: no such file; {_ACCEPTED_FILE}")
+        raise InputError(missing_config(path, option))
     if os.path.isdir(where):
         raise InputError(f"{source}: is a directory; {_ACCEPTED_FILE}")
     try:

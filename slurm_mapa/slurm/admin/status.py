@@ -167,7 +167,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if entry["effective_bandwidth"] is not None:
             mark = " EXTRAPOLATED (outside the model's fitted range)" if entry["extrapolated"] else ""
             print(f"    predicted effective bandwidth {entry['effective_bandwidth']:.3f} GB/s{mark} "
-                  f"(model {entry['model'] or 'not recorded'})")
+                  f"(ranking model {entry['model'] or 'not recorded'}; mapa-replay's 'ranked')")
         if entry["slurm_gpus"]:
             print(f"    Slurm's GPUs: {','.join(map(str, entry['slurm_gpus']))}")
         if entry["affinity"]:

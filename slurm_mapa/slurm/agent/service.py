@@ -25,7 +25,6 @@ runs the hook in-process. The agent answers within the Prolog's configured budge
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from ...errors import InputError, MapaError
+from ...errors import InputError, MapaError, OneLineParser, error_line
 from ..node_state import NodeState
 from ..isolation import spank_plugin
 from .background import Background
@@ -397,13 +396,20 @@ def start_metrics(config_path: str, node: str) -> "AgentMetrics | None":
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mapa-agent", description=__doc__.splitlines()[0])
+    from ... import version_text
+
+    parser = OneLineParser(prog="mapa-agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=version_text("mapa-agent"))
     parser.add_argument("--config", default=os.environ.get("MAPA_CONFIG", "/etc/slurm/mapa.toml"), help="the hooks' config (default %(default)s)")
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help="where to listen (default %(default)s)")
     parser.add_argument("--isolate-socket", default=ISOLATE_SOCKET,
                         help="where TaskPrologs ask for GPU isolation, open to every user (default %(default)s)")
     parser.add_argument("--node", default=os.uname().nodename.split(".")[0], help="this node's Slurm name, for the warm-up (default: the host name)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except InputError as error:
+        print(error_line("mapa-agent", error), file=sys.stderr)
+        return 2
     os.umask(0o022)  # whatever started us: nothing the hooks create may be writable by others
     if os.geteuid() != 0:
         print("mapa-agent: must run as root, like the Prolog it replaces", file=sys.stderr)

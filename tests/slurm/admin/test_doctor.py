@@ -505,7 +505,12 @@ def test_without_a_mapa_toml_nothing_is_said_of_its_contents():
     checks = run_checks(healthy(mapa_toml=None, mapa_toml_error="No such file or directory: /etc/slurm/mapa.toml"))
     report = doctor_checks.format_text(checks)
     assert _line(checks, "mapa.toml").status == FAIL, report
-    assert _line(checks, "mapa.toml").found.startswith("cannot read /etc/slurm/mapa.toml: No such file or directory; ")  # the path once
+    # issue 52: the words `mapa hooks` and `mapa status` use for a missing file, the path once
+    from slurm_mapa.slurm.config import missing_config
+
+    assert _line(checks, "mapa.toml").found == missing_config("/etc/slurm/mapa.toml") + "; the hooks fall back for every job"
+    other = run_checks(healthy(mapa_toml=None, mapa_toml_error="Permission denied: /etc/slurm/mapa.toml"))
+    assert _line(other, "mapa.toml").found.startswith("cannot read /etc/slurm/mapa.toml: Permission denied; ")
     for name in ("features", "topology"):
         line = _line(checks, name)
         assert line.status == WARN and line.found == "not checked: /etc/slurm/mapa.toml could not be read", report

@@ -526,8 +526,9 @@ def test_explain_text_says_extrapolated(capsys, monkeypatch, tmp_path):
     assert admin.cmd_explain(type("Args", (), {"job": "7", "config": str(config), "json": False})()) == 0
     out = capsys.readouterr().out
     assert ("    predicted effective bandwidth 182.767 GB/s EXTRAPOLATED (outside the model's fitted range) "
-            "(model mapa-dgx1-v100)\n") in out
-    assert "    predicted effective bandwidth 58.925 GB/s (model mapa-dgx1-v100)\n" in out
+            "(ranking model mapa-dgx1-v100; mapa-replay's 'ranked')\n") in out
+    # issue 52: named as `mapa select` ('predicted', by the ranking model) and mapa-replay ('ranked') name it
+    assert "    predicted effective bandwidth 58.925 GB/s (ranking model mapa-dgx1-v100; mapa-replay's 'ranked')\n" in out
 
 
 # --- properties --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Iterable, Mapping, Sequence
 
 from ....hardware.topofile import Topology
 from ...agent.client import ANSWER_TIMEOUT_S
-from ...config import HookConfig
+from ...config import HookConfig, missing_config
 from ..install import needed_hook_timeout
 from ...isolation.spank_plugin import slurm_conf_value
 from .held_check import check_health, check_held
@@ -520,8 +520,11 @@ def check_features(inputs: Inputs, config: HookConfig) -> Check:
 def check_mapa_toml(inputs: Inputs, problem: str) -> Check:
     if inputs.mapa_toml is None:
         why = (inputs.mapa_toml_error or "missing").removesuffix(f": {inputs.config_path}")  # the path once
-        return Check("mapa.toml", FAIL, f"cannot read {inputs.config_path}: {why}; the hooks "
-                                        "fall back for every job", f"write {inputs.config_path} (docs/admin.md section 4)")
+        # a missing file in the words `mapa hooks` and `mapa status` use (config.missing_config)
+        found = (missing_config(inputs.config_path) if why in ("missing", "No such file or directory")
+                 else f"cannot read {inputs.config_path}: {why}")
+        return Check("mapa.toml", FAIL, f"{found}; the hooks fall back for every job",
+                     f"write {inputs.config_path} (docs/admin.md section 4)")
     if problem:
         return Check("mapa.toml", FAIL, f"{problem}; the hooks refuse it and fall back for every job",
                      f"fix {inputs.config_path} (docs/admin.md section 4 lists every key)")
