@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from ..core.model_files import load_model_file, model_to_toml
+from ..core.model_files import load_model, model_to_toml
 from ..errors import InputError
 from .fit import fit_bottleneck, fit_model, format_report, measurements_from_files
 from .nccl import parse_size
@@ -21,7 +21,7 @@ def add_commands(commands: Any) -> None:
 
     plan = sub.add_parser("plan", help="the ring allocations to measure, and a script that measures them")
     plan.add_argument("--topology", required=True, help="a preset name, a topology file or a saved `nvidia-smi topo -m`")
-    plan.add_argument("--model", help="count link classes as this model file does (default: one class per link class of the server)")
+    plan.add_argument("--model", help="count link classes as this model (a file or a bundled name) does (default: one class per link class of the server)")
     plan.add_argument("--min-gpus", type=int, default=2, help="smallest ring (default 2)")
     plan.add_argument("--max-gpus", type=int, help="largest ring (default: every GPU of the server)")
     plan.add_argument("--orders", choices=("nccl", "all"), default="nccl",
@@ -51,7 +51,7 @@ def add_commands(commands: Any) -> None:
     measured = sub.add_parser("measured", help="a bandwidth model against the bundled public nccl-tests measurements (docs/measured.md)")
     measured.add_argument("--model", default="judge",
                           help="judge (the replay's link-bound judge; the default), default (each server's default ranking "
-                               "model), or a model file")
+                               "model), or a model file or bundled name")
     measured.set_defaults(handler=cmd_measured)
 
     default = sub.add_parser("default", help="write the default (bottleneck) model of a server, before anyone measures")
@@ -78,7 +78,7 @@ def _write(path: str, text: str, *, executable: bool = False) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     graph = _graph(args.topology)
-    model = load_model_file(args.model) if args.model else default_model(graph)
+    model = load_model(args.model) if args.model else default_model(graph)
     plan = make_plan(graph, model, max_gpus=args.max_gpus, min_gpus=args.min_gpus, orders=args.orders)
     data = plan.as_dict()
     if args.output_dir:
@@ -173,7 +173,7 @@ def cmd_measured(args: argparse.Namespace) -> int:
     elif args.model == "default":
         judged, label = judge_points(reference, None, models_by_graph=server_default), "each server's default ranking model"
     else:
-        model = load_model_file(args.model)
+        model = load_model(args.model)
         judged, label = judge_points(reference, model), f"model {model.name}"
     header = ("server", "judged on", "GPUs", "measured GB/s", "model GB/s", "model/measured", "held")
     rows = [header, *table_rows(judged)]

@@ -102,3 +102,11 @@ def test_a_model_that_cannot_value_a_box_leaves_that_point_out():
     assert any(p.judged_on == "dgx1-v100" for p in valued)
     assert all(p.predicted is None for p in judged if p.judged_on.startswith("box:a100"))
     assert held_ratios(judged)[2] == sum(1 for p in valued if p.held)
+
+
+def test_calibrate_takes_bundled_model_names_as_select_and_replay_do(capsys):
+    assert mapa_main(["calibrate", "plan", "--topology", "dgx1-v100", "--model", "mapa-paper-dgx1", "--max-gpus", "3"]) == 0
+    assert mapa_main(["calibrate", "measured", "--model", "derived-dgx1-v100"]) == 0
+    assert "model derived-dgx1-v100 against" in capsys.readouterr().out
+    assert mapa_main(["calibrate", "plan", "--topology", "dgx1-v100", "--model", "no-such-model"]) == 2
+    assert "no model file or bundled model 'no-such-model'" in capsys.readouterr().err
