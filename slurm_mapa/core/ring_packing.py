@@ -108,6 +108,13 @@ def solve_ring_rate(graph: Any, gpus: tuple[int, ...]) -> float | None:
     for c, cycle in enumerate(cycles):
         for edge in cycle:
             on_edge[edge_index[edge], c] = 1.0
+    # Every SYS path crosses the SMP interconnect between two CPU domains (nvidia-smi's definition
+    # of SYS), so the rings' SYS hops between the same two domains share one link: at most one SYS
+    # path's bandwidth per direction in all. Counting each SYS pair alone priced a DGX-1's GPUs 0-4
+    # (one NVLink-less hop to GPU 4) at 3x what NCCL measures there. Two NUMA nodes of one socket
+    # are taken as having a link of their own to the other socket's (an over-rating there).
+    domains = graph.domains or (0,) * graph.size
+    crossings: dict[tuple[int, int], tuple[Any, list[float]]] = {}
     for (a, b), i in edge_index.items():
         link = graph.link(gpus[a], gpus[b])
         value = bandwidths.of(link)
@@ -121,22 +128,13 @@ def solve_ring_rate(graph: Any, gpus: tuple[int, ...]) -> float | None:
             pcie_use[a] += on_edge[i]
             pcie_use[b] += on_edge[i]
             value = path_bandwidth(graph, link)
+            if link.level == "SYS":
+                pair = tuple(sorted((domains[gpus[a]], domains[gpus[b]])))
+                use, pair_caps = crossings.setdefault(pair, (np.zeros(len(cycles)), []))
+                use += on_edge[i]
+                pair_caps.append(value)
         rows.append(on_edge[i])
         caps.append(value)
-    # Every SYS path crosses the SMP interconnect between two CPU domains (nvidia-smi's definition
-    # of SYS), so the rings' SYS hops between the same two domains share one link: at most one SYS
-    # path's bandwidth per direction in all. Counting each SYS pair alone priced a DGX-1's GPUs 0-4
-    # (one NVLink-less hop to GPU 4) at 3x what NCCL measures there. Two NUMA nodes of one socket
-    # are taken as having a link of their own to the other socket's (an over-rating there).
-    domains = graph.domains or (0,) * graph.size
-    crossings: dict[tuple[int, int], tuple[Any, list[float]]] = {}
-    for (a, b), i in edge_index.items():
-        link = graph.link(gpus[a], gpus[b])
-        if link.kind == "pcie" and link.level == "SYS":
-            pair = tuple(sorted((domains[gpus[a]], domains[gpus[b]])))
-            use, pair_caps = crossings.setdefault(pair, (np.zeros(len(cycles)), []))
-            use += on_edge[i]
-            pair_caps.append(path_bandwidth(graph, link))
     for use, pair_caps in crossings.values():
         rows.append(use)
         caps.append(min(pair_caps))
